@@ -1,0 +1,51 @@
+-- lib.lua: helpers prepended to every script of dispatch-broker (src/locks/scripts.rs does it).
+--
+-- Key format (the same as src/locks/keys.rs; a test checks that both agree):
+--   PREFIX:lease:<lease_id>:tasks   set of task ids the lease holds locks for (the per-lease registry)
+--   PREFIX:task:<task_id>           hash {lease, token, x, s}: the task lock; x and s are the task's
+--                                   exclusive and shared resource names joined with "\n"
+--   PREFIX:x:<resource>             string: the task id holding <resource> exclusively
+--   PREFIX:s:<resource>             set: the task ids holding <resource> shared
+-- PREFIX carries the hash tag ("{dispatch}"), so every key a script builds hashes to the same
+-- Redis Cluster slot as the keys it was given.
+--
+-- Never called on its own.
+
+local function split_names(joined)
+  local names = {}
+  if joined == nil or joined == false or joined == '' then
+    return names
+  end
+  for name in string.gmatch(joined, '([^\n]+)') do
+    names[#names + 1] = name
+  end
+  return names
+end
+
+-- Redis server time in milliseconds: the one clock every replica agrees on.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Deletes the lock of one task: its resource entries, its registry entry and the task lock itself.
+-- Only touches resource keys that still name this task, so it can never free another task's lock.
+local function release_task(prefix, task_id)
+  local task_key = prefix .. ':task:' .. task_id
+  local lock = redis.call('HMGET', task_key, 'lease', 'x', 's')
+  if not lock[1] then
+    return false
+  end
+  for _, name in ipairs(split_names(lock[2])) do
+    local key = prefix .. ':x:' .. name
+    if redis.call('GET', key) == task_id then
+      redis.call('DEL', key)
+    end
+  end
+  for _, name in ipairs(split_names(lock[3])) do
+    redis.call('SREM', prefix .. ':s:' .. name, task_id)
+  end
+  redis.call('SREM', prefix .. ':lease:' .. lock[1] .. ':tasks', task_id)
+  redis.call('DEL', task_key)
+  return lock[1]
+end

@@ -1,0 +1,225 @@
+//! Command line and environment: every option is a flag and a `DISPATCH_*` variable, checked up
+//! front so bad configuration stops the process with one line before anything starts.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// dispatch-broker: hands out Pulp tasks to workers over gRPC, owning all lock state.
+#[derive(Debug, Parser)]
+#[command(name = "dispatch-broker", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the gRPC API (Broker, grpc.health.v1, reflection).
+    Serve(ServeArgs),
+    /// Create the broker's subset of Pulp's schema on an empty database, or report whether an
+    /// existing Pulp database has everything the broker needs. Changes nothing on a Pulp database.
+    Migrate(MigrateArgs),
+    /// Start throwaway PostgreSQL and Redis servers, the broker, and a scripted exchange of
+    /// workers and tasks that shows the broker at work. Needs nothing configured.
+    Demo(DemoArgs),
+}
+
+/// Logging options.
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long, env = "DISPATCH_LOG_JSON", global = true)]
+    pub log_json: bool,
+    /// Log filter in tracing's EnvFilter syntax (e.g. "info", "dispatch_broker=debug").
+    #[arg(long, env = "DISPATCH_LOG", default_value = "info", global = true)]
+    pub log: String,
+}
+
+/// Where the task table lives.
+#[derive(Debug, Clone, Args)]
+pub struct PostgresArgs {
+    /// PostgreSQL connection URL of the Pulp database (or one made by `migrate`).
+    #[arg(id = "postgres_url", long = "postgres-url", env = "DISPATCH_POSTGRES_URL")]
+    pub url: String,
+    /// Connections in the Postgres pool.
+    #[arg(id = "postgres_pool_size", long = "postgres-pool-size", env = "DISPATCH_POSTGRES_POOL_SIZE", default_value_t = 16)]
+    pub pool_size: usize,
+}
+
+/// Where lock state lives.
+#[derive(Debug, Clone, Args)]
+pub struct RedisArgs {
+    /// Redis connection URL.
+    #[arg(id = "redis_url", long = "redis-url", env = "DISPATCH_REDIS_URL")]
+    pub url: String,
+    /// Connections in the Redis pool.
+    #[arg(id = "redis_pool_size", long = "redis-pool-size", env = "DISPATCH_REDIS_POOL_SIZE", default_value_t = 16)]
+    pub pool_size: usize,
+    /// Prefix of every Redis key; it becomes the hash tag `{prefix}`, so all keys live in one
+    /// Redis Cluster slot. Brokers sharing a prefix share lock state.
+    #[arg(long = "redis-key-prefix", env = "DISPATCH_REDIS_KEY_PREFIX", default_value = "dispatch")]
+    pub key_prefix: String,
+}
+
+/// Options of `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Task store.
+    #[command(flatten)]
+    pub postgres: PostgresArgs,
+    /// Lock store.
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Address the gRPC server listens on.
+    #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Lease tuning.
+    #[command(flatten)]
+    pub lease: LeaseArgs,
+    /// Fetch tuning.
+    #[command(flatten)]
+    pub fetch: FetchArgs,
+    /// How long a Redis or Postgres call may take before the RPC fails UNAVAILABLE.
+    #[arg(long, env = "DISPATCH_BACKEND_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub backend_timeout: Duration,
+}
+
+/// Lease options.
+#[derive(Debug, Clone, Args)]
+pub struct LeaseArgs {
+    /// Lease TTL when OpenLease names none (Pulp's WORKER_TTL). Workers heartbeat every TTL/3.
+    #[arg(id = "lease_ttl", long = "lease-ttl", env = "DISPATCH_LEASE_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub ttl: Duration,
+    /// Shortest TTL a worker may ask for.
+    #[arg(id = "lease_min_ttl", long = "lease-min-ttl", env = "DISPATCH_LEASE_MIN_TTL", default_value = "500ms", value_parser = parse_duration)]
+    pub min_ttl: Duration,
+    /// Longest TTL a worker may ask for.
+    #[arg(id = "lease_max_ttl", long = "lease-max-ttl", env = "DISPATCH_LEASE_MAX_TTL", default_value = "1h", value_parser = parse_duration)]
+    pub max_ttl: Duration,
+}
+
+/// Fetch options.
+#[derive(Debug, Clone, Args)]
+pub struct FetchArgs {
+    /// Longest `wait` a FetchTask is held for; longer requests are cut to this.
+    #[arg(long = "fetch-max-wait", env = "DISPATCH_FETCH_MAX_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub max_wait: Duration,
+    /// How often a waiting FetchTask looks at the queue again.
+    #[arg(long = "fetch-recheck", env = "DISPATCH_FETCH_RECHECK", default_value = "200ms", value_parser = parse_duration)]
+    pub recheck: Duration,
+    /// Candidate rows read in the first page of a fetch; later pages double.
+    #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 32)]
+    pub page: i64,
+}
+
+/// Options of `migrate`.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    /// Task store.
+    #[command(flatten)]
+    pub postgres: PostgresArgs,
+}
+
+/// Options of `demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Tasks queued on the one busy repository (the head-of-line block).
+    #[arg(long, default_value_t = 2000)]
+    pub blocked: usize,
+    /// Tasks queued in another domain behind them.
+    #[arg(long, default_value_t = 20)]
+    pub others: usize,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+}
+
+/// Parses "30s", "500ms", "2m", "1h".
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 30s or 500ms: {e}"))
+}
+
+impl ServeArgs {
+    /// Checks what clap cannot; the error is one line naming the option.
+    pub fn validate(&self) -> Result<(), String> {
+        let prefix = &self.redis.key_prefix;
+        if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.contains(char::is_whitespace) {
+            return Err(format!(
+                "--redis-key-prefix {prefix:?} must be non-empty, without braces or spaces"
+            ));
+        }
+        if self.lease.min_ttl.is_zero() || self.lease.min_ttl > self.lease.ttl || self.lease.ttl > self.lease.max_ttl {
+            return Err(format!(
+                "lease TTLs must satisfy 0 < --lease-min-ttl ({:?}) <= --lease-ttl ({:?}) <= --lease-max-ttl ({:?})",
+                self.lease.min_ttl, self.lease.ttl, self.lease.max_ttl
+            ));
+        }
+        if self.fetch.page < 1 || self.fetch.page > 10_000 {
+            return Err(format!("--fetch-page {} must be between 1 and 10000", self.fetch.page));
+        }
+        if self.fetch.recheck.is_zero() {
+            return Err("--fetch-recheck must be positive".to_owned());
+        }
+        if self.postgres.pool_size == 0 || self.redis.pool_size == 0 {
+            return Err("pool sizes must be at least 1".to_owned());
+        }
+        if self.backend_timeout.is_zero() {
+            return Err("--backend-timeout must be positive".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Options for a broker on the given URLs with every default (tests, demo).
+    pub fn with_urls(postgres_url: &str, redis_url: &str) -> Self {
+        let cli = Cli::parse_from([
+            "dispatch-broker",
+            "serve",
+            "--postgres-url",
+            postgres_url,
+            "--redis-url",
+            redis_url,
+            "--listen",
+            "127.0.0.1:0",
+        ]);
+        match cli.command {
+            Command::Serve(args) => args,
+            _ => unreachable!("parsed a serve command line"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_validate_and_bad_values_are_named() {
+        let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
+        assert_eq!(args.lease.ttl, Duration::from_secs(30));
+        assert!(args.validate().is_ok());
+        args.redis.key_prefix = "{bad}".into();
+        assert!(args.validate().unwrap_err().contains("--redis-key-prefix"));
+        let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
+        args.lease.min_ttl = Duration::from_secs(60);
+        assert!(args.validate().unwrap_err().contains("--lease-min-ttl"));
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert!(parse_duration("soon").unwrap_err().contains("soon"));
+    }
+}

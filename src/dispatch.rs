@@ -1,0 +1,412 @@
+//! The fetch pipeline: hands a lease the oldest ready task it is compatible with, locked in Redis
+//! and claimed in Postgres, plus the other task RPCs (claim, start, finish, release, cancel).
+//!
+//! Order of every grant: check the lease, walk candidates in queue order (`tasks::candidates`
+//! skips resources whose queues are known to be blocked, so a blocked head costs no reads per
+//! task), judge each with `ready::judge`, lock all resources in one Lua script, claim in Postgres.
+//! Whatever fails after the locks were taken releases them before the call returns. The pipeline
+//! runs in its own tokio task, so a client that hangs up mid-way cannot leave it half-done.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::locks::{Acquire, LeaseRecord, Locks, Release};
+use crate::metrics::Stats;
+use crate::ready::{self, Reservations, Resources, Verdict};
+use crate::shutdown::Shutdown;
+use crate::tasks::{TaskRow, Tasks};
+
+/// Final task states.
+pub const FINAL_STATES: [&str; 4] = ["completed", "failed", "canceled", "skipped"];
+
+/// A task handed to a lease.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    /// `pulp_id`.
+    pub task_id: Uuid,
+    /// `name`.
+    pub name: String,
+    /// The task's resources.
+    pub resources: Resources,
+    /// The token the holder presents to start, finish or release the task.
+    pub fencing_token: u64,
+    /// `immediate`.
+    pub immediate: bool,
+    /// `pulp_created`.
+    pub created_at: DateTime<Utc>,
+}
+
+/// A validated FinishTask request.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// One of [`FINAL_STATES`].
+    pub state: String,
+    /// Stored as `{"reason": ...}` in `core_task.error`.
+    pub error: Option<String>,
+}
+
+/// Tuning of the fetch pipeline.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchPolicy {
+    /// Rows in the first candidate page; later pages of one fetch double, up to `max_page`.
+    pub first_page: i64,
+    /// The largest candidate page.
+    pub max_page: i64,
+    /// How often a waiting FetchTask looks again.
+    pub recheck: Duration,
+    /// The longest `wait` honoured.
+    pub max_wait: Duration,
+}
+
+enum Attempt {
+    Granted(Grant),
+    /// Not granted; the task still reserves its resources for newer ones.
+    NotGranted,
+    LeaseGone,
+}
+
+/// The task RPCs.
+#[derive(Clone)]
+pub struct Dispatch {
+    locks: Locks,
+    tasks: Tasks,
+    stats: Arc<Stats>,
+    policy: FetchPolicy,
+    shutdown: Shutdown,
+}
+
+impl Dispatch {
+    /// Builds the dispatcher.
+    pub fn new(
+        locks: Locks,
+        tasks: Tasks,
+        stats: Arc<Stats>,
+        policy: FetchPolicy,
+        shutdown: Shutdown,
+    ) -> Self {
+        Dispatch {
+            locks,
+            tasks,
+            stats,
+            policy,
+            shutdown,
+        }
+    }
+
+    /// FetchTask: the oldest ready task this lease is compatible with, or `None` once `wait` has
+    /// run out with nothing ready.
+    pub async fn fetch(
+        &self,
+        lease_id: Uuid,
+        wait: Duration,
+        skip: HashSet<Uuid>,
+    ) -> Result<Option<Grant>> {
+        let deadline = tokio::time::Instant::now() + wait.min(self.policy.max_wait);
+        let skip = Arc::new(skip);
+        loop {
+            if self.shutdown.is_fired() {
+                return Ok(None);
+            }
+            let this = self.clone();
+            let skip_now = Arc::clone(&skip);
+            // Detached, so a caller that goes away cannot cancel it between lock and claim.
+            let pass = tokio::spawn(async move { this.fetch_once(lease_id, &skip_now).await });
+            let outcome = pass.await.map_err(|e| {
+                Error::Internal(format!("fetch: {e}"))
+            })?;
+            match &outcome {
+                Ok(Some(_)) => self.stats.fetch("claimed"),
+                Ok(None) => self.stats.fetch("none_ready"),
+                Err(_) => self.stats.fetch("error"),
+            }
+            if let Some(grant) = outcome? {
+                return Ok(Some(grant));
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            let pause = self.policy.recheck.min(deadline - now);
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.shutdown.fired() => return Ok(None),
+            }
+        }
+    }
+
+    /// One pass over the queue for one lease.
+    async fn fetch_once(&self, lease_id: Uuid, skip: &HashSet<Uuid>) -> Result<Option<Grant>> {
+        let lease = self.live_lease(lease_id).await?;
+        let mut reserved = Reservations::default();
+        let mut excluded: Vec<String> = Vec::new();
+        let mut after = None;
+        let mut page = self.policy.first_page;
+        loop {
+            let rows = self.tasks.candidates(&excluded, after, page).await?;
+            let last_page = (rows.len() as i64) < page;
+            for mut row in rows {
+                after = Some((row.created, row.id));
+                row.candidate.skipped = skip.contains(&row.id);
+                if ready::judge(&row.candidate, &reserved, &lease.versions) == Verdict::Ready {
+                    match self.lock_and_claim(lease_id, &lease, &row).await? {
+                        Attempt::Granted(grant) => return Ok(Some(grant)),
+                        Attempt::LeaseGone => return Err(Error::LeaseNotFound(lease_id.to_string())),
+                        Attempt::NotGranted => {}
+                    }
+                }
+                // Not handed out: it still reserves its resources for every newer task.
+                reserved.reserve(&row.candidate.resources);
+                excluded.extend(row.candidate.resources.conflict_keys());
+            }
+            if last_page {
+                return Ok(None);
+            }
+            page = (page * 2).min(self.policy.max_page);
+        }
+    }
+
+    /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
+    pub async fn claim(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
+        let this = self.clone();
+        tokio::spawn(async move { this.claim_once(lease_id, task_id).await })
+            .await
+            .map_err(|e| Error::Internal(format!("claim: {e}")))?
+    }
+
+    async fn claim_once(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
+        let lease = self.live_lease(lease_id).await?;
+        let task = self
+            .tasks
+            .task(task_id)
+            .await?
+            .ok_or(Error::TaskNotFound(task_id))?;
+        if task.state != "waiting" || task.app_lock_id.is_some() {
+            return Ok(None);
+        }
+        if ready::judge(&task.row.candidate, &Reservations::default(), &lease.versions)
+            != Verdict::Ready
+        {
+            return Ok(None);
+        }
+        match self.lock_and_claim(lease_id, &lease, &task.row).await? {
+            Attempt::Granted(grant) => Ok(Some(grant)),
+            Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
+            Attempt::NotGranted => Ok(None),
+        }
+    }
+
+    async fn live_lease(&self, lease_id: Uuid) -> Result<LeaseRecord> {
+        self.locks
+            .lease(&lease_id.to_string())
+            .await?
+            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))
+    }
+
+    /// Locks a ready task's resources and claims it. Every exit after the locks were taken
+    /// either returns the grant or releases them.
+    async fn lock_and_claim(
+        &self,
+        lease_id: Uuid,
+        lease: &LeaseRecord,
+        row: &TaskRow,
+    ) -> Result<Attempt> {
+        let lease_str = lease_id.to_string();
+        let task_str = row.id.to_string();
+        let resources = &row.candidate.resources;
+        let fencing_token = match self.locks.acquire(&lease_str, &task_str, resources).await? {
+            Acquire::Granted { fencing_token } => fencing_token,
+            Acquire::LeaseGone => return Ok(Attempt::LeaseGone),
+            Acquire::TaskHeld => return Ok(Attempt::NotGranted),
+            Acquire::Blocked(names) => {
+                tracing::debug!(task_id = %row.id, ?names, "resources held; not ready");
+                return Ok(Attempt::NotGranted);
+            }
+        };
+        let app_status: Uuid = match lease.app_status_id.parse() {
+            Ok(id) => id,
+            Err(_) => {
+                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                return Ok(Attempt::LeaseGone);
+            }
+        };
+        match self.tasks.claim(row.id, app_status).await {
+            Ok(true) => {
+                tracing::info!(task_id = %row.id, %lease_id, fencing_token, "task handed out");
+                Ok(Attempt::Granted(Grant {
+                    task_id: row.id,
+                    name: row.name.clone(),
+                    resources: resources.clone(),
+                    fencing_token,
+                    immediate: row.immediate,
+                    created_at: row.created,
+                }))
+            }
+            Ok(false) => {
+                // Canceled, finished or claimed elsewhere since it was read.
+                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                Ok(Attempt::NotGranted)
+            }
+            Err(e) => {
+                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Releases locks taken by a grant that did not complete, retrying a transient failure.
+    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
+        for attempt in 0..3u32 {
+            match self.locks.release(lease_id, task_id, fencing_token).await {
+                Ok(_) => {
+                    self.stats.locks_released("fetch_failure", 1);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+        tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
+    }
+
+    /// StartTask: marks a claimed task running, for its holder only.
+    pub async fn start(
+        &self,
+        lease_id: Uuid,
+        task_id: Uuid,
+        fencing_token: u64,
+    ) -> Result<DateTime<Utc>> {
+        let app_status = self.holder(lease_id, task_id, fencing_token).await?;
+        self.tasks.start(task_id, app_status).await?.ok_or_else(|| {
+            Error::NotHolder(format!(
+                "task {task_id} is no longer waiting for lease {lease_id} (canceled or already started); do not run it"
+            ))
+        })
+    }
+
+    /// FinishTask: records the final state and releases the locks, for the holder only. A task
+    /// that reached a final state meanwhile (canceled) keeps that state; its locks are released.
+    pub async fn finish(
+        &self,
+        lease_id: Uuid,
+        task_id: Uuid,
+        fencing_token: u64,
+        finish: Finish,
+    ) -> Result<(String, bool)> {
+        let app_status = self.holder(lease_id, task_id, fencing_token).await?;
+        let error = finish
+            .error
+            .map(|reason| serde_json::json!({ "reason": reason }));
+        let state = match self
+            .tasks
+            .finish(task_id, app_status, &finish.state, error)
+            .await?
+        {
+            Some(state) => state,
+            None => self
+                .tasks
+                .state(task_id)
+                .await?
+                .map(|(state, _)| state)
+                .ok_or(Error::TaskNotFound(task_id))?,
+        };
+        let (released, _) = self
+            .locks
+            .release(&lease_id.to_string(), &task_id.to_string(), fencing_token)
+            .await?;
+        let released = released == Release::Released;
+        if released {
+            self.stats.locks_released("finish", 1);
+        }
+        Ok((state, released))
+    }
+
+    async fn holder(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<Uuid> {
+        match self
+            .locks
+            .holder(&lease_id.to_string(), &task_id.to_string(), fencing_token)
+            .await?
+        {
+            Ok(app_status) => app_status
+                .parse()
+                .map_err(|_| Error::LeaseNotFound(lease_id.to_string())),
+            Err(Release::NotHeld) => Err(Error::LeaseNotFound(lease_id.to_string())),
+            Err(Release::StaleToken) => Err(Error::NotHolder(format!(
+                "fencing token {fencing_token} is stale for task {task_id}; the lock was granted again since"
+            ))),
+            Err(_) => Err(Error::NotHolder(format!(
+                "lease {lease_id} does not hold task {task_id}"
+            ))),
+        }
+    }
+
+    /// ReleaseLocks: releases a task's locks for its holder. Idempotent: `false` when nothing was
+    /// held. A claimed task that never started goes back to the queue.
+    pub async fn release(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<bool> {
+        let lease = lease_id.to_string();
+        let task = task_id.to_string();
+        let mut attempt = 0u32;
+        let (outcome, app_status) = loop {
+            match self.locks.release(&lease, &task, fencing_token).await {
+                Ok(done) => break done,
+                Err(e) if attempt < 2 => {
+                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "release failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        match outcome {
+            Release::Released => {
+                self.stats.locks_released("release", 1);
+                if let Ok(app_status) = app_status.parse::<Uuid>() {
+                    if self.tasks.unclaim(task_id, app_status).await? {
+                        tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
+                    }
+                }
+                Ok(true)
+            }
+            Release::NotHeld => Ok(false),
+            Release::OtherLease => Err(Error::NotHolder(format!(
+                "lease {lease_id} does not hold task {task_id}; nothing was released"
+            ))),
+            Release::StaleToken => Err(Error::NotHolder(format!(
+                "fencing token {fencing_token} is stale for task {task_id}; nothing was released"
+            ))),
+        }
+    }
+
+    /// CancelTask: `(state after, holder_notified)`. A waiting task becomes canceled and loses
+    /// any locks held for it; a running one becomes canceling and its holder hears of it in the
+    /// next heartbeat reply; a final task is unchanged (and any lock left for it is released, so
+    /// a retry after a failure half-way completes the cancel).
+    pub async fn cancel(&self, task_id: Uuid) -> Result<(String, bool)> {
+        let this = self.clone();
+        tokio::spawn(async move { this.cancel_once(task_id).await })
+            .await
+            .map_err(|e| Error::Internal(format!("cancel: {e}")))?
+    }
+
+    async fn cancel_once(&self, task_id: Uuid) -> Result<(String, bool)> {
+        let cancel = self
+            .tasks
+            .cancel(task_id)
+            .await?
+            .ok_or(Error::TaskNotFound(task_id))?;
+        if FINAL_STATES.contains(&cancel.after.as_str()) {
+            if let Some(holder) = self.locks.force_release(&task_id.to_string()).await? {
+                self.stats.locks_released("cancel", 1);
+                tracing::info!(%task_id, lease_id = %holder, "locks of a canceled task released");
+            }
+            return Ok((cancel.after, false));
+        }
+        Ok((cancel.after, cancel.app_lock_id.is_some()))
+    }
+}

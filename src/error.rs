@@ -1,0 +1,40 @@
+//! The broker's domain errors. `grpc` maps each to a gRPC status in one exhaustive match.
+
+use uuid::Uuid;
+
+use crate::{locks, tasks};
+
+/// Why a broker operation did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed; the message says what to fix.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The lease is unknown or expired.
+    #[error("lease {0} is unknown or expired; open a new lease with OpenLease")]
+    LeaseNotFound(String),
+    /// The task does not exist.
+    #[error("task {0} does not exist")]
+    TaskNotFound(Uuid),
+    /// The core_appstatus row named in OpenLease does not exist.
+    #[error("core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty")]
+    AppStatusNotFound(Uuid),
+    /// The caller does not hold what it acts on (wrong lease, stale fencing token, task moved on).
+    #[error("{0}")]
+    NotHolder(String),
+    /// Redis failed.
+    #[error("lock store (redis) unavailable: {0}")]
+    Redis(#[from] locks::Error),
+    /// Postgres failed.
+    #[error("task store (postgres) unavailable: {0}")]
+    Postgres(#[from] tasks::Error),
+    /// A bug: a background step panicked.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// The broker is shutting down.
+    #[error("the broker is shutting down; retry against another replica")]
+    ShuttingDown,
+}
+
+/// Result of a broker operation.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,207 @@
+//! The gRPC edge: tonic adapters only. Converts proto messages to domain requests (bad input
+//! becomes INVALID_ARGUMENT with a message a person can act on, before anything changes), calls
+//! `leases` and `dispatch`, and maps domain errors to statuses in one exhaustive match.
+
+mod convert;
+
+use std::collections::HashSet;
+
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::dispatch::Dispatch;
+use crate::error::Error;
+use crate::leases::Leases;
+use crate::proto;
+use convert::{duration_or_zero, parse_id, to_timestamp};
+
+/// Implements `dispatch.v1.Broker`.
+#[derive(Clone)]
+pub struct BrokerService {
+    leases: Leases,
+    dispatch: Dispatch,
+}
+
+impl BrokerService {
+    /// Wraps the domain services.
+    pub fn new(leases: Leases, dispatch: Dispatch) -> Self {
+        BrokerService { leases, dispatch }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Status {
+        let message = error.to_string();
+        match error {
+            Error::InvalidArgument(_) => Status::invalid_argument(message),
+            Error::LeaseNotFound(_) => Status::not_found(message),
+            Error::TaskNotFound(_) => Status::not_found(message),
+            Error::AppStatusNotFound(_) => Status::not_found(message),
+            Error::NotHolder(_) => Status::failed_precondition(message),
+            Error::Redis(_) => Status::unavailable(message),
+            Error::Postgres(_) => Status::unavailable(message),
+            Error::Internal(_) => Status::internal(message),
+            Error::ShuttingDown => Status::unavailable(message),
+        }
+    }
+}
+
+fn rpc_span(method: &'static str) -> tracing::Span {
+    tracing::info_span!("rpc", method, lease_id = tracing::field::Empty, task_id = tracing::field::Empty)
+}
+
+#[tonic::async_trait]
+impl proto::broker_server::Broker for BrokerService {
+    async fn open_lease(
+        &self,
+        request: Request<proto::OpenLeaseRequest>,
+    ) -> Result<Response<proto::Lease>, Status> {
+        let span = rpc_span("OpenLease");
+        let open = convert::open_lease(request.into_inner())?;
+        let lease = self.leases.open(open).instrument(span).await?;
+        Ok(Response::new(proto::Lease {
+            lease_id: lease.lease_id.to_string(),
+            expires_at: Some(to_timestamp(lease.expires_at)),
+            ttl: prost_types::Duration::try_from(lease.ttl).ok(),
+            app_status_id: lease.app_status_id.to_string(),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<proto::HeartbeatRequest>,
+    ) -> Result<Response<proto::HeartbeatResponse>, Status> {
+        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let span = rpc_span("Heartbeat");
+        span.record("lease_id", tracing::field::display(lease_id));
+        let beat = self.leases.heartbeat(lease_id).instrument(span).await?;
+        Ok(Response::new(proto::HeartbeatResponse {
+            expires_at: Some(to_timestamp(beat.expires_at)),
+            cancel_task_ids: beat.cancel_task_ids.iter().map(|id| id.to_string()).collect(),
+        }))
+    }
+
+    async fn close_lease(
+        &self,
+        request: Request<proto::CloseLeaseRequest>,
+    ) -> Result<Response<proto::CloseLeaseResponse>, Status> {
+        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let span = rpc_span("CloseLease");
+        span.record("lease_id", tracing::field::display(lease_id));
+        let closed = self.leases.close(lease_id).instrument(span).await?;
+        Ok(Response::new(proto::CloseLeaseResponse {
+            released_locks: closed.released_locks,
+            requeued_tasks: closed.requeued_tasks,
+            failed_tasks: closed.failed_tasks,
+        }))
+    }
+
+    async fn fetch_task(
+        &self,
+        request: Request<proto::FetchTaskRequest>,
+    ) -> Result<Response<proto::FetchTaskResponse>, Status> {
+        let request = request.into_inner();
+        let lease_id = parse_id("lease_id", &request.lease_id)?;
+        let wait = duration_or_zero("wait", request.wait)?;
+        let skip = request
+            .skip_task_ids
+            .iter()
+            .map(|id| parse_id("skip_task_ids", id))
+            .collect::<Result<HashSet<_>, _>>()?;
+        let span = rpc_span("FetchTask");
+        span.record("lease_id", tracing::field::display(lease_id));
+        let grant = self.dispatch.fetch(lease_id, wait, skip).instrument(span).await?;
+        Ok(Response::new(proto::FetchTaskResponse {
+            task: grant.map(proto::Task::from),
+        }))
+    }
+
+    async fn claim_task(
+        &self,
+        request: Request<proto::ClaimTaskRequest>,
+    ) -> Result<Response<proto::FetchTaskResponse>, Status> {
+        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let task_id = parse_id("task_id", &request.get_ref().task_id)?;
+        let span = rpc_span("ClaimTask");
+        span.record("lease_id", tracing::field::display(lease_id));
+        span.record("task_id", tracing::field::display(task_id));
+        let grant = self.dispatch.claim(lease_id, task_id).instrument(span).await?;
+        Ok(Response::new(proto::FetchTaskResponse {
+            task: grant.map(proto::Task::from),
+        }))
+    }
+
+    async fn start_task(
+        &self,
+        request: Request<proto::StartTaskRequest>,
+    ) -> Result<Response<proto::StartTaskResponse>, Status> {
+        let r = request.get_ref();
+        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let task_id = parse_id("task_id", &r.task_id)?;
+        let token = convert::fencing_token(r.fencing_token)?;
+        let span = rpc_span("StartTask");
+        span.record("lease_id", tracing::field::display(lease_id));
+        span.record("task_id", tracing::field::display(task_id));
+        let started = self
+            .dispatch
+            .start(lease_id, task_id, token)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(proto::StartTaskResponse {
+            started_at: Some(to_timestamp(started)),
+        }))
+    }
+
+    async fn finish_task(
+        &self,
+        request: Request<proto::FinishTaskRequest>,
+    ) -> Result<Response<proto::FinishTaskResponse>, Status> {
+        let r = request.into_inner();
+        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let task_id = parse_id("task_id", &r.task_id)?;
+        let token = convert::fencing_token(r.fencing_token)?;
+        let finish = convert::finish(r.state, r.error)?;
+        let span = rpc_span("FinishTask");
+        span.record("lease_id", tracing::field::display(lease_id));
+        span.record("task_id", tracing::field::display(task_id));
+        let (state, released) = self
+            .dispatch
+            .finish(lease_id, task_id, token, finish)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(proto::FinishTaskResponse { state, released }))
+    }
+
+    async fn release_locks(
+        &self,
+        request: Request<proto::ReleaseLocksRequest>,
+    ) -> Result<Response<proto::ReleaseLocksResponse>, Status> {
+        let r = request.get_ref();
+        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let task_id = parse_id("task_id", &r.task_id)?;
+        let token = convert::fencing_token(r.fencing_token)?;
+        let span = rpc_span("ReleaseLocks");
+        span.record("lease_id", tracing::field::display(lease_id));
+        span.record("task_id", tracing::field::display(task_id));
+        let released = self
+            .dispatch
+            .release(lease_id, task_id, token)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(proto::ReleaseLocksResponse { released }))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: Request<proto::CancelTaskRequest>,
+    ) -> Result<Response<proto::CancelTaskResponse>, Status> {
+        let task_id = parse_id("task_id", &request.get_ref().task_id)?;
+        let span = rpc_span("CancelTask");
+        span.record("task_id", tracing::field::display(task_id));
+        let (state, holder_notified) = self.dispatch.cancel(task_id).instrument(span).await?;
+        Ok(Response::new(proto::CancelTaskResponse {
+            state,
+            holder_notified,
+        }))
+    }
+}

@@ -1,0 +1,91 @@
+//! Redis key names: the only place in Rust that builds them (lua/lib.lua mirrors the format).
+//!
+//! Every key starts with the configured prefix wrapped in braces, `{prefix}`, so all of them hash
+//! to one Redis Cluster slot and every multi-key script runs unchanged on a cluster.
+
+/// Builds the broker's Redis keys for one prefix.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// `{prefix}`: the hash tag every key starts with.
+    tag: String,
+}
+
+impl Keys {
+    /// `prefix` must be non-empty and free of braces (checked by `config`).
+    pub fn new(prefix: &str) -> Self {
+        Keys {
+            tag: format!("{{{prefix}}}"),
+        }
+    }
+
+    /// The hash-tagged prefix that scripts use to build per-resource keys.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Sorted set lease_id -> expiry (Redis server time, ms).
+    pub fn leases(&self) -> String {
+        format!("{}:leases", self.tag)
+    }
+
+    /// Hash describing one lease.
+    pub fn lease(&self, lease_id: &str) -> String {
+        format!("{}:lease:{lease_id}", self.tag)
+    }
+
+    /// Set of task ids whose locks a lease holds: the per-lease registry.
+    pub fn lease_tasks(&self, lease_id: &str) -> String {
+        format!("{}:lease:{lease_id}:tasks", self.tag)
+    }
+
+    /// Hash {lease, token, x, s}: the lock of one task.
+    pub fn task(&self, task_id: &str) -> String {
+        format!("{}:task:{task_id}", self.tag)
+    }
+
+    /// String naming the task that holds `resource` exclusively.
+    pub fn exclusive(&self, resource: &str) -> String {
+        format!("{}:x:{resource}", self.tag)
+    }
+
+    /// Set of the tasks that hold `resource` shared.
+    pub fn shared(&self, resource: &str) -> String {
+        format!("{}:s:{resource}", self.tag)
+    }
+
+    /// The fencing counter: one number, strictly increasing across all grants.
+    pub fn fence(&self) -> String {
+        format!("{}:fence", self.tag)
+    }
+
+    /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
+    /// itself never scans the keyspace).
+    pub fn all_pattern(&self) -> String {
+        format!("{}:*", self.tag)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_carries_the_hash_tag() {
+        let k = Keys::new("dispatch");
+        for key in [
+            k.leases(),
+            k.lease("l"),
+            k.lease_tasks("l"),
+            k.task("t"),
+            k.exclusive("prn:core.domain:1"),
+            k.shared("r"),
+            k.fence(),
+        ] {
+            assert!(key.starts_with("{dispatch}:"), "{key}");
+        }
+        assert_eq!(k.exclusive("a"), "{dispatch}:x:a");
+        assert_eq!(k.shared("a"), "{dispatch}:s:a");
+        assert_eq!(k.task("t"), "{dispatch}:task:t");
+        assert_eq!(k.lease_tasks("l"), "{dispatch}:lease:l:tasks");
+    }
+}

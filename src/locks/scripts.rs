@@ -1,0 +1,56 @@
+//! The Lua scripts, compiled into the binary and loaded once at start-up.
+//!
+//! Each script is `lua/lib.lua` followed by the script itself, so the shared helpers (the key
+//! format, server time, releasing one task) exist once.
+
+use deadpool_redis::redis::Script;
+
+macro_rules! script {
+    ($file:literal) => {
+        Script::new(concat!(
+            include_str!("../../lua/lib.lua"),
+            "\n",
+            include_str!(concat!("../../lua/", $file))
+        ))
+    };
+}
+
+/// Every script the broker runs.
+pub(super) struct Scripts {
+    pub open_lease: Script,
+    pub heartbeat: Script,
+    pub lease_info: Script,
+    pub acquire: Script,
+    pub release: Script,
+    pub force_release: Script,
+    pub close_lease: Script,
+    pub holder: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        Scripts {
+            open_lease: script!("open_lease.lua"),
+            heartbeat: script!("heartbeat.lua"),
+            lease_info: script!("lease_info.lua"),
+            acquire: script!("acquire.lua"),
+            release: script!("release.lua"),
+            force_release: script!("force_release.lua"),
+            close_lease: script!("close_lease.lua"),
+            holder: script!("holder.lua"),
+        }
+    }
+
+    pub fn all(&self) -> [&Script; 8] {
+        [
+            &self.open_lease,
+            &self.heartbeat,
+            &self.lease_info,
+            &self.acquire,
+            &self.release,
+            &self.force_release,
+            &self.close_lease,
+            &self.holder,
+        ]
+    }
+}

@@ -1,0 +1,41 @@
+//! The `dispatch-broker` binary: parses the command line, sets up logging, runs the library.
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use dispatch_broker::config::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_tracing(&cli.log);
+    let outcome = match cli.command {
+        Command::Serve(args) => serve(args).await,
+        Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
+        Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
+    };
+    match outcome {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dispatch-broker: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: dispatch_broker::config::ServeArgs) -> anyhow::Result<()> {
+    let running = dispatch_broker::server::start(&args).await?;
+    running
+        .serve_until(dispatch_broker::shutdown::os_signal())
+        .await
+}
+
+fn init_tracing(args: &dispatch_broker::config::LogArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if args.log_json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

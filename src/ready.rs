@@ -1,0 +1,217 @@
+//! The readiness rule and the lane count: pure decisions over plain data, no I/O.
+//!
+//! Dispatch (`dispatch`), the gauge and every later explanation of "why is this task waiting" call
+//! into this module; none of them may carry a second copy of the rule.
+//!
+//! The rule (DESIGN.md): order incomplete tasks by `(pulp_created, pulp_id)`. A waiting, unclaimed
+//! task T is *ready* when no older incomplete task conflicts with T and no held lock conflicts with
+//! T. Two tasks *conflict* when one needs a resource exclusively that the other needs in any mode.
+
+use std::collections::{BTreeMap, HashSet};
+
+/// The prefix that marks shared access in `reserved_resources_record`.
+pub const SHARED_PREFIX: &str = "shared:";
+
+/// A task's resources, split by access mode.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resources {
+    /// Names the task needs alone.
+    pub exclusive: Vec<String>,
+    /// Names the task needs alongside other shared users (without the `shared:` prefix).
+    pub shared: Vec<String>,
+}
+
+impl Resources {
+    /// Parses a `reserved_resources_record`: `shared:NAME` is shared access to NAME, a bare NAME is
+    /// exclusive. A name needed both ways counts as exclusive; duplicates collapse.
+    pub fn from_record<S: AsRef<str>>(record: &[S]) -> Self {
+        let mut exclusive: Vec<String> = Vec::new();
+        let mut shared: Vec<String> = Vec::new();
+        for entry in record {
+            let entry = entry.as_ref();
+            match entry.strip_prefix(SHARED_PREFIX) {
+                Some(name) => shared.push(name.to_owned()),
+                None => exclusive.push(entry.to_owned()),
+            }
+        }
+        exclusive.sort();
+        exclusive.dedup();
+        shared.sort();
+        shared.dedup();
+        shared.retain(|name| exclusive.binary_search(name).is_err());
+        Resources { exclusive, shared }
+    }
+
+    /// True when the task needs no resource at all.
+    pub fn is_empty(&self) -> bool {
+        self.exclusive.is_empty() && self.shared.is_empty()
+    }
+
+    /// True when `self` and `other` conflict.
+    pub fn conflicts_with(&self, other: &Resources) -> bool {
+        self.exclusive
+            .iter()
+            .any(|r| other.exclusive.contains(r) || other.shared.contains(r))
+            || self.shared.iter().any(|r| other.exclusive.contains(r))
+    }
+
+    /// C(T): the record entries whose presence in another task's `reserved_resources_record`
+    /// means that task conflicts with this one: `r` and `shared:r` for each exclusive `r`, and `r`
+    /// for each shared `r`. A positive overlap (`&&`) with this set is the one GIN look-up that
+    /// decides readiness against older tasks.
+    pub fn conflict_keys(&self) -> Vec<String> {
+        let mut keys = Vec::with_capacity(self.exclusive.len() * 2 + self.shared.len());
+        for r in &self.exclusive {
+            keys.push(r.clone());
+            keys.push(format!("{SHARED_PREFIX}{r}"));
+        }
+        keys.extend(self.shared.iter().cloned());
+        keys
+    }
+}
+
+/// Resources reserved by the tasks seen so far in queue order (each incomplete task reserves its
+/// resources even when it cannot run), plus those of held locks.
+#[derive(Debug, Clone, Default)]
+pub struct Reservations {
+    exclusive: HashSet<String>,
+    shared: HashSet<String>,
+}
+
+impl Reservations {
+    /// True when a task needing `resources` conflicts with anything reserved.
+    pub fn conflicts_with(&self, resources: &Resources) -> bool {
+        resources
+            .exclusive
+            .iter()
+            .any(|r| self.exclusive.contains(r) || self.shared.contains(r))
+            || resources.shared.iter().any(|r| self.exclusive.contains(r))
+    }
+
+    /// Reserves `resources` for everything that comes later.
+    pub fn reserve(&mut self, resources: &Resources) {
+        self.exclusive.extend(resources.exclusive.iter().cloned());
+        self.shared.extend(resources.shared.iter().cloned());
+    }
+}
+
+/// Counts lanes over incomplete tasks streamed in `(pulp_created, pulp_id)` order: a task is a
+/// lane when no older incomplete task conflicts with it. Every task reserves its resources,
+/// counted or not. Memory grows with the number of distinct resources, never with tasks.
+#[derive(Debug, Default)]
+pub struct LaneCounter {
+    reserved: Reservations,
+    lanes: u64,
+}
+
+impl LaneCounter {
+    /// Feeds the next-oldest incomplete task.
+    pub fn push(&mut self, resources: &Resources) {
+        if !self.reserved.conflicts_with(resources) {
+            self.lanes += 1;
+        }
+        self.reserved.reserve(resources);
+    }
+
+    /// Lanes counted so far.
+    pub fn lanes(&self) -> u64 {
+        self.lanes
+    }
+}
+
+/// What dispatch knows about one waiting, unclaimed task while it walks the queue.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The task's resources.
+    pub resources: Resources,
+    /// The number of older incomplete tasks that conflict with it (from the exact GIN look-up).
+    pub older_conflicts: i64,
+    /// The task's `versions`: component -> minimum version.
+    pub versions: BTreeMap<String, String>,
+    /// The worker asked not to be given this task.
+    pub skipped: bool,
+}
+
+/// Why a candidate is or is not handed to a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Ready and compatible: try to lock and claim it.
+    Ready,
+    /// An older incomplete task conflicts with it.
+    BlockedByOlder,
+    /// Something seen earlier in this pass (a held lock, an older unready task) conflicts with it.
+    BlockedByReserved,
+    /// The lease's component versions do not satisfy the task's.
+    Incompatible,
+    /// The worker asked to skip it.
+    Skipped,
+}
+
+/// Judges one candidate for one lease. Candidates must be judged oldest first, and every
+/// candidate that is not handed out must be passed to [`Reservations::reserve`] before the next
+/// one is judged: a task that cannot run still reserves its resources.
+pub fn judge(
+    candidate: &Candidate,
+    reserved: &Reservations,
+    lease_versions: &BTreeMap<String, String>,
+) -> Verdict {
+    if candidate.older_conflicts > 0 {
+        Verdict::BlockedByOlder
+    } else if reserved.conflicts_with(&candidate.resources) {
+        Verdict::BlockedByReserved
+    } else if candidate.skipped {
+        Verdict::Skipped
+    } else if !is_compatible(&candidate.versions, lease_versions) {
+        Verdict::Incompatible
+    } else {
+        Verdict::Ready
+    }
+}
+
+/// Pulp's compatibility rule: every component the task names must be present in the worker's
+/// versions with a release at least as new. Extra worker components do not matter; a task with no
+/// versions runs anywhere.
+pub fn is_compatible(
+    task_versions: &BTreeMap<String, String>,
+    worker_versions: &BTreeMap<String, String>,
+) -> bool {
+    task_versions.iter().all(|(component, needed)| {
+        worker_versions
+            .get(component)
+            .is_some_and(|have| compare_releases(have, needed) != std::cmp::Ordering::Less)
+    })
+}
+
+/// Compares dotted release numbers (`3.123.1` < `3.124`; `3.1` == `3.1.0`). Each dot-separated
+/// part is compared by its leading digits; trailing text such as `dev0` or `rc1` in a part is
+/// ignored, so pre-releases compare equal to their release.
+pub fn compare_releases(a: &str, b: &str) -> std::cmp::Ordering {
+    let parse = |v: &str| -> Vec<u64> {
+        let mut parts: Vec<u64> = v
+            .trim()
+            .trim_start_matches(['v', 'V'])
+            .split('.')
+            .map(|part| {
+                let digits: String = part.chars().take_while(|c| c.is_ascii_digit()).collect();
+                digits.parse().unwrap_or(0)
+            })
+            .collect();
+        while parts.last() == Some(&0) {
+            parts.pop();
+        }
+        parts
+    };
+    parse(a).cmp(&parse(b))
+}
+
+/// Checks that a version string is one [`compare_releases`] understands: dotted parts that each
+/// start with a digit.
+pub fn is_valid_release(v: &str) -> bool {
+    let v = v.trim().trim_start_matches(['v', 'V']);
+    !v.is_empty()
+        && v.split('.')
+            .all(|part| part.chars().next().is_some_and(|c| c.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,139 @@
+use super::*;
+use proptest::prelude::*;
+use std::cmp::Ordering;
+
+fn res(record: &[&str]) -> Resources {
+    Resources::from_record(record)
+}
+
+fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn parses_modes_and_collapses_duplicates() {
+    let r = res(&["b", "shared:a", "b", "shared:b", "shared:a"]);
+    assert_eq!(r.exclusive, vec!["b"]);
+    assert_eq!(r.shared, vec!["a"]);
+}
+
+#[test]
+fn shared_users_coexist_and_exclusive_conflicts_with_any_mode() {
+    assert!(!res(&["shared:a"]).conflicts_with(&res(&["shared:a"])));
+    assert!(res(&["a"]).conflicts_with(&res(&["shared:a"])));
+    assert!(res(&["shared:a"]).conflicts_with(&res(&["a"])));
+    assert!(res(&["a"]).conflicts_with(&res(&["a"])));
+    assert!(!res(&["a"]).conflicts_with(&res(&["b"])));
+    assert!(!res(&[]).conflicts_with(&res(&["a"])));
+}
+
+#[test]
+fn conflict_keys_are_what_a_conflicting_record_contains() {
+    let keys = res(&["a", "shared:d"]).conflict_keys();
+    assert_eq!(keys, vec!["a", "shared:a", "d"]);
+}
+
+#[test]
+fn hidden_older_task_still_reserves_its_other_resources() {
+    // DESIGN.md's pitfall: T1 needs A and B, A is held; T2 (newer) needs only B.
+    let mut reserved = Reservations::default();
+    reserved.reserve(&res(&["A"]));
+    let t1 = res(&["A", "B"]);
+    assert!(reserved.conflicts_with(&t1));
+    reserved.reserve(&t1);
+    assert!(reserved.conflicts_with(&res(&["B"])));
+}
+
+#[test]
+fn judge_orders_its_reasons() {
+    let lease = map(&[("core", "3.123.1")]);
+    let mut c = Candidate {
+        resources: res(&["a"]),
+        older_conflicts: 0,
+        versions: map(&[("core", "3.123.0")]),
+        skipped: false,
+    };
+    let none = Reservations::default();
+    assert_eq!(judge(&c, &none, &lease), Verdict::Ready);
+    c.skipped = true;
+    assert_eq!(judge(&c, &none, &lease), Verdict::Skipped);
+    c.skipped = false;
+    c.versions = map(&[("core", "3.124")]);
+    assert_eq!(judge(&c, &none, &lease), Verdict::Incompatible);
+    let mut held = Reservations::default();
+    held.reserve(&res(&["shared:a"]));
+    assert_eq!(judge(&c, &held, &lease), Verdict::BlockedByReserved);
+    c.older_conflicts = 3;
+    assert_eq!(judge(&c, &none, &lease), Verdict::BlockedByOlder);
+}
+
+#[test]
+fn compatibility_is_pulps_rule() {
+    let worker = map(&[("core", "3.123.1"), ("file", "3.123.1")]);
+    assert!(is_compatible(&map(&[]), &worker));
+    assert!(is_compatible(&map(&[("core", "3.123.1")]), &worker));
+    assert!(is_compatible(&map(&[("core", "3.9")]), &worker));
+    assert!(!is_compatible(&map(&[("core", "3.124.0")]), &worker));
+    assert!(!is_compatible(&map(&[("rpm", "1.0")]), &worker));
+    assert!(!is_compatible(&map(&[("core", "1")]), &map(&[])));
+}
+
+#[test]
+fn releases_compare_numerically() {
+    assert_eq!(compare_releases("3.123.1", "3.9.10"), Ordering::Greater);
+    assert_eq!(compare_releases("3.1", "3.1.0"), Ordering::Equal);
+    assert_eq!(compare_releases("3.1.0.dev0", "3.1"), Ordering::Equal);
+    assert_eq!(compare_releases("10", "9.99"), Ordering::Greater);
+    assert!(is_valid_release("3.123.1"));
+    assert!(is_valid_release("3.1.0rc1"));
+    assert!(!is_valid_release(""));
+    assert!(!is_valid_release("abc"));
+    assert!(!is_valid_release("3..1"));
+}
+
+/// The straightforward reference: for every task, look at every older task.
+fn lanes_reference(queue: &[Resources]) -> u64 {
+    (0..queue.len())
+        .filter(|&i| !queue[..i].iter().any(|older| older.conflicts_with(&queue[i])))
+        .count() as u64
+}
+
+fn arb_queue() -> impl Strategy<Value = Vec<Resources>> {
+    let entry = (0..6u8, any::<bool>())
+        .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
+    prop::collection::vec(prop::collection::vec(entry, 0..4), 0..200)
+        .prop_map(|q| q.iter().map(|record| Resources::from_record(record)).collect())
+}
+
+proptest! {
+    #[test]
+    fn lane_counter_matches_the_pairwise_reference(queue in arb_queue()) {
+        let mut counter = LaneCounter::default();
+        for task in &queue {
+            counter.push(task);
+        }
+        prop_assert_eq!(counter.lanes(), lanes_reference(&queue));
+    }
+
+    #[test]
+    fn conflict_keys_overlap_exactly_when_tasks_conflict(a in arb_queue(), b in arb_queue()) {
+        for (x, y) in a.iter().zip(b.iter()) {
+            let keys: HashSet<String> = x.conflict_keys().into_iter().collect();
+            let record: Vec<String> = y.exclusive.iter().cloned()
+                .chain(y.shared.iter().map(|s| format!("{SHARED_PREFIX}{s}")))
+                .collect();
+            let overlaps = record.iter().any(|e| keys.contains(e));
+            prop_assert_eq!(overlaps, x.conflicts_with(y));
+        }
+    }
+
+    #[test]
+    fn conflict_is_symmetric(a in arb_queue(), b in arb_queue()) {
+        for (x, y) in a.iter().zip(b.iter()) {
+            prop_assert_eq!(x.conflicts_with(y), y.conflicts_with(x));
+        }
+    }
+}

@@ -1,0 +1,424 @@
+//! Postgres: the task table (`core_task`) and worker rows (`core_appstatus`). The only module that
+//! runs SQL. Every statement is a `.sql` file beside this module, prepared at start-up so a broken
+//! query or a missing column fails at boot.
+//!
+//! This module never decides readiness; it reports the facts (`older_conflicts`) that
+//! `ready::judge` decides on.
+
+pub mod migrate;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
+use uuid::Uuid;
+
+use crate::metrics::Stats;
+use crate::ready::{Candidate, Resources};
+
+/// Every statement the broker runs, by name, for preparing at start-up.
+pub(crate) mod sql {
+    pub const CANDIDATES: &str = include_str!("tasks/candidates.sql");
+    pub const TASK: &str = include_str!("tasks/task.sql");
+    pub const CLAIM: &str = include_str!("tasks/claim.sql");
+    pub const UNCLAIM: &str = include_str!("tasks/unclaim.sql");
+    pub const START: &str = include_str!("tasks/start.sql");
+    pub const FINISH: &str = include_str!("tasks/finish.sql");
+    pub const TASK_STATE: &str = include_str!("tasks/task_state.sql");
+    pub const CANCEL: &str = include_str!("tasks/cancel.sql");
+    pub const INSERT_APP_STATUS: &str = include_str!("tasks/insert_app_status.sql");
+    pub const APP_STATUS_EXISTS: &str = include_str!("tasks/app_status_exists.sql");
+    pub const HEARTBEAT: &str = include_str!("tasks/heartbeat.sql");
+    pub const REQUEUE_CLAIMED: &str = include_str!("tasks/requeue_claimed.sql");
+    pub const FAIL_RUNNING: &str = include_str!("tasks/fail_running.sql");
+    pub const DELETE_APP_STATUS: &str = include_str!("tasks/delete_app_status.sql");
+    pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
+    pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
+
+    /// The statements served on request paths (prepared at start-up).
+    pub const ALL: [&str; 14] = [
+        CANDIDATES,
+        TASK,
+        CLAIM,
+        UNCLAIM,
+        START,
+        FINISH,
+        TASK_STATE,
+        CANCEL,
+        INSERT_APP_STATUS,
+        APP_STATUS_EXISTS,
+        HEARTBEAT,
+        REQUEUE_CLAIMED,
+        FAIL_RUNNING,
+        DELETE_APP_STATUS,
+    ];
+}
+
+/// Failures of the task store.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No connection could be had (Postgres down, unreachable, or the pool exhausted).
+    #[error("postgres is unreachable: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    /// A statement failed.
+    #[error("postgres statement failed: {}", describe(.0))]
+    Db(#[from] tokio_postgres::Error),
+    /// Postgres did not answer within the configured timeout.
+    #[error("postgres did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The database lacks something the broker needs.
+    #[error("the database schema is missing {0}; run `dispatch-broker migrate` on an empty database, or pulpcore's migrations")]
+    Schema(String),
+    /// The pool could not be built from the configuration.
+    #[error("invalid postgres configuration: {0}")]
+    Config(String),
+}
+
+/// A waiting task as dispatch sees it.
+#[derive(Debug, Clone)]
+pub struct TaskRow {
+    /// `pulp_id`.
+    pub id: Uuid,
+    /// `pulp_created`.
+    pub created: DateTime<Utc>,
+    /// `name`.
+    pub name: String,
+    /// `immediate`.
+    pub immediate: bool,
+    /// The decision inputs for `ready::judge`.
+    pub candidate: Candidate,
+}
+
+/// A task with its current state, for ClaimTask.
+#[derive(Debug, Clone)]
+pub struct TaskWithState {
+    /// The task.
+    pub row: TaskRow,
+    /// `state`.
+    pub state: String,
+    /// `app_lock_id`.
+    pub app_lock_id: Option<Uuid>,
+}
+
+/// What CancelTask found and did.
+#[derive(Debug, Clone)]
+pub struct Cancel {
+    /// The state before the call.
+    pub before: String,
+    /// The state after the call.
+    pub after: String,
+    /// Who had claimed the task.
+    pub app_lock_id: Option<Uuid>,
+}
+
+/// What closing a lease did to its tasks.
+#[derive(Debug, Clone, Default)]
+pub struct Closed {
+    /// Claimed tasks put back in the queue.
+    pub requeued: u32,
+    /// Running tasks failed.
+    pub failed: u32,
+}
+
+/// Handle on the task store.
+#[derive(Clone)]
+pub struct Tasks {
+    pool: Pool,
+    timeout: Duration,
+    stats: Arc<Stats>,
+}
+
+impl Tasks {
+    /// Builds the pool and checks that Postgres answers.
+    pub async fn connect(
+        url: &str,
+        pool_size: usize,
+        timeout: Duration,
+        stats: Arc<Stats>,
+    ) -> Result<Self, Error> {
+        let mut pg: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| Error::Config(e.to_string()))?;
+        pg.connect_timeout(timeout);
+        pg.application_name("dispatch-broker");
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pool_size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
+            .build()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let tasks = Tasks {
+            pool,
+            timeout,
+            stats,
+        };
+        drop(tasks.client().await?);
+        Ok(tasks)
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Checks the schema and prepares every request-path statement, so a missing column or a
+    /// broken query stops the broker at start-up.
+    pub async fn prepare(&self) -> Result<(), Error> {
+        let missing = self.missing_schema().await?;
+        if !missing.is_empty() {
+            return Err(Error::Schema(missing.join(", ")));
+        }
+        let client = self.client().await?;
+        for statement in sql::ALL {
+            client.prepare_cached(statement).await?;
+        }
+        Ok(())
+    }
+
+    /// Lists what the broker needs and the database lacks (empty when all is there).
+    pub async fn missing_schema(&self) -> Result<Vec<String>, Error> {
+        let client = self.client().await?;
+        let present: Vec<String> = self
+            .timed(client.query(sql::SCHEMA_CHECK, &[]))
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        Ok(migrate::missing(&present))
+    }
+
+    /// Runs one statement under the timeout, counting it.
+    async fn timed<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, Error> {
+        self.stats.postgres_statement();
+        tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| Error::Timeout(self.timeout))?
+            .map_err(Error::from)
+    }
+
+    async fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, Error> {
+        let client = self.client().await?;
+        let prepared = client.prepare_cached(statement).await?;
+        self.timed(client.query(&prepared, params)).await
+    }
+
+    /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
+    /// overlap `excluded` or the conflict keys of claimed and running tasks.
+    pub async fn candidates(
+        &self,
+        excluded: &[String],
+        after: Option<(DateTime<Utc>, Uuid)>,
+        limit: i64,
+    ) -> Result<Vec<TaskRow>, Error> {
+        let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
+        let rows = self
+            .query(
+                sql::CANDIDATES,
+                &[&excluded, &after_created, &after_id, &limit],
+            )
+            .await?;
+        rows.iter().map(task_row).collect()
+    }
+
+    /// One task with its state and readiness facts; `None` for an unknown task.
+    pub async fn task(&self, id: Uuid) -> Result<Option<TaskWithState>, Error> {
+        let rows = self.query(sql::TASK, &[&id]).await?;
+        rows.first()
+            .map(|row| {
+                Ok(TaskWithState {
+                    row: task_row(row)?,
+                    state: row.try_get(7)?,
+                    app_lock_id: row.try_get(8)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// Claims a waiting, unclaimed task for a worker row; false when it was not claimable.
+    pub async fn claim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
+        Ok(!self.query(sql::CLAIM, &[&task, &app_status]).await?.is_empty())
+    }
+
+    /// Puts a claimed, not started task back in the queue; true when it went back.
+    pub async fn unclaim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
+        Ok(!self.query(sql::UNCLAIM, &[&task, &app_status]).await?.is_empty())
+    }
+
+    /// Marks a claimed task running; `None` when it is not this holder's waiting task.
+    pub async fn start(&self, task: Uuid, app_status: Uuid) -> Result<Option<DateTime<Utc>>, Error> {
+        let rows = self.query(sql::START, &[&task, &app_status]).await?;
+        rows.first().map(|r| r.try_get(0)).transpose().map_err(Error::from)
+    }
+
+    /// Records a final state; `None` when the task is not this holder's incomplete task.
+    pub async fn finish(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+        state: &str,
+        error: Option<serde_json::Value>,
+    ) -> Result<Option<String>, Error> {
+        let rows = self
+            .query(sql::FINISH, &[&task, &app_status, &state, &error])
+            .await?;
+        rows.first().map(|r| r.try_get(0)).transpose().map_err(Error::from)
+    }
+
+    /// A task's state and claim, without locking; `None` when unknown.
+    pub async fn state(&self, task: Uuid) -> Result<Option<(String, Option<Uuid>)>, Error> {
+        let client = self.client().await?;
+        let prepared = client.prepare_cached(sql::TASK_STATE).await?;
+        let rows = self.timed(client.query(&prepared, &[&task])).await?;
+        rows.first()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .transpose()
+    }
+
+    /// Cancels a task in one transaction; `None` for an unknown task.
+    pub async fn cancel(&self, task: Uuid) -> Result<Option<Cancel>, Error> {
+        let mut client = self.client().await?;
+        let state_stmt = client.prepare_cached(sql::TASK_STATE).await?;
+        let cancel_stmt = client.prepare_cached(sql::CANCEL).await?;
+        let tx = self.timed(client.transaction()).await?;
+        let rows = self.timed(tx.query(&state_stmt, &[&task])).await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let before: String = row.try_get(0)?;
+        let app_lock_id: Option<Uuid> = row.try_get(1)?;
+        let changed = self.timed(tx.query(&cancel_stmt, &[&task])).await?;
+        let after = match changed.first() {
+            Some(r) => r.try_get(0)?,
+            None => before.clone(),
+        };
+        self.timed(tx.commit()).await?;
+        Ok(Some(Cancel {
+            before,
+            after,
+            app_lock_id,
+        }))
+    }
+
+    /// Creates the `core_appstatus` row of a worker whose lease the broker opens.
+    pub async fn insert_app_status(
+        &self,
+        id: Uuid,
+        name: &str,
+        versions: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let keys: Vec<&str> = versions.keys().map(String::as_str).collect();
+        let values: Vec<&str> = versions.values().map(String::as_str).collect();
+        let secs = ttl.as_secs_f64();
+        self.query(sql::INSERT_APP_STATUS, &[&id, &name, &keys, &values, &secs])
+            .await?;
+        Ok(())
+    }
+
+    /// Whether a `core_appstatus` row exists.
+    pub async fn app_status_exists(&self, id: Uuid) -> Result<bool, Error> {
+        Ok(!self.query(sql::APP_STATUS_EXISTS, &[&id]).await?.is_empty())
+    }
+
+    /// Refreshes `last_heartbeat`; returns the worker's tasks that were asked to cancel.
+    pub async fn heartbeat(&self, app_status: Uuid) -> Result<Vec<Uuid>, Error> {
+        let rows = self.query(sql::HEARTBEAT, &[&app_status]).await?;
+        rows.iter().map(|r| r.try_get(0).map_err(Error::from)).collect()
+    }
+
+    /// Ends a worker row's tasks in one transaction: claimed tasks go back to the queue, running
+    /// ones fail with `reason`, and the row is removed when `delete_row` (the broker created it).
+    pub async fn close_worker(
+        &self,
+        app_status: Uuid,
+        reason: &str,
+        delete_row: bool,
+    ) -> Result<Closed, Error> {
+        let mut client = self.client().await?;
+        let requeue = client.prepare_cached(sql::REQUEUE_CLAIMED).await?;
+        let fail = client.prepare_cached(sql::FAIL_RUNNING).await?;
+        let delete = client.prepare_cached(sql::DELETE_APP_STATUS).await?;
+        let tx = self.timed(client.transaction()).await?;
+        let requeued = self.timed(tx.query(&requeue, &[&app_status])).await?.len();
+        let failed = self.timed(tx.query(&fail, &[&app_status, &reason])).await?.len();
+        if delete_row {
+            self.timed(tx.execute(&delete, &[&app_status])).await?;
+        }
+        self.timed(tx.commit()).await?;
+        Ok(Closed {
+            requeued: requeued as u32,
+            failed: failed as u32,
+        })
+    }
+
+    /// Runs `migrate.sql` in one transaction when the database has no `core_task` table; returns
+    /// what is still missing afterwards (empty: ready to serve).
+    pub async fn migrate(&self) -> Result<migrate::Outcome, Error> {
+        let mut client = self.client().await?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass('core_task') IS NOT NULL", &[])
+            .await?
+            .get(0);
+        let created = if exists {
+            false
+        } else {
+            let tx = client.transaction().await?;
+            tx.batch_execute(sql::MIGRATE).await?;
+            tx.commit().await?;
+            true
+        };
+        drop(client);
+        Ok(migrate::Outcome {
+            created,
+            missing: self.missing_schema().await?,
+        })
+    }
+
+    /// The pool, for tests and tools that need raw SQL.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+/// The server's message when there is one (tokio-postgres shows only "db error" otherwise).
+fn describe(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{}: {}", db.code().code(), db.message()),
+        None => error.to_string(),
+    }
+}
+
+fn task_row(row: &Row) -> Result<TaskRow, Error> {
+    let record: Vec<String> = row.try_get(3)?;
+    let versions: Option<String> = row.try_get(4)?;
+    let versions: BTreeMap<String, String> = versions
+        .and_then(|v| serde_json::from_str(&v).ok())
+        .unwrap_or_default();
+    Ok(TaskRow {
+        id: row.try_get(0)?,
+        created: row.try_get(1)?,
+        name: row.try_get(2)?,
+        immediate: row.try_get(5)?,
+        candidate: Candidate {
+            resources: Resources::from_record(&record),
+            older_conflicts: row.try_get(6)?,
+            versions,
+            skipped: false,
+        },
+    })
+}

@@ -1,0 +1,69 @@
+-- candidates.sql: one page of waiting, unclaimed tasks in queue order, each with the exact
+-- readiness look-up against older incomplete tasks.
+--
+-- $1 text[]       extra record entries whose tasks are known not to be ready in this fetch (the
+--                 conflict keys of tasks already found unready or blocked); tasks overlapping them
+--                 are skipped, which is safe because such a task is not ready either
+-- $2 timestamptz  keyset: only tasks after ($2, $3) in (pulp_created, pulp_id) order; NULL for
+-- $3 uuid         the first page
+-- $4 bigint       page size
+-- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts
+--
+-- Tasks overlapping the conflict keys of claimed or running tasks are skipped in SQL too, so a
+-- resource whose head task runs does not make every fetch read its queue. The skip is only a
+-- shortcut: `older_conflicts` (the positive overlap with C(T), counted so that the planner uses
+-- the partial GIN index `pulp_task_resources_index`) is the decision, and it sees hidden tasks.
+-- Never writes.
+WITH held AS (
+    SELECT DISTINCT entry
+    FROM (
+        SELECT reserved_resources_record AS record FROM core_task
+        WHERE app_lock_id IS NOT NULL
+          AND state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+        UNION ALL
+        SELECT reserved_resources_record FROM core_task WHERE state IN ('running', 'canceling')
+    ) AS h, unnest(h.record) AS entry
+),
+excluded AS (
+    SELECT coalesce(array_agg(DISTINCT k), '{}'::text[]) AS keys
+    FROM (
+        SELECT CASE WHEN entry LIKE 'shared:%' THEN substr(entry, 8) ELSE entry END AS k FROM held
+        UNION ALL
+        SELECT 'shared:' || entry FROM held WHERE entry NOT LIKE 'shared:%'
+        UNION ALL
+        SELECT unnest($1::text[])
+    ) AS x
+),
+page AS (
+    SELECT t.pulp_id, t.pulp_created, t.name,
+           coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
+           t.versions, t.immediate
+    FROM core_task t
+    WHERE t.state = 'waiting'
+      AND t.app_lock_id IS NULL
+      AND NOT (coalesce(t.reserved_resources_record, '{}'::text[]) && (SELECT keys FROM excluded))
+      AND (t.pulp_created, t.pulp_id) > (coalesce($2::timestamptz, '-infinity'),
+                                         coalesce($3::uuid, '00000000-0000-0000-0000-000000000000'))
+    ORDER BY t.pulp_created, t.pulp_id
+    LIMIT $4
+)
+SELECT p.pulp_id, p.pulp_created, p.name, p.record,
+       hstore_to_json(p.versions)::text AS versions,
+       coalesce(p.immediate, false) AS immediate,
+       c.older_conflicts
+FROM page p
+CROSS JOIN LATERAL (
+    SELECT ARRAY(
+        SELECT CASE WHEN e LIKE 'shared:%' THEN substr(e, 8) ELSE e END FROM unnest(p.record) AS e
+        UNION
+        SELECT 'shared:' || e FROM unnest(p.record) AS e WHERE e NOT LIKE 'shared:%'
+    ) AS keys
+) k
+CROSS JOIN LATERAL (
+    SELECT count(*) AS older_conflicts
+    FROM core_task u
+    WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+      AND u.reserved_resources_record && k.keys
+      AND (u.pulp_created, u.pulp_id) < (p.pulp_created, p.pulp_id)
+) c
+ORDER BY p.pulp_created, p.pulp_id

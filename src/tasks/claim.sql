@@ -1,0 +1,9 @@
+-- claim.sql: makes a waiting, unclaimed task the lease's (Pulp's app_lock).
+--
+-- $1 uuid  the task;  $2 uuid  the lease's core_appstatus row
+-- Returns: one row when claimed, none when the task was canceled, finished or claimed meanwhile.
+-- Never claims a task that is not `waiting` with no app_lock_id.
+UPDATE core_task
+SET app_lock_id = $2, pulp_last_updated = now()
+WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL
+RETURNING pulp_id

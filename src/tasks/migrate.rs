@@ -1,0 +1,101 @@
+//! What the broker needs of the schema, and the report `dispatch-broker migrate` prints.
+
+/// Columns the broker reads or writes, as `table.column`.
+pub const REQUIRED_COLUMNS: &[&str] = &[
+    "core_task.pulp_id",
+    "core_task.pulp_created",
+    "core_task.pulp_last_updated",
+    "core_task.state",
+    "core_task.name",
+    "core_task.reserved_resources_record",
+    "core_task.app_lock_id",
+    "core_task.versions",
+    "core_task.immediate",
+    "core_task.started_at",
+    "core_task.finished_at",
+    "core_task.error",
+    "core_appstatus.pulp_id",
+    "core_appstatus.pulp_created",
+    "core_appstatus.pulp_last_updated",
+    "core_appstatus.app_type",
+    "core_appstatus.name",
+    "core_appstatus.versions",
+    "core_appstatus.ttl",
+    "core_appstatus.last_heartbeat",
+];
+
+/// What `migrate` did and found.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// True when the tables were created now; false when they were already there.
+    pub created: bool,
+    /// What the broker needs and the database still lacks.
+    pub missing: Vec<String>,
+}
+
+/// Compares the items `schema_check.sql` found with what the broker needs.
+pub fn missing(present: &[String]) -> Vec<String> {
+    let mut missing: Vec<String> = REQUIRED_COLUMNS
+        .iter()
+        .filter(|c| !present.iter().any(|p| p == *c))
+        .map(|c| format!("column {c}"))
+        .collect();
+    if !present.iter().any(|p| p.starts_with("index:")) {
+        missing.push(
+            "a GIN index on core_task(reserved_resources_record) (pulp_task_resources_index)"
+                .to_owned(),
+        );
+    }
+    if !present.iter().any(|p| p == "extension:hstore") {
+        missing.push("the hstore extension".to_owned());
+    }
+    missing
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_each_missing_piece() {
+        let mut present: Vec<String> = REQUIRED_COLUMNS.iter().map(|c| c.to_string()).collect();
+        present.push("index:pulp_task_resources_index".into());
+        present.push("extension:hstore".into());
+        assert!(missing(&present).is_empty());
+        present.retain(|p| p != "core_task.app_lock_id" && !p.starts_with("index:"));
+        let m = missing(&present);
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert!(m[0].contains("core_task.app_lock_id"));
+        assert!(m[1].contains("GIN"));
+    }
+}
+
+/// `dispatch-broker migrate`: creates the schema on an empty database, or reports on an existing
+/// one; fails when something the broker needs is missing.
+pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let stats = std::sync::Arc::new(crate::metrics::Stats::default());
+    let tasks = super::Tasks::connect(
+        &args.postgres.url,
+        1,
+        std::time::Duration::from_secs(10),
+        stats,
+    )
+    .await
+    .context("cannot reach PostgreSQL at --postgres-url")?;
+    let outcome = tasks.migrate().await.context("migrate failed")?;
+    if outcome.created {
+        println!("created core_appstatus, core_task, their indexes and the insert trigger");
+    } else {
+        println!("core_task already exists; changed nothing");
+    }
+    if outcome.missing.is_empty() {
+        println!("the database has everything dispatch-broker needs");
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "the database lacks what dispatch-broker needs: {}",
+            outcome.missing.join(", ")
+        )
+    }
+}

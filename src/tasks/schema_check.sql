@@ -1,0 +1,12 @@
+-- schema_check.sql: what of the broker's required schema is present.
+-- Returns: one row per present column as 'table.column', plus 'index:<name>' for a GIN index on
+-- core_task(reserved_resources_record) and 'extension:hstore'.
+SELECT table_name || '.' || column_name AS item
+FROM information_schema.columns
+WHERE table_schema = current_schema() AND table_name IN ('core_task', 'core_appstatus')
+UNION ALL
+SELECT 'index:' || indexname FROM pg_indexes
+WHERE schemaname = current_schema() AND tablename = 'core_task'
+  AND indexdef ILIKE '%USING gin (reserved_resources_record)%'
+UNION ALL
+SELECT 'extension:' || extname FROM pg_extension WHERE extname = 'hstore'

@@ -1,0 +1,29 @@
+-- task.sql: one task, with the exact readiness look-up against older incomplete tasks.
+--
+-- $1 uuid   the task
+-- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
+--          state, app_lock_id
+-- Never writes.
+SELECT t.pulp_id, t.pulp_created, t.name,
+       coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
+       hstore_to_json(t.versions)::text AS versions,
+       coalesce(t.immediate, false) AS immediate,
+       c.older_conflicts, t.state, t.app_lock_id
+FROM core_task t
+CROSS JOIN LATERAL (
+    SELECT ARRAY(
+        SELECT CASE WHEN e LIKE 'shared:%' THEN substr(e, 8) ELSE e END
+        FROM unnest(t.reserved_resources_record) AS e
+        UNION
+        SELECT 'shared:' || e FROM unnest(t.reserved_resources_record) AS e
+        WHERE e NOT LIKE 'shared:%'
+    ) AS keys
+) k
+CROSS JOIN LATERAL (
+    SELECT count(*) AS older_conflicts
+    FROM core_task u
+    WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+      AND u.reserved_resources_record && k.keys
+      AND (u.pulp_created, u.pulp_id) < (t.pulp_created, t.pulp_id)
+) c
+WHERE t.pulp_id = $1

@@ -1,0 +1,311 @@
+//! Throwaway PostgreSQL and Redis servers on free ports, for the test suite and the demo.
+//!
+//! Each server runs from a temporary directory that is removed with it, as a child process that a
+//! test may kill and restart. When the process that started a server dies without cleaning up,
+//! a small watchdog stops the server too. PostgreSQL refuses to run as root, so when we are root
+//! the cluster runs as the `postgres` user. Nothing here is used by `serve`.
+
+pub mod demo;
+
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// What to install when a server binary is missing.
+const INSTALL_HINT: &str =
+    "install PostgreSQL and Redis servers: `apt-get install -y postgresql redis-server`";
+
+/// Finds a server binary on PATH or under /usr/lib/postgresql/*/bin.
+pub fn find_binary(name: &str) -> Result<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("bin")).collect();
+        versions.sort();
+        versions.reverse();
+        dirs.extend(versions);
+    }
+    dirs.into_iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .with_context(|| format!("`{name}` was not found on PATH or in /usr/lib/postgresql/*/bin; {INSTALL_HINT}"))
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if ready() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    bail!("{what} did not come up within {timeout:?}")
+}
+
+/// Stops `pid` with `signal` once the current process has gone.
+fn watchdog(pid: u32, signal: &str) {
+    let me = std::process::id();
+    let script = format!("while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -{signal} {pid} 2>/dev/null");
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn();
+}
+
+fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+/// The uid and gid to run PostgreSQL as: `postgres` when we are root, else ourselves.
+fn postgres_identity() -> Result<Option<(u32, u32)>> {
+    let uid = String::from_utf8(Command::new("id").arg("-u").output()?.stdout)?;
+    if uid.trim() != "0" {
+        return Ok(None);
+    }
+    let id = |flag: &str| -> Result<u32> {
+        let out = Command::new("id").arg(flag).arg("postgres").output()?;
+        if !out.status.success() {
+            bail!("running as root, and there is no `postgres` user to run PostgreSQL as; {INSTALL_HINT}");
+        }
+        Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+    };
+    Ok(Some((id("-u")?, id("-g")?)))
+}
+
+/// A throwaway PostgreSQL cluster.
+pub struct Postgres {
+    dir: tempfile::TempDir,
+    port: u16,
+    identity: Option<(u32, u32)>,
+    child: Option<Child>,
+}
+
+impl Postgres {
+    /// initdb into a temporary directory and start the server on a free port.
+    pub fn start() -> Result<Self> {
+        let initdb = find_binary("initdb")?;
+        find_binary("postgres")?;
+        let identity = postgres_identity()?;
+        let dir = tempfile::Builder::new().prefix("dispatch-pg-").tempdir()?;
+        if let Some((uid, gid)) = identity {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
+        }
+        let data = dir.path().join("data");
+        let mut cmd = Command::new(&initdb);
+        cmd.arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some((uid, gid)) = identity {
+            cmd.uid(uid).gid(gid);
+        }
+        let out = cmd.output().context("running initdb")?;
+        if !out.status.success() {
+            bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let mut pg = Postgres {
+            dir,
+            port: free_port()?,
+            identity,
+            child: None,
+        };
+        pg.boot()?;
+        Ok(pg)
+    }
+
+    fn boot(&mut self) -> Result<()> {
+        let postgres = find_binary("postgres")?;
+        let data = self.dir.path().join("data");
+        let log = std::fs::File::create(self.dir.path().join("postgres.log"))?;
+        if let Some((uid, gid)) = self.identity {
+            std::os::unix::fs::chown(self.dir.path().join("postgres.log"), Some(uid), Some(gid))?;
+        }
+        let mut cmd = Command::new(postgres);
+        cmd.arg("-D")
+            .arg(&data)
+            .arg("-p")
+            .arg(self.port.to_string())
+            .arg("-k")
+            .arg(self.dir.path())
+            .args([
+                "-c", "listen_addresses=127.0.0.1",
+                "-c", "fsync=off",
+                "-c", "synchronous_commit=off",
+                "-c", "full_page_writes=off",
+                "-c", "max_connections=300",
+                "-c", "shared_buffers=64MB",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        if let Some((uid, gid)) = self.identity {
+            cmd.uid(uid).gid(gid);
+        }
+        let child = cmd.spawn().context("starting postgres")?;
+        watchdog(child.id(), "QUIT");
+        self.child = Some(child);
+        let port = self.port;
+        let dir = self.dir.path().to_owned();
+        wait_for("postgres", Duration::from_secs(30), || {
+            self.psql_raw("postgres", "SELECT 1").is_ok()
+        })
+        .with_context(|| format!("see {}", dir.join("postgres.log").display()))?;
+        tracing::debug!(port, "throwaway postgres up");
+        Ok(())
+    }
+
+    fn psql_raw(&self, db: &str, sql: &str) -> Result<String> {
+        let out = Command::new(find_binary("psql")?)
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-d", db])
+            .args(["-v", "ON_ERROR_STOP=1", "-X", "-q", "-t", "-A", "-c", sql])
+            .stdin(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            bail!("psql: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
+    /// Runs SQL through psql on database `db`.
+    pub fn psql(&self, db: &str, sql: &str) -> Result<String> {
+        self.psql_raw(db, sql)
+    }
+
+    /// Creates a database and returns its URL.
+    pub fn create_database(&self, name: &str) -> Result<String> {
+        self.psql_raw("postgres", &format!("CREATE DATABASE \"{name}\""))?;
+        Ok(self.url(name))
+    }
+
+    /// The connection URL of database `db`.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stops the server at once (SIGQUIT: immediate shutdown, like a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "QUIT");
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and data.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        self.boot()
+    }
+
+    /// The data directory's parent (logs live there).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A throwaway redis-server that keeps nothing on disk.
+pub struct Redis {
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    /// Starts redis-server on a free port.
+    pub fn start() -> Result<Self> {
+        let mut redis = Redis {
+            dir: tempfile::Builder::new().prefix("dispatch-redis-").tempdir()?,
+            port: free_port()?,
+            child: None,
+        };
+        redis.boot()?;
+        Ok(redis)
+    }
+
+    fn boot(&mut self) -> Result<()> {
+        let server = find_binary("redis-server")?;
+        let child = Command::new(server)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--logfile")
+            .arg(self.dir.path().join("redis.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .context("starting redis-server")?;
+        watchdog(child.id(), "KILL");
+        self.child = Some(child);
+        let port = self.port;
+        wait_for("redis-server", Duration::from_secs(10), || ping(port))
+    }
+
+    /// The connection URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Kills the server (SIGKILL): every key is lost.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again, empty, on the same port.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        self.boot()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok()
+        && stream.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
+}
