@@ -1,0 +1,291 @@
+//! FetchTask and ClaimTask: the readiness rule end to end, against real Postgres and Redis.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::collections::HashSet;
+
+use support::{id, Env};
+
+#[tokio::test]
+async fn hands_out_the_oldest_ready_task_once() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    let b = env.task(&["b"]).await;
+    let lease = env.open("w1").await;
+    let first = env.fetch(&lease).await.expect("a task");
+    assert_eq!(id(&first), a);
+    assert!(first.fencing_token > 0);
+    let second = env.fetch(&lease).await.expect("another task");
+    assert_eq!(id(&second), b);
+    assert!(second.fencing_token > first.fencing_token);
+    assert!(env.fetch(&lease).await.is_none(), "nothing left");
+    assert_eq!(env.app_lock(a).await, env.app_lock(b).await);
+    assert!(env.app_lock(a).await.is_some(), "claimed in postgres");
+    env.assert_locks(&[&first, &second]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_newer_task_waits_for_an_older_conflicting_one() {
+    let mut env = Env::new().await;
+    let old = env.task(&["a"]).await;
+    let young = env.task(&["a"]).await;
+    let lease = env.open("w1").await;
+    let t = env.fetch(&lease).await.unwrap();
+    assert_eq!(id(&t), old);
+    assert!(env.fetch(&lease).await.is_none(), "the second task conflicts with a held lock");
+    env.start(&lease, &t).await;
+    env.finish(&lease, &t, "completed").await;
+    let t2 = env.fetch(&lease).await.unwrap();
+    assert_eq!(id(&t2), young);
+    env.shutdown().await;
+}
+
+/// DESIGN.md's pitfall: T1 needs A and B, A is held; T2 (newer) needs only B. T2 is not handed
+/// out until T1 has run, although a query excluding "tasks on A" would hide T1.
+#[tokio::test]
+async fn a_hidden_older_task_still_reserves_its_other_resources() {
+    let mut env = Env::new().await;
+    let t0 = env.task(&["A"]).await;
+    let t1 = env.task(&["A", "B"]).await;
+    let t2 = env.task(&["B"]).await;
+    let w = env.open("w").await;
+    let running = env.fetch(&w).await.unwrap();
+    assert_eq!(id(&running), t0);
+    env.start(&w, &running).await;
+    let other = env.open("other").await;
+    assert!(env.fetch(&other).await.is_none(), "T2 must wait for T1");
+    env.finish(&w, &running, "completed").await;
+    let g1 = env.fetch(&other).await.unwrap();
+    assert_eq!(id(&g1), t1);
+    assert!(env.fetch(&w).await.is_none(), "T2 conflicts with T1's lock");
+    env.finish(&other, &g1, "completed").await;
+    assert_eq!(id(&env.fetch(&w).await.unwrap()), t2);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn shared_holders_coexist_and_an_exclusive_request_waits_for_all_of_them() {
+    let mut env = Env::new().await;
+    let s1 = env.task(&["shared:r"]).await;
+    let s2 = env.task(&["shared:r"]).await;
+    let x = env.task(&["r"]).await;
+    let s3 = env.task(&["shared:r"]).await;
+    let w1 = env.open("w1").await;
+    let w2 = env.open("w2").await;
+    let g1 = env.fetch(&w1).await.unwrap();
+    let g2 = env.fetch(&w2).await.unwrap();
+    assert_eq!((id(&g1), id(&g2)), (s1, s2), "both shared users run together");
+    assert!(env.fetch(&w1).await.is_none(), "the exclusive task waits, and s3 waits behind it");
+    env.finish(&w1, &g1, "completed").await;
+    assert!(env.fetch(&w1).await.is_none(), "one shared holder is still there");
+    env.finish(&w2, &g2, "completed").await;
+    let gx = env.fetch(&w1).await.unwrap();
+    assert_eq!(id(&gx), x);
+    assert_eq!(gx.exclusive_resources, vec!["r"]);
+    assert!(env.fetch(&w2).await.is_none());
+    env.finish(&w1, &gx, "completed").await;
+    let g3 = env.fetch(&w2).await.unwrap();
+    assert_eq!(id(&g3), s3);
+    assert_eq!(g3.shared_resources, vec!["r"]);
+    env.assert_locks(&[&g3]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn incompatible_and_skipped_tasks_are_passed_over_without_locks() {
+    let mut env = Env::new().await;
+    let newer = env.task_with(&["a"], "plugin.task", &[("core", "3.200.0")]).await;
+    let fine = env.task_with(&["b"], "core.task", &[("core", "3.100")]).await;
+    let skipped = env.task(&["c"]).await;
+    let unknown_component = env.task_with(&["d"], "rpm.task", &[("rpm", "3.0")]).await;
+    let after_skipped = env.task(&["c"]).await;
+    let lease = env.open("w").await;
+    let g = env.fetch(&lease).await.unwrap();
+    assert_eq!(id(&g), fine);
+    let none = env.try_fetch(&lease, &[skipped]).await.unwrap();
+    assert!(none.is_none(), "skipped task still reserves c for the task after it");
+    env.assert_locks(&[&g]).await;
+    assert_eq!(env.app_lock(newer).await, None);
+    assert_eq!(env.app_lock(unknown_component).await, None);
+    assert_eq!(env.app_lock(after_skipped).await, None);
+    let mut client = env.client.clone();
+    let upgraded = client
+        .open_lease(dispatch_broker::proto::OpenLeaseRequest {
+            worker_name: "upgraded".into(),
+            versions: [("core".into(), "3.200.1".into())].into(),
+            ttl: None,
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    assert_eq!(id(&env.fetch(&upgraded).await.unwrap()), newer);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn concurrent_fetches_never_hand_out_a_task_twice() {
+    let env = Env::new().await;
+    for i in 0..60 {
+        env.task(&[&format!("r{}", i % 20), "shared:prn:core.domain:d"]).await;
+    }
+    let mut handles = Vec::new();
+    for w in 0..8 {
+        let mut client = env.client.clone();
+        handles.push(tokio::spawn(async move {
+            let lease = client
+                .open_lease(dispatch_broker::proto::OpenLeaseRequest {
+                    worker_name: format!("w{w}"),
+                    versions: Default::default(),
+                    ttl: None,
+                    app_status_id: String::new(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .lease_id;
+            let mut got = Vec::new();
+            let mut idle = 0;
+            while idle < 3 {
+                let task = client
+                    .fetch_task(dispatch_broker::proto::FetchTaskRequest {
+                        lease_id: lease.clone(),
+                        wait: None,
+                        skip_task_ids: vec![],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .task;
+                match task {
+                    Some(t) => {
+                        idle = 0;
+                        client
+                            .finish_task(dispatch_broker::proto::FinishTaskRequest {
+                                lease_id: lease.clone(),
+                                task_id: t.task_id.clone(),
+                                fencing_token: t.fencing_token,
+                                state: "completed".into(),
+                                error: String::new(),
+                            })
+                            .await
+                            .unwrap();
+                        got.push(t.task_id);
+                    }
+                    None => {
+                        idle += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+                    }
+                }
+            }
+            got
+        }));
+    }
+    let mut all = Vec::new();
+    for h in handles {
+        all.extend(h.await.unwrap());
+    }
+    let distinct: HashSet<_> = all.iter().collect();
+    assert_eq!(distinct.len(), all.len(), "a task was handed out twice");
+    assert_eq!(all.len(), 60, "every task ran exactly once");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn claim_task_takes_exactly_that_task_when_ready_and_changes_nothing_otherwise() {
+    let mut env = Env::new().await;
+    let a1 = env.task(&["a"]).await;
+    let a2 = env.task(&["a"]).await;
+    let b = env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    assert!(env.claim(&lease, a2).await.unwrap().is_none(), "a1 is older");
+    assert_eq!(env.app_lock(a2).await, None);
+    env.assert_locks(&[]).await;
+    let gb = env.claim(&lease, b).await.unwrap().expect("b is ready");
+    assert_eq!(id(&gb), b);
+    let ga = env.claim(&lease, a1).await.unwrap().expect("a1 is ready");
+    assert!(env.claim(&lease, a1).await.unwrap().is_none(), "already claimed");
+    env.assert_locks(&[&gb, &ga]).await;
+    env.shutdown().await;
+}
+
+/// A task canceled after its locks were taken and before the claim: never handed out, no lock.
+/// The test holds the task's row lock so that the broker's claim has to wait, checks that the
+/// broker holds the Redis locks at that moment, cancels, and lets the claim go on.
+#[tokio::test]
+async fn a_task_canceled_between_lock_and_claim_is_not_handed_out_and_keeps_no_lock() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a", "shared:d"]).await;
+    let lease = env.open("w").await;
+    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute("SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE", &[&task])
+        .await
+        .unwrap();
+    let mut client = env.client.clone();
+    let lease2 = lease.clone();
+    let fetch = tokio::spawn(async move {
+        client
+            .fetch_task(dispatch_broker::proto::FetchTaskRequest {
+                lease_id: lease2,
+                wait: None,
+                skip_task_ids: vec![],
+            })
+            .await
+            .map(|r| r.into_inner().task)
+    });
+    // Wait until the broker holds the locks and is blocked in its claim.
+    let mut locked = false;
+    for _ in 0..200 {
+        if env.locked_tasks().await.contains(&task.to_string()) {
+            locked = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(locked, "the fetch took the task's locks");
+    tx.execute(
+        "UPDATE core_task SET state = 'canceled', finished_at = now() WHERE pulp_id = $1",
+        &[&task],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let got = fetch.await.unwrap().expect("fetch succeeds");
+    assert!(got.is_none(), "a canceled task was handed out");
+    env.assert_locks(&[]).await;
+    assert_eq!(env.state(task).await, "canceled");
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn fetch_with_wait_returns_a_task_inserted_while_waiting() {
+    let mut env = Env::new().await;
+    let lease = env.open("w").await;
+    let mut client = env.client.clone();
+    let lease2 = lease.clone();
+    let waiting = tokio::spawn(async move {
+        client
+            .fetch_task(dispatch_broker::proto::FetchTaskRequest {
+                lease_id: lease2,
+                wait: Some(prost_types::Duration { seconds: 20, nanos: 0 }),
+                skip_task_ids: vec![],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .task
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let task = env.task(&["a"]).await;
+    let got = waiting.await.unwrap().expect("the waiting fetch got the new task");
+    assert_eq!(id(&got), task);
+    env.shutdown().await;
+}

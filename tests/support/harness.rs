@@ -1,0 +1,303 @@
+//! Test harness: a throwaway PostgreSQL cluster shared by the tests of one binary (each test gets
+//! its own database, cloned from a migrated template), a redis-server per test, and the broker
+//! in-process on 127.0.0.1:0. Tests that kill Postgres start their own cluster.
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use dispatch_broker::config::ServeArgs;
+use dispatch_broker::proto::broker_client::BrokerClient;
+use dispatch_broker::proto::*;
+use dispatch_broker::server::{self, Running};
+use dispatch_broker::testkit::{Postgres, Redis};
+use tonic::transport::Channel;
+use uuid::Uuid;
+
+static PG: OnceLock<Postgres> = OnceLock::new();
+static NEXT_DB: AtomicUsize = AtomicUsize::new(0);
+const TEMPLATE: &str = "dispatch_template";
+
+/// The cluster shared by this test binary, with a migrated template database.
+pub fn shared_pg() -> &'static Postgres {
+    PG.get_or_init(|| {
+        let pg = Postgres::start().expect("start throwaway postgres");
+        pg.create_database(TEMPLATE).expect("create template");
+        let migrate = include_str!("../../src/tasks/migrate.sql");
+        pg.psql(TEMPLATE, migrate).expect("migrate template");
+        pg
+    })
+}
+
+/// A fresh, migrated database on the shared cluster.
+pub fn fresh_database() -> String {
+    let pg = shared_pg();
+    let name = format!("t{}_{}", std::process::id(), NEXT_DB.fetch_add(1, Ordering::Relaxed));
+    pg.psql("postgres", &format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
+        .expect("create test database");
+    pg.url(&name)
+}
+
+/// One test's world: its database, its Redis, its broker, a client.
+pub struct Env {
+    pub db_url: String,
+    pub redis: Redis,
+    pub broker: Option<Running>,
+    pub client: BrokerClient<Channel>,
+    pub db: tokio_postgres::Client,
+    pub args: ServeArgs,
+}
+
+/// Options for [`Env::with`].
+pub fn default_args(db_url: &str, redis_url: &str) -> ServeArgs {
+    let mut args = ServeArgs::with_urls(db_url, redis_url);
+    args.lease.min_ttl = Duration::from_millis(200);
+    args.fetch.recheck = Duration::from_millis(50);
+    args
+}
+
+impl Env {
+    /// A world with default broker options.
+    pub async fn new() -> Env {
+        Env::with(|_| {}).await
+    }
+
+    /// A world whose broker options `tweak` adjusts.
+    pub async fn with(tweak: impl FnOnce(&mut ServeArgs)) -> Env {
+        let db_url = tokio::task::spawn_blocking(fresh_database).await.unwrap();
+        let redis = tokio::task::spawn_blocking(|| Redis::start().expect("start redis"))
+            .await
+            .unwrap();
+        Env::on(db_url, redis, tweak).await
+    }
+
+    /// A world on an existing database and Redis.
+    pub async fn on(db_url: String, redis: Redis, tweak: impl FnOnce(&mut ServeArgs)) -> Env {
+        let mut args = default_args(&db_url, &redis.url());
+        tweak(&mut args);
+        let broker = server::start(&args).await.expect("start broker");
+        let client = BrokerClient::connect(format!("http://{}", broker.addr))
+            .await
+            .expect("connect");
+        let (db, conn) = tokio_postgres::connect(&db_url, tokio_postgres::NoTls)
+            .await
+            .expect("connect db");
+        tokio::spawn(conn);
+        Env {
+            db_url,
+            redis,
+            broker: Some(broker),
+            client,
+            db,
+            args,
+        }
+    }
+
+    pub fn broker(&self) -> &Running {
+        self.broker.as_ref().expect("broker running")
+    }
+
+    /// Inserts a waiting task with this `reserved_resources_record`.
+    pub async fn task(&self, record: &[&str]) -> Uuid {
+        self.task_with(record, "test.task", &[]).await
+    }
+
+    /// Inserts a waiting task with a name and `versions`.
+    pub async fn task_with(&self, record: &[&str], name: &str, versions: &[(&str, &str)]) -> Uuid {
+        let id = Uuid::new_v4();
+        let record: Vec<String> = record.iter().map(|s| s.to_string()).collect();
+        let keys: Vec<&str> = versions.iter().map(|v| v.0).collect();
+        let values: Vec<&str> = versions.iter().map(|v| v.1).collect();
+        self.db
+            .execute(
+                "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record, versions) \
+                 VALUES ($1, $2, 'waiting', $3, hstore($4::text[], $5::text[]))",
+                &[&id, &name, &record, &keys, &values],
+            )
+            .await
+            .expect("insert task");
+        id
+    }
+
+    /// Inserts `n` waiting tasks with the same record in one statement.
+    pub async fn tasks_bulk(&self, n: usize, record: &[&str]) {
+        let record: Vec<String> = record.iter().map(|s| s.to_string()).collect();
+        self.db
+            .execute(
+                "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+                 SELECT gen_random_uuid(), 'test.bulk', 'waiting', $1 FROM generate_series(1, $2::int)",
+                &[&record, &(n as i32)],
+            )
+            .await
+            .expect("insert tasks");
+    }
+
+    pub async fn state(&self, task: Uuid) -> String {
+        self.db
+            .query_one("SELECT state FROM core_task WHERE pulp_id = $1", &[&task])
+            .await
+            .expect("task state")
+            .get(0)
+    }
+
+    pub async fn app_lock(&self, task: Uuid) -> Option<Uuid> {
+        self.db
+            .query_one("SELECT app_lock_id FROM core_task WHERE pulp_id = $1", &[&task])
+            .await
+            .expect("task app_lock")
+            .get(0)
+    }
+
+    /// Sets a task's state directly, as a Pulp worker does.
+    pub async fn set_state(&self, task: Uuid, state: &str) {
+        self.db
+            .execute("UPDATE core_task SET state = $2 WHERE pulp_id = $1", &[&task, &state])
+            .await
+            .expect("set state");
+    }
+
+    pub async fn open(&mut self, name: &str) -> String {
+        self.open_with(name, &[("core", "3.123.1")], None).await
+    }
+
+    pub async fn open_with(
+        &mut self,
+        name: &str,
+        versions: &[(&str, &str)],
+        ttl: Option<Duration>,
+    ) -> String {
+        self.client
+            .open_lease(OpenLeaseRequest {
+                worker_name: name.into(),
+                versions: versions.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                ttl: ttl.map(|t| t.try_into().unwrap()),
+                app_status_id: String::new(),
+            })
+            .await
+            .expect("open lease")
+            .into_inner()
+            .lease_id
+    }
+
+    pub async fn fetch(&mut self, lease: &str) -> Option<Task> {
+        self.try_fetch(lease, &[]).await.expect("fetch")
+    }
+
+    pub async fn try_fetch(&mut self, lease: &str, skip: &[Uuid]) -> Result<Option<Task>, tonic::Status> {
+        Ok(self
+            .client
+            .fetch_task(FetchTaskRequest {
+                lease_id: lease.into(),
+                wait: None,
+                skip_task_ids: skip.iter().map(|s| s.to_string()).collect(),
+            })
+            .await?
+            .into_inner()
+            .task)
+    }
+
+    pub async fn claim(&mut self, lease: &str, task: Uuid) -> Result<Option<Task>, tonic::Status> {
+        Ok(self
+            .client
+            .claim_task(ClaimTaskRequest {
+                lease_id: lease.into(),
+                task_id: task.to_string(),
+            })
+            .await?
+            .into_inner()
+            .task)
+    }
+
+    pub async fn start(&mut self, lease: &str, task: &Task) {
+        self.client
+            .start_task(StartTaskRequest {
+                lease_id: lease.into(),
+                task_id: task.task_id.clone(),
+                fencing_token: task.fencing_token,
+            })
+            .await
+            .expect("start task");
+    }
+
+    pub async fn finish(&mut self, lease: &str, task: &Task, state: &str) -> FinishTaskResponse {
+        self.client
+            .finish_task(FinishTaskRequest {
+                lease_id: lease.into(),
+                task_id: task.task_id.clone(),
+                fencing_token: task.fencing_token,
+                state: state.into(),
+                error: String::new(),
+            })
+            .await
+            .expect("finish task")
+            .into_inner()
+    }
+
+    pub async fn release(&mut self, lease: &str, task: &Task) -> Result<bool, tonic::Status> {
+        Ok(self
+            .client
+            .release_locks(ReleaseLocksRequest {
+                lease_id: lease.into(),
+                task_id: task.task_id.clone(),
+                fencing_token: task.fencing_token,
+            })
+            .await?
+            .into_inner()
+            .released)
+    }
+
+    pub async fn cancel(&mut self, task: Uuid) -> Result<CancelTaskResponse, tonic::Status> {
+        Ok(self
+            .client
+            .cancel_task(CancelTaskRequest {
+                task_id: task.to_string(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// The task locks Redis holds, as task ids.
+    pub async fn locked_tasks(&self) -> BTreeSet<String> {
+        self.broker()
+            .locks
+            .held_task_locks()
+            .await
+            .expect("list locks")
+            .into_iter()
+            .map(|(task, _, _)| task)
+            .collect()
+    }
+
+    /// Fails unless Redis holds exactly the locks of `expected` tasks, and no resource key
+    /// belongs to any other task.
+    pub async fn assert_locks(&self, expected: &[&Task]) {
+        let want: BTreeSet<String> = expected.iter().map(|t| t.task_id.clone()).collect();
+        assert_eq!(self.locked_tasks().await, want, "task locks in redis");
+        let keys = self.broker().locks.all_keys().await.expect("keys");
+        let resource_keys = keys.iter().filter(|k| k.contains("}:x:") || k.contains("}:s:")).count();
+        let want_resources: usize = expected
+            .iter()
+            .map(|t| t.exclusive_resources.len() + t.shared_resources.len())
+            .sum();
+        assert!(
+            resource_keys <= want_resources,
+            "resource keys left in redis: {keys:?}"
+        );
+        if expected.is_empty() {
+            assert_eq!(resource_keys, 0, "resource keys left in redis: {keys:?}");
+        }
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(b) = self.broker.take() {
+            b.shutdown().await.expect("shutdown");
+        }
+    }
+}
+
+/// Parses a task id from the wire.
+pub fn id(task: &Task) -> Uuid {
+    task.task_id.parse().unwrap()
+}
