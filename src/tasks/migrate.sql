@@ -57,10 +57,12 @@ BEGIN
 
     NEW.pulp_created := clock_timestamp();
 
-    SELECT max(pulp_created) INTO newest
+    SELECT pulp_created INTO newest
     FROM core_task
     WHERE state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-      AND reserved_resources_record && (names || ARRAY(SELECT 'shared:' || n FROM unnest(names) AS n));
+      AND reserved_resources_record && (names || ARRAY(SELECT 'shared:' || n FROM unnest(names) AS n))
+    ORDER BY pulp_created DESC
+    LIMIT 1;
     IF newest IS NOT NULL AND NEW.pulp_created <= newest THEN
         RAISE EXCEPTION 'clock went backwards: a conflicting task is newer than %', NEW.pulp_created;
     END IF;
