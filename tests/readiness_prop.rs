@@ -1,0 +1,103 @@
+//! Property: on random small queues with some tasks already running, every task FetchTask hands
+//! out is ready by the pure rule (`ready`), and it is the oldest ready one. The queue lives in
+//! real Postgres, the locks in real Redis; the expectation is computed from what they hold.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use dispatch_broker::ready::Resources;
+use proptest::prelude::*;
+use support::{id, Env};
+use uuid::Uuid;
+
+/// One task of the generated queue: its record, and what happens to it before the check.
+#[derive(Debug, Clone)]
+struct Spec {
+    record: Vec<String>,
+}
+
+fn arb_queue() -> impl Strategy<Value = (Vec<Spec>, Vec<u8>)> {
+    let entry = (0..6u8, prop::bool::weighted(0.4))
+        .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
+    let spec = prop::collection::vec(entry, 0..4).prop_map(|record| Spec { record });
+    // The history: how many tasks the "runner" lease takes first, and which of them it finishes.
+    (prop::collection::vec(spec, 1..30), prop::collection::vec(any::<u8>(), 0..8))
+}
+
+/// The rule, from Postgres and Redis state: the oldest waiting, unclaimed task that no older
+/// incomplete task and no held lock conflicts with.
+async fn expected(env: &Env) -> Option<Uuid> {
+    let rows = env
+        .db
+        .query(
+            "SELECT pulp_id, state, app_lock_id, coalesce(reserved_resources_record, '{}') \
+             FROM core_task ORDER BY pulp_created, pulp_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let held = env.locked_tasks().await;
+    let tasks: Vec<(Uuid, String, Option<Uuid>, Resources)> = rows
+        .iter()
+        .map(|r| {
+            let record: Vec<String> = r.get(3);
+            (r.get(0), r.get(1), r.get(2), Resources::from_record(&record))
+        })
+        .collect();
+    let incomplete = |s: &str| matches!(s, "waiting" | "running" | "canceling");
+    let held_resources: Vec<&Resources> = tasks
+        .iter()
+        .filter(|t| held.contains(&t.0.to_string()))
+        .map(|t| &t.3)
+        .collect();
+    tasks.iter().enumerate().find_map(|(i, t)| {
+        let ready = t.1 == "waiting"
+            && t.2.is_none()
+            && !tasks[..i]
+                .iter()
+                .any(|u| incomplete(&u.1) && u.3.conflicts_with(&t.3))
+            && !held_resources.iter().any(|h| h.conflicts_with(&t.3));
+        ready.then_some(t.0)
+    })
+}
+
+async fn check(queue: Vec<Spec>, history: Vec<u8>) {
+    let mut env = Env::new().await;
+    for spec in &queue {
+        let record: Vec<&str> = spec.record.iter().map(String::as_str).collect();
+        env.task(&record).await;
+    }
+    // Some tasks run already: a runner takes some, starts them, and finishes some of those.
+    let runner = env.open("runner").await;
+    let mut running = Vec::new();
+    for step in &history {
+        if step % 3 == 0 && !running.is_empty() {
+            let t = running.remove(usize::from(*step) % running.len());
+            env.finish(&runner, &t, "completed").await;
+        } else if let Some(t) = env.fetch(&runner).await {
+            env.start(&runner, &t).await;
+            running.push(t);
+        }
+    }
+    // Now a fresh worker fetches until nothing is ready; each grant must be the rule's choice.
+    let worker = env.open("worker").await;
+    loop {
+        let want = expected(&env).await;
+        let got = env.fetch(&worker).await.map(|t| id(&t));
+        assert_eq!(got, want, "queue {queue:?}, history {history:?}");
+        if got.is_none() {
+            break;
+        }
+    }
+    env.shutdown().await;
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    #[test]
+    fn every_fetched_task_is_the_oldest_ready_one((queue, history) in arb_queue()) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(check(queue, history));
+    }
+}
