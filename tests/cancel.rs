@@ -1,0 +1,140 @@
+//! CancelTask in each state.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use support::{id, Env};
+
+#[tokio::test]
+async fn a_waiting_task_is_canceled_at_once() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let r = env.cancel(task).await.unwrap();
+    assert_eq!((r.state.as_str(), r.holder_notified), ("canceled", false));
+    assert_eq!(env.state(task).await, "canceled");
+    let lease = env.open("w").await;
+    assert!(env.fetch(&lease).await.is_none());
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_claimed_task_that_has_not_started_is_canceled_and_its_locks_released() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a", "shared:d"]).await;
+    let next = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    let r = env.cancel(task).await.unwrap();
+    assert_eq!((r.state.as_str(), r.holder_notified), ("canceled", false));
+    env.assert_locks(&[]).await;
+    // The former holder can neither start it nor release anything now.
+    let mut c = env.client.clone();
+    let start = c
+        .start_task(dispatch_broker::proto::StartTaskRequest {
+            lease_id: lease.clone(),
+            task_id: t.task_id.clone(),
+            fencing_token: t.fencing_token,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(start.code(), tonic::Code::FailedPrecondition);
+    assert!(!env.release(&lease, &t).await.unwrap());
+    let other = env.open("other").await;
+    assert_eq!(id(&env.fetch(&other).await.unwrap()), next);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_running_task_becomes_canceling_and_a_final_task_is_unchanged() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &t).await;
+    let r = env.cancel(task).await.unwrap();
+    assert_eq!((r.state.as_str(), r.holder_notified), ("canceling", true));
+    let again = env.cancel(task).await.unwrap();
+    assert_eq!(again.state, "canceling", "canceling twice changes nothing");
+    env.assert_locks(&[&t]).await;
+    env.finish(&lease, &t, "canceled").await;
+    let done = env.cancel(task).await.unwrap();
+    assert_eq!((done.state.as_str(), done.holder_notified), ("canceled", false));
+    env.assert_locks(&[]).await;
+
+    let finished = env.task(&["b"]).await;
+    env.set_state(finished, "completed").await;
+    let r = env.cancel(finished).await.unwrap();
+    assert_eq!(r.state, "completed");
+    env.shutdown().await;
+}
+
+/// Cancel racing fetches from several leases, many times: a canceled task is never handed out
+/// after the cancel succeeded, and no lock for it remains.
+#[tokio::test]
+async fn cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_task() {
+    let env = Env::new().await;
+    let mut leases = Vec::new();
+    for n in 0..4 {
+        let mut c = env.client.clone();
+        leases.push(
+            c.open_lease(dispatch_broker::proto::OpenLeaseRequest {
+                worker_name: format!("w{n}"),
+                versions: Default::default(),
+                ttl: None,
+                app_status_id: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease_id,
+        );
+    }
+    for round in 0..25 {
+        let task = env.task(&[&format!("r{round}"), "shared:d"]).await;
+        let mut fetches = Vec::new();
+        for lease in &leases {
+            let mut c = env.client.clone();
+            let lease = lease.clone();
+            fetches.push(tokio::spawn(async move {
+                c.fetch_task(dispatch_broker::proto::FetchTaskRequest {
+                    lease_id: lease.clone(),
+                    wait: None,
+                    skip_task_ids: vec![],
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .task
+                .map(|t| (lease, t))
+            }));
+        }
+        let mut c = env.client.clone();
+        let cancel = c
+            .cancel_task(dispatch_broker::proto::CancelTaskRequest { task_id: task.to_string() })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut granted = Vec::new();
+        for f in fetches {
+            if let Some(g) = f.await.unwrap() {
+                granted.push(g);
+            }
+        }
+        assert!(granted.len() <= 1, "round {round}: handed out twice");
+        assert_eq!(cancel.state, "canceled", "round {round}: waiting or claimed task is canceled");
+        assert_eq!(env.state(task).await, "canceled");
+        // A grant may have been made before the cancel; its holder cannot start it now.
+        for (lease, t) in granted {
+            let start = c
+                .start_task(dispatch_broker::proto::StartTaskRequest {
+                    lease_id: lease,
+                    task_id: t.task_id,
+                    fencing_token: t.fencing_token,
+                })
+                .await;
+            assert!(start.is_err(), "round {round}: a canceled task was started");
+        }
+        env.assert_locks(&[]).await;
+    }
+    env.shutdown().await;
+}

@@ -1,0 +1,236 @@
+//! Every error status a client can get, each with a message a person can act on, and each
+//! changing nothing.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::proto::*;
+use support::Env;
+use tonic::Code;
+
+fn expect_code<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Code, words: &str) {
+    let status = result.expect_err("the call must fail");
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(words),
+        "message {:?} should mention {words:?}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn unknown_lease_is_not_found_everywhere() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let unknown = uuid::Uuid::new_v4().to_string();
+    expect_code(env.try_fetch(&unknown, &[]).await, Code::NotFound, "open a new lease");
+    expect_code(env.claim(&unknown, task).await, Code::NotFound, "unknown or expired");
+    let mut c = env.client.clone();
+    expect_code(
+        c.heartbeat(HeartbeatRequest { lease_id: unknown.clone() }).await,
+        Code::NotFound,
+        "unknown or expired",
+    );
+    expect_code(
+        c.close_lease(CloseLeaseRequest { lease_id: unknown.clone() }).await,
+        Code::NotFound,
+        "unknown or expired",
+    );
+    assert_eq!(env.app_lock(task).await, None);
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn expired_lease_is_not_found_and_must_be_reopened() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env
+        .open_with("w", &[], Some(Duration::from_millis(300)))
+        .await;
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let mut c = env.client.clone();
+    expect_code(
+        c.heartbeat(HeartbeatRequest { lease_id: lease.clone() }).await,
+        Code::NotFound,
+        "open a new lease",
+    );
+    expect_code(env.try_fetch(&lease, &[]).await, Code::NotFound, "unknown or expired");
+    expect_code(env.claim(&lease, task).await, Code::NotFound, "unknown or expired");
+    assert_eq!(env.app_lock(task).await, None);
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn empty_and_malformed_ids_are_invalid_arguments() {
+    let mut env = Env::new().await;
+    let lease = env.open("w").await;
+    expect_code(env.try_fetch("", &[]).await, Code::InvalidArgument, "lease_id is required");
+    expect_code(env.try_fetch("not-a-uuid", &[]).await, Code::InvalidArgument, "is not a UUID");
+    let mut c = env.client.clone();
+    expect_code(
+        c.fetch_task(FetchTaskRequest {
+            lease_id: lease.clone(),
+            wait: None,
+            skip_task_ids: vec!["x".into()],
+        })
+        .await,
+        Code::InvalidArgument,
+        "skip_task_ids",
+    );
+    expect_code(
+        c.fetch_task(FetchTaskRequest {
+            lease_id: lease.clone(),
+            wait: Some(prost_types::Duration { seconds: -1, nanos: 0 }),
+            skip_task_ids: vec![],
+        })
+        .await,
+        Code::InvalidArgument,
+        "wait must be a non-negative duration",
+    );
+    expect_code(
+        c.claim_task(ClaimTaskRequest { lease_id: lease.clone(), task_id: String::new() }).await,
+        Code::InvalidArgument,
+        "task_id is required",
+    );
+    expect_code(
+        c.cancel_task(CancelTaskRequest { task_id: "42".into() }).await,
+        Code::InvalidArgument,
+        "is not a UUID",
+    );
+    expect_code(
+        c.release_locks(ReleaseLocksRequest {
+            lease_id: lease.clone(),
+            task_id: uuid::Uuid::new_v4().to_string(),
+            fencing_token: 0,
+        })
+        .await,
+        Code::InvalidArgument,
+        "fencing_token is required",
+    );
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_open_lease_requests_are_invalid_arguments() {
+    let env = Env::new().await;
+    let mut c = env.client.clone();
+    let base = OpenLeaseRequest {
+        worker_name: "w".into(),
+        versions: Default::default(),
+        ttl: None,
+        app_status_id: String::new(),
+    };
+    expect_code(
+        c.open_lease(OpenLeaseRequest { worker_name: " ".into(), ..base.clone() }).await,
+        Code::InvalidArgument,
+        "worker_name is required",
+    );
+    expect_code(
+        c.open_lease(OpenLeaseRequest {
+            versions: [("core".into(), "latest".into())].into(),
+            ..base.clone()
+        })
+        .await,
+        Code::InvalidArgument,
+        "not a dotted release number",
+    );
+    expect_code(
+        c.open_lease(OpenLeaseRequest {
+            ttl: Some(prost_types::Duration { seconds: 0, nanos: 1_000_000 }),
+            ..base.clone()
+        })
+        .await,
+        Code::InvalidArgument,
+        "outside the accepted range",
+    );
+    expect_code(
+        c.open_lease(OpenLeaseRequest { app_status_id: "nope".into(), ..base.clone() }).await,
+        Code::InvalidArgument,
+        "app_status_id",
+    );
+    expect_code(
+        c.open_lease(OpenLeaseRequest {
+            app_status_id: uuid::Uuid::new_v4().to_string(),
+            ..base.clone()
+        })
+        .await,
+        Code::NotFound,
+        "core_appstatus row",
+    );
+    let rows: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_appstatus", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0, "a refused OpenLease wrote a core_appstatus row");
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn unknown_task_is_not_found() {
+    let mut env = Env::new().await;
+    let lease = env.open("w").await;
+    let unknown = uuid::Uuid::new_v4();
+    expect_code(env.claim(&lease, unknown).await, Code::NotFound, "does not exist");
+    expect_code(env.cancel(unknown).await, Code::NotFound, "does not exist");
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn wrong_lease_or_stale_token_is_a_failed_precondition_and_releases_nothing() {
+    let mut env = Env::new().await;
+    env.task(&["a", "shared:d"]).await;
+    let holder = env.open("holder").await;
+    let other = env.open("other").await;
+    let task = env.fetch(&holder).await.unwrap();
+    expect_code(env.release(&other, &task).await, Code::FailedPrecondition, "does not hold");
+    let stale = Task { fencing_token: task.fencing_token + 100, ..task.clone() };
+    expect_code(env.release(&holder, &stale).await, Code::FailedPrecondition, "stale");
+    let mut c = env.client.clone();
+    expect_code(
+        c.start_task(StartTaskRequest {
+            lease_id: other.clone(),
+            task_id: task.task_id.clone(),
+            fencing_token: task.fencing_token,
+        })
+        .await,
+        Code::FailedPrecondition,
+        "does not hold",
+    );
+    expect_code(
+        c.finish_task(FinishTaskRequest {
+            lease_id: holder.clone(),
+            task_id: task.task_id.clone(),
+            fencing_token: stale.fencing_token,
+            state: "completed".into(),
+            error: String::new(),
+        })
+        .await,
+        Code::FailedPrecondition,
+        "stale",
+    );
+    expect_code(
+        c.finish_task(FinishTaskRequest {
+            lease_id: holder.clone(),
+            task_id: task.task_id.clone(),
+            fencing_token: task.fencing_token,
+            state: "done".into(),
+            error: String::new(),
+        })
+        .await,
+        Code::InvalidArgument,
+        "not a final state",
+    );
+    env.assert_locks(&[&task]).await;
+    assert_eq!(env.state(support::id(&task)).await, "waiting");
+    // The holder still releases; a second release is not an error.
+    assert!(env.release(&holder, &task).await.unwrap());
+    assert!(!env.release(&holder, &task).await.unwrap());
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}

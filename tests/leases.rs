@@ -1,0 +1,218 @@
+//! Leases: open, heartbeat, close, and what closing does to the lease's tasks.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::proto::*;
+use support::{id, Env};
+
+#[tokio::test]
+async fn open_creates_a_worker_row_that_pulp_would_accept_and_close_removes_it() {
+    let mut env = Env::new().await;
+    let lease = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "123@host".into(),
+            versions: [("core".into(), "3.123.1".into()), ("file".into(), "3.123.1".into())].into(),
+            ttl: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(lease.lease_id, lease.app_status_id);
+    let app: uuid::Uuid = lease.app_status_id.parse().unwrap();
+    let row = env
+        .db
+        .query_one(
+            "SELECT name, app_type, versions -> 'core', extract(epoch FROM ttl)::float8, \
+                    last_heartbeat > now() - interval '1 minute' \
+             FROM core_appstatus WHERE pulp_id = $1",
+            &[&app],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "123@host");
+    assert_eq!(row.get::<_, String>(1), "worker");
+    assert_eq!(row.get::<_, String>(2), "3.123.1");
+    assert_eq!(row.get::<_, f64>(3), 30.0);
+    assert!(row.get::<_, bool>(4));
+    let closed = env
+        .client
+        .close_lease(CloseLeaseRequest { lease_id: lease.lease_id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(closed.released_locks, 0);
+    let left: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_appstatus WHERE pulp_id = $1", &[&app])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn each_lease_is_new_even_for_the_same_worker_name() {
+    let mut env = Env::new().await;
+    let a = env.open("same").await;
+    let b = env.open("same").await;
+    assert_ne!(a, b);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
+    let mut env = Env::new().await;
+    let lease = env.open_with("w", &[], Some(Duration::from_millis(400))).await;
+    let mut last = None;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(130)).await;
+        let beat = env
+            .client
+            .heartbeat(HeartbeatRequest { lease_id: lease.clone() })
+            .await
+            .expect("alive")
+            .into_inner();
+        let expires = beat.expires_at.unwrap();
+        if let Some(prev) = last {
+            assert!(expires.seconds * 1000 + i64::from(expires.nanos / 1_000_000) >= prev);
+        }
+        last = Some(expires.seconds * 1000 + i64::from(expires.nanos / 1_000_000));
+    }
+    env.task(&["a"]).await;
+    assert!(env.fetch(&lease).await.is_some(), "the lease outlived its TTL through heartbeats");
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn heartbeat_lists_the_leases_tasks_that_were_asked_to_cancel() {
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    let t1 = env.fetch(&lease).await.unwrap();
+    let t2 = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &t1).await;
+    env.start(&lease, &t2).await;
+    let cancel = env.cancel(id(&t1)).await.unwrap();
+    assert_eq!(cancel.state, "canceling");
+    assert!(cancel.holder_notified);
+    let beat = env
+        .client
+        .heartbeat(HeartbeatRequest { lease_id: lease.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(beat.cancel_task_ids, vec![t1.task_id.clone()]);
+    // The holder finishes it as canceled and releases in the same call.
+    let done = env.finish(&lease, &t1, "canceled").await;
+    assert_eq!(done.state, "canceled");
+    assert!(done.released);
+    env.assert_locks(&[&t2]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn close_requeues_claimed_tasks_fails_running_ones_and_releases_every_lock() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    let b = env.task(&["b", "shared:d"]).await;
+    let lease = env.open("w").await;
+    let ta = env.fetch(&lease).await.unwrap();
+    let tb = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &ta).await;
+    let closed = env
+        .client
+        .close_lease(CloseLeaseRequest { lease_id: lease.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((closed.released_locks, closed.requeued_tasks, closed.failed_tasks), (2, 1, 1));
+    assert_eq!(env.state(a).await, "failed");
+    let error: serde_json::Value = env
+        .db
+        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&a])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(error["reason"], "Aborted during worker shutdown.");
+    assert_eq!(env.state(b).await, "waiting");
+    assert_eq!(env.app_lock(b).await, None);
+    env.assert_locks(&[]).await;
+    // The requeued task goes to the next worker; the closed lease is gone.
+    let next = env.open("next").await;
+    assert_eq!(id(&env.fetch(&next).await.unwrap()), id(&tb));
+    let again = env
+        .client
+        .close_lease(CloseLeaseRequest { lease_id: lease })
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), tonic::Code::NotFound);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn releasing_a_claimed_task_that_never_started_puts_it_back_in_the_queue() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    let w1 = env.open("w1").await;
+    let t = env.fetch(&w1).await.unwrap();
+    assert!(env.release(&w1, &t).await.unwrap());
+    assert_eq!(env.app_lock(a).await, None);
+    let w2 = env.open("w2").await;
+    let again = env.fetch(&w2).await.unwrap();
+    assert_eq!(id(&again), a);
+    assert!(again.fencing_token > t.fencing_token);
+    // The first holder's late release with its old token changes nothing for the new holder.
+    let late = env.release(&w1, &t).await.unwrap_err();
+    assert_eq!(late.code(), tonic::Code::FailedPrecondition);
+    env.assert_locks(&[&again]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_pulp_worker_can_bring_its_own_app_status_row() {
+    let mut env = Env::new().await;
+    let own = uuid::Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO core_appstatus (pulp_id, pulp_created, app_type, name, versions, ttl, last_heartbeat) \
+             VALUES ($1, now(), 'worker', 'pulp-worker', ''::hstore, interval '30 seconds', now())",
+            &[&own],
+        )
+        .await
+        .unwrap();
+    let lease = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "pulp-worker".into(),
+            versions: Default::default(),
+            ttl: None,
+            app_status_id: own.to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(lease.app_status_id, own.to_string());
+    let task = env.task(&["a"]).await;
+    let t = env.fetch(&lease.lease_id).await.unwrap();
+    assert_eq!(env.app_lock(task).await, Some(own));
+    env.finish(&lease.lease_id, &t, "completed").await;
+    env.client
+        .close_lease(CloseLeaseRequest { lease_id: lease.lease_id })
+        .await
+        .unwrap();
+    let left: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_appstatus WHERE pulp_id = $1", &[&own])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 1, "the worker's own row is the worker's to remove");
+    env.shutdown().await;
+}
