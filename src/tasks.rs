@@ -21,7 +21,7 @@ use crate::metrics::Stats;
 use crate::ready::{Candidate, Resources};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
-pub(crate) mod sql {
+pub mod sql {
     pub const CANDIDATES: &str = include_str!("tasks/candidates.sql");
     pub const TASK: &str = include_str!("tasks/task.sql");
     pub const CLAIM: &str = include_str!("tasks/claim.sql");

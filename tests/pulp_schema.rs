@@ -1,0 +1,157 @@
+//! The broker on a database whose schema pulpcore 3.123.1's own migrations made
+//! (tests/fixtures/pulpcore-3.123.1-schema.sql): `migrate` changes nothing and finds everything,
+//! the rows the broker writes satisfy Pulp's constraints, and readiness look-ups use Pulp's
+//! partial GIN index.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dispatch_broker::metrics::Stats;
+use dispatch_broker::tasks::Tasks;
+use support::{id, shared_pg, Env};
+use uuid::Uuid;
+
+const PULP_SCHEMA: &str = include_str!("fixtures/pulpcore-3.123.1-schema.sql");
+
+fn pulp_database() -> String {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let pg = shared_pg();
+    let name = format!("pulp{}_{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    pg.create_database(&name).expect("create pulp database");
+    pg.psql(&name, PULP_SCHEMA).expect("load pulp schema");
+    pg.url(&name)
+}
+
+async fn schema_fingerprint(db: &tokio_postgres::Client) -> Vec<String> {
+    db.query(
+        "SELECT 'col ' || table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable \
+         FROM information_schema.columns WHERE table_schema = 'public' \
+         UNION ALL SELECT 'idx ' || indexdef FROM pg_indexes WHERE schemaname = 'public' \
+         UNION ALL SELECT 'trg ' || tgname FROM pg_trigger WHERE NOT tgisinternal \
+         UNION ALL SELECT 'fn ' || proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace \
+         ORDER BY 1",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// Inserts a task the way pulpcore's dispatch does: every NOT NULL column filled.
+async fn pulp_task(db: &tokio_postgres::Client, record: &[&str]) -> Uuid {
+    let id = Uuid::new_v4();
+    let record: Vec<String> = record.iter().map(|s| s.to_string()).collect();
+    db.execute(
+        "INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, logging_cid, \
+             reserved_resources_record, pulp_domain_id, versions, immediate, deferred, pulp_api_version) \
+         SELECT $1, now(), now(), 'waiting', 'pulpcore.app.tasks.base.general_create', 'cid', $2, \
+                d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+         FROM core_domain d WHERE d.name = 'default'",
+        &[&id, &record],
+    )
+    .await
+    .expect("insert a pulp task");
+    id
+}
+
+#[tokio::test]
+async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let before = schema_fingerprint(&db).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let outcome = tasks.migrate().await.unwrap();
+    assert!(!outcome.created);
+    assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
+    assert_eq!(schema_fingerprint(&db).await, before, "migrate changed a Pulp schema");
+}
+
+#[tokio::test]
+async fn the_broker_runs_unchanged_on_a_pulp_database() {
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut env = Env::on(url, redis, |_| {}).await;
+    let running = pulp_task(&env.db, &["prn:file.repository:1", "shared:prn:core.domain:x"]).await;
+    let blocked = pulp_task(&env.db, &["prn:file.repository:1"]).await;
+    let free = pulp_task(&env.db, &["prn:file.repository:2"]).await;
+    let w1 = env.open("1@host").await;
+    let t = env.fetch(&w1).await.unwrap();
+    assert_eq!(id(&t), running);
+    env.start(&w1, &t).await;
+    let w2 = env.open("2@host").await;
+    let t2 = env.fetch(&w2).await.unwrap();
+    assert_eq!(id(&t2), free, "the blocked task is passed over");
+    let done = env.finish(&w1, &t, "completed").await;
+    assert_eq!(done.state, "completed");
+    let t3 = env.fetch(&w1).await.unwrap();
+    assert_eq!(id(&t3), blocked);
+    assert!(env.cancel(id(&t3)).await.unwrap().state == "canceled");
+    // Closing leases removes the broker-made core_appstatus rows despite Pulp's plain foreign key.
+    for lease in [w1, w2] {
+        env.client
+            .close_lease(dispatch_broker::proto::CloseLeaseRequest { lease_id: lease })
+            .await
+            .expect("close on a pulp schema");
+    }
+    let rows: i64 = env.db.query_one("SELECT count(*) FROM core_appstatus", &[]).await.unwrap().get(0);
+    assert_eq!(rows, 0);
+    assert_eq!(env.state(free).await, "waiting", "closing requeues a claimed task");
+    assert_eq!(env.app_lock(free).await, None);
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+/// The readiness look-up (a positive overlap, counted) must be served by Pulp's partial GIN
+/// index, not by a scan of the task table.
+#[tokio::test]
+async fn the_readiness_lookup_uses_pulps_gin_index() {
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    pulp_task(&db, &["prn:python.repository:R0", "shared:prn:core.domain:D1"]).await;
+    db.batch_execute(
+        "SET session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
+             pulp_domain_id, versions, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), 'waiting', 't', 'c', \
+                ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'], d.pulp_id, ''::hstore, 'v3' \
+         FROM core_domain d, generate_series(1, 5000); \
+         INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
+             pulp_domain_id, versions, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), 'completed', 't', 'c', \
+                ARRAY['prn:file.repository:' || i], d.pulp_id, ''::hstore, 'v3' \
+         FROM core_domain d, generate_series(1, 20000) AS i; \
+         SET session_replication_role = origin; ANALYZE core_task;",
+    )
+    .await
+    .unwrap();
+    let sql = dispatch_broker::tasks::sql::CANDIDATES;
+    db.batch_execute(&format!("PREPARE candidates(text[], timestamptz, uuid, bigint) AS {sql}"))
+        .await
+        .unwrap();
+    let plan: String = db
+        .query("EXPLAIN EXECUTE candidates('{}', NULL, NULL, 32)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0) + "\n")
+        .collect();
+    assert!(
+        plan.contains("Bitmap Index Scan on pulp_task_resources_index"),
+        "the older-conflicts look-up does not use the GIN index:\n{plan}"
+    );
+    assert!(
+        !plan.contains("Seq Scan on core_task u"),
+        "the older-conflicts look-up scans the table:\n{plan}"
+    );
+}

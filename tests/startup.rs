@@ -1,0 +1,111 @@
+//! Start-up: the broker refuses to start, with one clear line, when a backend is unreachable or
+//! the schema lacks something; `migrate` is idempotent; health and reflection are served.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use dispatch_broker::server;
+use dispatch_broker::testkit::{free_port, Redis};
+use support::{default_args, fresh_database, shared_pg, Env};
+
+async fn start_error(postgres: &str, redis: &str) -> String {
+    match server::start(&default_args(postgres, redis)).await {
+        Ok(_) => panic!("the broker started"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[tokio::test]
+async fn refuses_to_start_when_a_backend_is_unreachable_or_the_schema_is_missing() {
+    let redis = tokio::task::spawn_blocking(|| Redis::start().unwrap()).await.unwrap();
+    let db = tokio::task::spawn_blocking(fresh_database).await.unwrap();
+    let nowhere = free_port().unwrap();
+
+    let e = start_error(&format!("postgres://postgres@127.0.0.1:{nowhere}/x"), &redis.url()).await;
+    assert!(e.contains("cannot reach PostgreSQL"), "{e}");
+
+    let e = start_error(&db, &format!("redis://127.0.0.1:{nowhere}/")).await;
+    assert!(e.contains("cannot reach Redis"), "{e}");
+
+    let empty = tokio::task::spawn_blocking(|| {
+        let name = format!("empty{}", std::process::id());
+        shared_pg().create_database(&name).unwrap()
+    })
+    .await
+    .unwrap();
+    let e = start_error(&empty, &redis.url()).await;
+    assert!(e.contains("schema is missing") && e.contains("core_task.reserved_resources_record"), "{e}");
+}
+
+#[tokio::test]
+async fn the_binary_exits_with_one_line_on_bad_configuration() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+        .args(["serve", "--postgres-url", "postgres://127.0.0.1:1/x", "--redis-url", "redis://127.0.0.1:1/"])
+        .args(["--redis-key-prefix", "{oops}"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--redis-key-prefix"), "{stderr}");
+}
+
+#[tokio::test]
+async fn migrate_creates_the_schema_once_and_then_changes_nothing() {
+    let url = tokio::task::spawn_blocking(|| {
+        let name = format!("migrate{}", std::process::id());
+        shared_pg().create_database(&name).unwrap()
+    })
+    .await
+    .unwrap();
+    let bin = env!("CARGO_BIN_EXE_dispatch-broker");
+    let first = std::process::Command::new(bin).args(["migrate", "--postgres-url", &url]).output().unwrap();
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert!(String::from_utf8_lossy(&first.stdout).contains("created"));
+    let second = std::process::Command::new(bin).args(["migrate", "--postgres-url", &url]).output().unwrap();
+    assert!(second.status.success());
+    let said = String::from_utf8_lossy(&second.stdout);
+    assert!(said.contains("changed nothing") && said.contains("has everything"), "{said}");
+}
+
+#[tokio::test]
+async fn health_and_reflection_are_served_on_the_grpc_port() {
+    let env = Env::new().await;
+    let endpoint = format!("http://{}", env.broker().addr);
+    let channel = tonic::transport::Endpoint::from_shared(endpoint)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for service in ["", "dispatch.v1.Broker"] {
+        let status = health
+            .check(tonic_health::pb::HealthCheckRequest { service: service.into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    }
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut reflection = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = reflection
+        .server_reflection_info(tokio_stream::iter(vec![request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = stream.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("unexpected reflection reply");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(names.contains(&"dispatch.v1.Broker".to_string()), "{names:?}");
+    env.shutdown().await;
+}
