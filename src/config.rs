@@ -46,10 +46,19 @@ pub struct LogArgs {
 #[derive(Debug, Clone, Args)]
 pub struct PostgresArgs {
     /// PostgreSQL connection URL of the Pulp database (or one made by `migrate`).
-    #[arg(id = "postgres_url", long = "postgres-url", env = "DISPATCH_POSTGRES_URL")]
+    #[arg(
+        id = "postgres_url",
+        long = "postgres-url",
+        env = "DISPATCH_POSTGRES_URL"
+    )]
     pub url: String,
     /// Connections in the Postgres pool.
-    #[arg(id = "postgres_pool_size", long = "postgres-pool-size", env = "DISPATCH_POSTGRES_POOL_SIZE", default_value_t = 16)]
+    #[arg(
+        id = "postgres_pool_size",
+        long = "postgres-pool-size",
+        env = "DISPATCH_POSTGRES_POOL_SIZE",
+        default_value_t = 16
+    )]
     pub pool_size: usize,
 }
 
@@ -60,11 +69,20 @@ pub struct RedisArgs {
     #[arg(id = "redis_url", long = "redis-url", env = "DISPATCH_REDIS_URL")]
     pub url: String,
     /// Connections in the Redis pool.
-    #[arg(id = "redis_pool_size", long = "redis-pool-size", env = "DISPATCH_REDIS_POOL_SIZE", default_value_t = 16)]
+    #[arg(
+        id = "redis_pool_size",
+        long = "redis-pool-size",
+        env = "DISPATCH_REDIS_POOL_SIZE",
+        default_value_t = 16
+    )]
     pub pool_size: usize,
     /// Prefix of every Redis key; it becomes the hash tag `{prefix}`, so all keys live in one
     /// Redis Cluster slot. Brokers sharing a prefix share lock state.
-    #[arg(long = "redis-key-prefix", env = "DISPATCH_REDIS_KEY_PREFIX", default_value = "dispatch")]
+    #[arg(
+        long = "redis-key-prefix",
+        env = "DISPATCH_REDIS_KEY_PREFIX",
+        default_value = "dispatch"
+    )]
     pub key_prefix: String,
 }
 
@@ -143,26 +161,34 @@ pub struct DemoArgs {
 
 /// Parses "30s", "500ms", "2m", "1h".
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 30s or 500ms: {e}"))
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms: {e}"))
 }
 
 impl ServeArgs {
     /// Checks what clap cannot; the error is one line naming the option.
     pub fn validate(&self) -> Result<(), String> {
         let prefix = &self.redis.key_prefix;
-        if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.contains(char::is_whitespace) {
+        if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.contains(char::is_whitespace)
+        {
             return Err(format!(
                 "--redis-key-prefix {prefix:?} must be non-empty, without braces or spaces"
             ));
         }
-        if self.lease.min_ttl.is_zero() || self.lease.min_ttl > self.lease.ttl || self.lease.ttl > self.lease.max_ttl {
+        if self.lease.min_ttl.is_zero()
+            || self.lease.min_ttl > self.lease.ttl
+            || self.lease.ttl > self.lease.max_ttl
+        {
             return Err(format!(
                 "lease TTLs must satisfy 0 < --lease-min-ttl ({:?}) <= --lease-ttl ({:?}) <= --lease-max-ttl ({:?})",
                 self.lease.min_ttl, self.lease.ttl, self.lease.max_ttl
             ));
         }
         if self.fetch.page < 1 || self.fetch.page > 10_000 {
-            return Err(format!("--fetch-page {} must be between 1 and 10000", self.fetch.page));
+            return Err(format!(
+                "--fetch-page {} must be between 1 and 10000",
+                self.fetch.page
+            ));
         }
         if self.fetch.recheck.is_zero() {
             return Err("--fetch-recheck must be positive".to_owned());

@@ -116,9 +116,9 @@ impl Dispatch {
             let skip_now = Arc::clone(&skip);
             // Detached, so a caller that goes away cannot cancel it between lock and claim.
             let pass = tokio::spawn(async move { this.fetch_once(lease_id, &skip_now).await });
-            let outcome = pass.await.map_err(|e| {
-                Error::Internal(format!("fetch: {e}"))
-            })?;
+            let outcome = pass
+                .await
+                .map_err(|e| Error::Internal(format!("fetch: {e}")))?;
             match &outcome {
                 Ok(Some(_)) => self.stats.fetch("claimed"),
                 Ok(None) => self.stats.fetch("none_ready"),
@@ -155,7 +155,9 @@ impl Dispatch {
                 if ready::judge(&row.candidate, &reserved, &lease.versions) == Verdict::Ready {
                     match self.lock_and_claim(lease_id, &lease, &row).await? {
                         Attempt::Granted(grant) => return Ok(Some(grant)),
-                        Attempt::LeaseGone => return Err(Error::LeaseNotFound(lease_id.to_string())),
+                        Attempt::LeaseGone => {
+                            return Err(Error::LeaseNotFound(lease_id.to_string()))
+                        }
                         Attempt::NotGranted => {}
                     }
                 }
@@ -188,8 +190,11 @@ impl Dispatch {
         if task.state != "waiting" || task.app_lock_id.is_some() {
             return Ok(None);
         }
-        if ready::judge(&task.row.candidate, &Reservations::default(), &lease.versions)
-            != Verdict::Ready
+        if ready::judge(
+            &task.row.candidate,
+            &Reservations::default(),
+            &lease.versions,
+        ) != Verdict::Ready
         {
             return Ok(None);
         }
@@ -230,7 +235,8 @@ impl Dispatch {
         let app_status: Uuid = match lease.app_status_id.parse() {
             Ok(id) => id,
             Err(_) => {
-                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                    .await;
                 return Ok(Attempt::LeaseGone);
             }
         };
@@ -248,11 +254,13 @@ impl Dispatch {
             }
             Ok(false) => {
                 // Canceled, finished or claimed elsewhere since it was read.
-                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                    .await;
                 Ok(Attempt::NotGranted)
             }
             Err(e) => {
-                self.release_after_failure(&lease_str, &task_str, fencing_token).await;
+                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                    .await;
                 Err(e.into())
             }
         }

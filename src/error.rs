@@ -17,7 +17,9 @@ pub enum Error {
     #[error("task {0} does not exist")]
     TaskNotFound(Uuid),
     /// The core_appstatus row named in OpenLease does not exist.
-    #[error("core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty")]
+    #[error(
+        "core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty"
+    )]
     AppStatusNotFound(Uuid),
     /// The caller does not hold what it acts on (wrong lease, stale fencing token, task moved on).
     #[error("{0}")]

@@ -47,7 +47,12 @@ impl From<Error> for Status {
 }
 
 fn rpc_span(method: &'static str) -> tracing::Span {
-    tracing::info_span!("rpc", method, lease_id = tracing::field::Empty, task_id = tracing::field::Empty)
+    tracing::info_span!(
+        "rpc",
+        method,
+        lease_id = tracing::field::Empty,
+        task_id = tracing::field::Empty
+    )
 }
 
 #[tonic::async_trait]
@@ -77,7 +82,11 @@ impl proto::broker_server::Broker for BrokerService {
         let beat = self.leases.heartbeat(lease_id).instrument(span).await?;
         Ok(Response::new(proto::HeartbeatResponse {
             expires_at: Some(to_timestamp(beat.expires_at)),
-            cancel_task_ids: beat.cancel_task_ids.iter().map(|id| id.to_string()).collect(),
+            cancel_task_ids: beat
+                .cancel_task_ids
+                .iter()
+                .map(|id| id.to_string())
+                .collect(),
         }))
     }
 
@@ -110,7 +119,11 @@ impl proto::broker_server::Broker for BrokerService {
             .collect::<Result<HashSet<_>, _>>()?;
         let span = rpc_span("FetchTask");
         span.record("lease_id", tracing::field::display(lease_id));
-        let grant = self.dispatch.fetch(lease_id, wait, skip).instrument(span).await?;
+        let grant = self
+            .dispatch
+            .fetch(lease_id, wait, skip)
+            .instrument(span)
+            .await?;
         Ok(Response::new(proto::FetchTaskResponse {
             task: grant.map(proto::Task::from),
         }))
@@ -125,7 +138,11 @@ impl proto::broker_server::Broker for BrokerService {
         let span = rpc_span("ClaimTask");
         span.record("lease_id", tracing::field::display(lease_id));
         span.record("task_id", tracing::field::display(task_id));
-        let grant = self.dispatch.claim(lease_id, task_id).instrument(span).await?;
+        let grant = self
+            .dispatch
+            .claim(lease_id, task_id)
+            .instrument(span)
+            .await?;
         Ok(Response::new(proto::FetchTaskResponse {
             task: grant.map(proto::Task::from),
         }))

@@ -25,5 +25,6 @@ pub mod proto {
     tonic::include_proto!("dispatch.v1");
 
     /// The encoded file descriptor set, for gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("dispatch_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("dispatch_descriptor");
 }

@@ -227,14 +227,14 @@ impl Locks {
                     .arg(lease_id),
             )
             .await?;
-        Ok(
-            reply.map(|(expires_at_ms, app_status_id, versions, worker_name)| LeaseRecord {
+        Ok(reply.map(
+            |(expires_at_ms, app_status_id, versions, worker_name)| LeaseRecord {
                 expires_at_ms,
                 app_status_id,
                 versions: serde_json::from_str(&versions).unwrap_or_default(),
                 worker_name,
-            }),
-        )
+            },
+        ))
     }
 
     /// Locks every resource of a task for a lease in one atomic step, or nothing.
@@ -432,7 +432,9 @@ fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
         (Some(Value::Int(0)), Some(reason)) => match text(reason).as_deref() {
             Some("lease") => Ok(Acquire::LeaseGone),
             Some("task") => Ok(Acquire::TaskHeld),
-            Some("blocked") => Ok(Acquire::Blocked(items[2..].iter().filter_map(text).collect())),
+            Some("blocked") => Ok(Acquire::Blocked(
+                items[2..].iter().filter_map(text).collect(),
+            )),
             _ => Err(protocol(&reply)),
         },
         _ => Err(protocol(&reply)),

@@ -32,7 +32,9 @@ async fn serve(args: dispatch_broker::config::ServeArgs) -> anyhow::Result<()> {
 fn init_tracing(args: &dispatch_broker::config::LogArgs) {
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if args.log_json {
         builder.json().init();
     } else {

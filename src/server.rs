@@ -41,7 +41,10 @@ impl Running {
     }
 
     /// Serves until `signal` completes, then shuts down.
-    pub async fn serve_until(self, signal: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+    pub async fn serve_until(
+        self,
+        signal: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
         signal.await;
         tracing::info!("shutting down");
         self.shutdown().await
@@ -62,7 +65,10 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     )
     .await
     .context("cannot reach PostgreSQL at --postgres-url")?;
-    tasks.prepare().await.context("PostgreSQL is not ready for the broker")?;
+    tasks
+        .prepare()
+        .await
+        .context("PostgreSQL is not ready for the broker")?;
     let locks = Locks::connect(
         &args.redis.url,
         args.redis.pool_size,
@@ -133,7 +139,9 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
 async fn serve(
     listener: tokio::net::TcpListener,
     service: BrokerService,
-    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    health: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
     reflection: tonic_reflection::server::v1::ServerReflectionServer<
         impl tonic_reflection::server::v1::ServerReflection,
     >,

@@ -211,7 +211,11 @@ impl Tasks {
             .map_err(Error::from)
     }
 
-    async fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, Error> {
+    async fn query(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
         let prepared = client.prepare_cached(statement).await?;
         self.timed(client.query(&prepared, params)).await
@@ -251,18 +255,31 @@ impl Tasks {
 
     /// Claims a waiting, unclaimed task for a worker row; false when it was not claimable.
     pub async fn claim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
-        Ok(!self.query(sql::CLAIM, &[&task, &app_status]).await?.is_empty())
+        Ok(!self
+            .query(sql::CLAIM, &[&task, &app_status])
+            .await?
+            .is_empty())
     }
 
     /// Puts a claimed, not started task back in the queue; true when it went back.
     pub async fn unclaim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
-        Ok(!self.query(sql::UNCLAIM, &[&task, &app_status]).await?.is_empty())
+        Ok(!self
+            .query(sql::UNCLAIM, &[&task, &app_status])
+            .await?
+            .is_empty())
     }
 
     /// Marks a claimed task running; `None` when it is not this holder's waiting task.
-    pub async fn start(&self, task: Uuid, app_status: Uuid) -> Result<Option<DateTime<Utc>>, Error> {
+    pub async fn start(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+    ) -> Result<Option<DateTime<Utc>>, Error> {
         let rows = self.query(sql::START, &[&task, &app_status]).await?;
-        rows.first().map(|r| r.try_get(0)).transpose().map_err(Error::from)
+        rows.first()
+            .map(|r| r.try_get(0))
+            .transpose()
+            .map_err(Error::from)
     }
 
     /// Records a final state; `None` when the task is not this holder's incomplete task.
@@ -276,7 +293,10 @@ impl Tasks {
         let rows = self
             .query(sql::FINISH, &[&task, &app_status, &state, &error])
             .await?;
-        rows.first().map(|r| r.try_get(0)).transpose().map_err(Error::from)
+        rows.first()
+            .map(|r| r.try_get(0))
+            .transpose()
+            .map_err(Error::from)
     }
 
     /// A task's state and claim, without locking; `None` when unknown.
@@ -338,7 +358,9 @@ impl Tasks {
     /// Refreshes `last_heartbeat`; returns the worker's tasks that were asked to cancel.
     pub async fn heartbeat(&self, app_status: Uuid) -> Result<Vec<Uuid>, Error> {
         let rows = self.query(sql::HEARTBEAT, &[&app_status]).await?;
-        rows.iter().map(|r| r.try_get(0).map_err(Error::from)).collect()
+        rows.iter()
+            .map(|r| r.try_get(0).map_err(Error::from))
+            .collect()
     }
 
     /// Ends a worker row's tasks in one transaction: claimed tasks go back to the queue, running
@@ -355,7 +377,10 @@ impl Tasks {
         let delete = client.prepare_cached(sql::DELETE_APP_STATUS).await?;
         let tx = self.timed(client.transaction()).await?;
         let requeued = self.timed(tx.query(&requeue, &[&app_status])).await?.len();
-        let failed = self.timed(tx.query(&fail, &[&app_status, &reason])).await?.len();
+        let failed = self
+            .timed(tx.query(&fail, &[&app_status, &reason]))
+            .await?
+            .len();
         if delete_row {
             self.timed(tx.execute(&delete, &[&app_status])).await?;
         }

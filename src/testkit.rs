@@ -33,7 +33,11 @@ pub fn find_binary(name: &str) -> Result<PathBuf> {
     dirs.into_iter()
         .map(|d| d.join(name))
         .find(|p| p.is_file())
-        .with_context(|| format!("`{name}` was not found on PATH or in /usr/lib/postgresql/*/bin; {INSTALL_HINT}"))
+        .with_context(|| {
+            format!(
+                "`{name}` was not found on PATH or in /usr/lib/postgresql/*/bin; {INSTALL_HINT}"
+            )
+        })
 }
 
 /// A free TCP port on 127.0.0.1.
@@ -55,7 +59,9 @@ fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) -> R
 /// Stops `pid` with `signal` once the current process has gone.
 fn watchdog(pid: u32, signal: &str) {
     let me = std::process::id();
-    let script = format!("while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -{signal} {pid} 2>/dev/null");
+    let script = format!(
+        "while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -{signal} {pid} 2>/dev/null"
+    );
     let _ = Command::new("sh")
         .arg("-c")
         .arg(script)
@@ -111,7 +117,15 @@ impl Postgres {
         let mut cmd = Command::new(&initdb);
         cmd.arg("-D")
             .arg(&data)
-            .args(["-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"])
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some((uid, gid)) = identity {
@@ -146,12 +160,18 @@ impl Postgres {
             .arg("-k")
             .arg(self.dir.path())
             .args([
-                "-c", "listen_addresses=127.0.0.1",
-                "-c", "fsync=off",
-                "-c", "synchronous_commit=off",
-                "-c", "full_page_writes=off",
-                "-c", "max_connections=300",
-                "-c", "shared_buffers=64MB",
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "max_connections=300",
+                "-c",
+                "shared_buffers=64MB",
             ])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -175,7 +195,16 @@ impl Postgres {
 
     fn psql_raw(&self, db: &str, sql: &str) -> Result<String> {
         let out = Command::new(find_binary("psql")?)
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-d", db])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                db,
+            ])
             .args(["-v", "ON_ERROR_STOP=1", "-X", "-q", "-t", "-A", "-c", sql])
             .stdin(Stdio::null())
             .output()?;
@@ -243,7 +272,9 @@ impl Redis {
     /// Starts redis-server on a free port.
     pub fn start() -> Result<Self> {
         let mut redis = Redis {
-            dir: tempfile::Builder::new().prefix("dispatch-redis-").tempdir()?,
+            dir: tempfile::Builder::new()
+                .prefix("dispatch-redis-")
+                .tempdir()?,
             port: free_port()?,
             child: None,
         };

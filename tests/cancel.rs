@@ -58,7 +58,10 @@ async fn a_running_task_becomes_canceling_and_a_final_task_is_unchanged() {
     env.assert_locks(&[&t]).await;
     env.finish(&lease, &t, "canceled").await;
     let done = env.cancel(task).await.unwrap();
-    assert_eq!((done.state.as_str(), done.holder_notified), ("canceled", false));
+    assert_eq!(
+        (done.state.as_str(), done.holder_notified),
+        ("canceled", false)
+    );
     env.assert_locks(&[]).await;
 
     let finished = env.task(&["b"]).await;
@@ -110,7 +113,9 @@ async fn cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_task()
         }
         let mut c = env.client.clone();
         let cancel = c
-            .cancel_task(dispatch_broker::proto::CancelTaskRequest { task_id: task.to_string() })
+            .cancel_task(dispatch_broker::proto::CancelTaskRequest {
+                task_id: task.to_string(),
+            })
             .await
             .unwrap()
             .into_inner();
@@ -121,7 +126,10 @@ async fn cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_task()
             }
         }
         assert!(granted.len() <= 1, "round {round}: handed out twice");
-        assert_eq!(cancel.state, "canceled", "round {round}: waiting or claimed task is canceled");
+        assert_eq!(
+            cancel.state, "canceled",
+            "round {round}: waiting or claimed task is canceled"
+        );
         assert_eq!(env.state(task).await, "canceled");
         // A grant may have been made before the cancel; its holder cannot start it now.
         for (lease, t) in granted {

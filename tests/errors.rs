@@ -25,16 +25,30 @@ async fn unknown_lease_is_not_found_everywhere() {
     let mut env = Env::new().await;
     let task = env.task(&["a"]).await;
     let unknown = uuid::Uuid::new_v4().to_string();
-    expect_code(env.try_fetch(&unknown, &[]).await, Code::NotFound, "open a new lease");
-    expect_code(env.claim(&unknown, task).await, Code::NotFound, "unknown or expired");
+    expect_code(
+        env.try_fetch(&unknown, &[]).await,
+        Code::NotFound,
+        "open a new lease",
+    );
+    expect_code(
+        env.claim(&unknown, task).await,
+        Code::NotFound,
+        "unknown or expired",
+    );
     let mut c = env.client.clone();
     expect_code(
-        c.heartbeat(HeartbeatRequest { lease_id: unknown.clone() }).await,
+        c.heartbeat(HeartbeatRequest {
+            lease_id: unknown.clone(),
+        })
+        .await,
         Code::NotFound,
         "unknown or expired",
     );
     expect_code(
-        c.close_lease(CloseLeaseRequest { lease_id: unknown.clone() }).await,
+        c.close_lease(CloseLeaseRequest {
+            lease_id: unknown.clone(),
+        })
+        .await,
         Code::NotFound,
         "unknown or expired",
     );
@@ -53,12 +67,23 @@ async fn expired_lease_is_not_found_and_must_be_reopened() {
     tokio::time::sleep(Duration::from_millis(450)).await;
     let mut c = env.client.clone();
     expect_code(
-        c.heartbeat(HeartbeatRequest { lease_id: lease.clone() }).await,
+        c.heartbeat(HeartbeatRequest {
+            lease_id: lease.clone(),
+        })
+        .await,
         Code::NotFound,
         "open a new lease",
     );
-    expect_code(env.try_fetch(&lease, &[]).await, Code::NotFound, "unknown or expired");
-    expect_code(env.claim(&lease, task).await, Code::NotFound, "unknown or expired");
+    expect_code(
+        env.try_fetch(&lease, &[]).await,
+        Code::NotFound,
+        "unknown or expired",
+    );
+    expect_code(
+        env.claim(&lease, task).await,
+        Code::NotFound,
+        "unknown or expired",
+    );
     assert_eq!(env.app_lock(task).await, None);
     env.assert_locks(&[]).await;
     env.shutdown().await;
@@ -68,8 +93,16 @@ async fn expired_lease_is_not_found_and_must_be_reopened() {
 async fn empty_and_malformed_ids_are_invalid_arguments() {
     let mut env = Env::new().await;
     let lease = env.open("w").await;
-    expect_code(env.try_fetch("", &[]).await, Code::InvalidArgument, "lease_id is required");
-    expect_code(env.try_fetch("not-a-uuid", &[]).await, Code::InvalidArgument, "is not a UUID");
+    expect_code(
+        env.try_fetch("", &[]).await,
+        Code::InvalidArgument,
+        "lease_id is required",
+    );
+    expect_code(
+        env.try_fetch("not-a-uuid", &[]).await,
+        Code::InvalidArgument,
+        "is not a UUID",
+    );
     let mut c = env.client.clone();
     expect_code(
         c.fetch_task(FetchTaskRequest {
@@ -84,7 +117,10 @@ async fn empty_and_malformed_ids_are_invalid_arguments() {
     expect_code(
         c.fetch_task(FetchTaskRequest {
             lease_id: lease.clone(),
-            wait: Some(prost_types::Duration { seconds: -1, nanos: 0 }),
+            wait: Some(prost_types::Duration {
+                seconds: -1,
+                nanos: 0,
+            }),
             skip_task_ids: vec![],
         })
         .await,
@@ -92,12 +128,19 @@ async fn empty_and_malformed_ids_are_invalid_arguments() {
         "wait must be a non-negative duration",
     );
     expect_code(
-        c.claim_task(ClaimTaskRequest { lease_id: lease.clone(), task_id: String::new() }).await,
+        c.claim_task(ClaimTaskRequest {
+            lease_id: lease.clone(),
+            task_id: String::new(),
+        })
+        .await,
         Code::InvalidArgument,
         "task_id is required",
     );
     expect_code(
-        c.cancel_task(CancelTaskRequest { task_id: "42".into() }).await,
+        c.cancel_task(CancelTaskRequest {
+            task_id: "42".into(),
+        })
+        .await,
         Code::InvalidArgument,
         "is not a UUID",
     );
@@ -125,7 +168,11 @@ async fn bad_open_lease_requests_are_invalid_arguments() {
         app_status_id: String::new(),
     };
     expect_code(
-        c.open_lease(OpenLeaseRequest { worker_name: " ".into(), ..base.clone() }).await,
+        c.open_lease(OpenLeaseRequest {
+            worker_name: " ".into(),
+            ..base.clone()
+        })
+        .await,
         Code::InvalidArgument,
         "worker_name is required",
     );
@@ -140,7 +187,10 @@ async fn bad_open_lease_requests_are_invalid_arguments() {
     );
     expect_code(
         c.open_lease(OpenLeaseRequest {
-            ttl: Some(prost_types::Duration { seconds: 0, nanos: 1_000_000 }),
+            ttl: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 1_000_000,
+            }),
             ..base.clone()
         })
         .await,
@@ -148,7 +198,11 @@ async fn bad_open_lease_requests_are_invalid_arguments() {
         "outside the accepted range",
     );
     expect_code(
-        c.open_lease(OpenLeaseRequest { app_status_id: "nope".into(), ..base.clone() }).await,
+        c.open_lease(OpenLeaseRequest {
+            app_status_id: "nope".into(),
+            ..base.clone()
+        })
+        .await,
         Code::InvalidArgument,
         "app_status_id",
     );
@@ -176,7 +230,11 @@ async fn unknown_task_is_not_found() {
     let mut env = Env::new().await;
     let lease = env.open("w").await;
     let unknown = uuid::Uuid::new_v4();
-    expect_code(env.claim(&lease, unknown).await, Code::NotFound, "does not exist");
+    expect_code(
+        env.claim(&lease, unknown).await,
+        Code::NotFound,
+        "does not exist",
+    );
     expect_code(env.cancel(unknown).await, Code::NotFound, "does not exist");
     env.shutdown().await;
 }
@@ -188,9 +246,20 @@ async fn wrong_lease_or_stale_token_is_a_failed_precondition_and_releases_nothin
     let holder = env.open("holder").await;
     let other = env.open("other").await;
     let task = env.fetch(&holder).await.unwrap();
-    expect_code(env.release(&other, &task).await, Code::FailedPrecondition, "does not hold");
-    let stale = Task { fencing_token: task.fencing_token + 100, ..task.clone() };
-    expect_code(env.release(&holder, &stale).await, Code::FailedPrecondition, "stale");
+    expect_code(
+        env.release(&other, &task).await,
+        Code::FailedPrecondition,
+        "does not hold",
+    );
+    let stale = Task {
+        fencing_token: task.fencing_token + 100,
+        ..task.clone()
+    };
+    expect_code(
+        env.release(&holder, &stale).await,
+        Code::FailedPrecondition,
+        "stale",
+    );
     let mut c = env.client.clone();
     expect_code(
         c.start_task(StartTaskRequest {

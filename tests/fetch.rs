@@ -34,7 +34,10 @@ async fn a_newer_task_waits_for_an_older_conflicting_one() {
     let lease = env.open("w1").await;
     let t = env.fetch(&lease).await.unwrap();
     assert_eq!(id(&t), old);
-    assert!(env.fetch(&lease).await.is_none(), "the second task conflicts with a held lock");
+    assert!(
+        env.fetch(&lease).await.is_none(),
+        "the second task conflicts with a held lock"
+    );
     env.start(&lease, &t).await;
     env.finish(&lease, &t, "completed").await;
     let t2 = env.fetch(&lease).await.unwrap();
@@ -76,10 +79,20 @@ async fn shared_holders_coexist_and_an_exclusive_request_waits_for_all_of_them()
     let w2 = env.open("w2").await;
     let g1 = env.fetch(&w1).await.unwrap();
     let g2 = env.fetch(&w2).await.unwrap();
-    assert_eq!((id(&g1), id(&g2)), (s1, s2), "both shared users run together");
-    assert!(env.fetch(&w1).await.is_none(), "the exclusive task waits, and s3 waits behind it");
+    assert_eq!(
+        (id(&g1), id(&g2)),
+        (s1, s2),
+        "both shared users run together"
+    );
+    assert!(
+        env.fetch(&w1).await.is_none(),
+        "the exclusive task waits, and s3 waits behind it"
+    );
     env.finish(&w1, &g1, "completed").await;
-    assert!(env.fetch(&w1).await.is_none(), "one shared holder is still there");
+    assert!(
+        env.fetch(&w1).await.is_none(),
+        "one shared holder is still there"
+    );
     env.finish(&w2, &g2, "completed").await;
     let gx = env.fetch(&w1).await.unwrap();
     assert_eq!(id(&gx), x);
@@ -96,8 +109,12 @@ async fn shared_holders_coexist_and_an_exclusive_request_waits_for_all_of_them()
 #[tokio::test]
 async fn incompatible_and_skipped_tasks_are_passed_over_without_locks() {
     let mut env = Env::new().await;
-    let newer = env.task_with(&["a"], "plugin.task", &[("core", "3.200.0")]).await;
-    let fine = env.task_with(&["b"], "core.task", &[("core", "3.100")]).await;
+    let newer = env
+        .task_with(&["a"], "plugin.task", &[("core", "3.200.0")])
+        .await;
+    let fine = env
+        .task_with(&["b"], "core.task", &[("core", "3.100")])
+        .await;
     let skipped = env.task(&["c"]).await;
     let unknown_component = env.task_with(&["d"], "rpm.task", &[("rpm", "3.0")]).await;
     let after_skipped = env.task(&["c"]).await;
@@ -105,7 +122,10 @@ async fn incompatible_and_skipped_tasks_are_passed_over_without_locks() {
     let g = env.fetch(&lease).await.unwrap();
     assert_eq!(id(&g), fine);
     let none = env.try_fetch(&lease, &[skipped]).await.unwrap();
-    assert!(none.is_none(), "skipped task still reserves c for the task after it");
+    assert!(
+        none.is_none(),
+        "skipped task still reserves c for the task after it"
+    );
     env.assert_locks(&[&g]).await;
     assert_eq!(env.app_lock(newer).await, None);
     assert_eq!(env.app_lock(unknown_component).await, None);
@@ -130,7 +150,8 @@ async fn incompatible_and_skipped_tasks_are_passed_over_without_locks() {
 async fn concurrent_fetches_never_hand_out_a_task_twice() {
     let env = Env::new().await;
     for i in 0..60 {
-        env.task(&[&format!("r{}", i % 20), "shared:prn:core.domain:d"]).await;
+        env.task(&[&format!("r{}", i % 20), "shared:prn:core.domain:d"])
+            .await;
     }
     let mut handles = Vec::new();
     for w in 0..8 {
@@ -202,13 +223,19 @@ async fn claim_task_takes_exactly_that_task_when_ready_and_changes_nothing_other
     let a2 = env.task(&["a"]).await;
     let b = env.task(&["b"]).await;
     let lease = env.open("w").await;
-    assert!(env.claim(&lease, a2).await.unwrap().is_none(), "a1 is older");
+    assert!(
+        env.claim(&lease, a2).await.unwrap().is_none(),
+        "a1 is older"
+    );
     assert_eq!(env.app_lock(a2).await, None);
     env.assert_locks(&[]).await;
     let gb = env.claim(&lease, b).await.unwrap().expect("b is ready");
     assert_eq!(id(&gb), b);
     let ga = env.claim(&lease, a1).await.unwrap().expect("a1 is ready");
-    assert!(env.claim(&lease, a1).await.unwrap().is_none(), "already claimed");
+    assert!(
+        env.claim(&lease, a1).await.unwrap().is_none(),
+        "already claimed"
+    );
     env.assert_locks(&[&gb, &ga]).await;
     env.shutdown().await;
 }
@@ -226,9 +253,12 @@ async fn a_task_canceled_between_lock_and_claim_is_not_handed_out_and_keeps_no_l
         .unwrap();
     tokio::spawn(conn);
     let tx = blocker.transaction().await.unwrap();
-    tx.execute("SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE", &[&task])
-        .await
-        .unwrap();
+    tx.execute(
+        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
+        &[&task],
+    )
+    .await
+    .unwrap();
     let mut client = env.client.clone();
     let lease2 = lease.clone();
     let fetch = tokio::spawn(async move {
@@ -275,7 +305,10 @@ async fn fetch_with_wait_returns_a_task_inserted_while_waiting() {
         client
             .fetch_task(dispatch_broker::proto::FetchTaskRequest {
                 lease_id: lease2,
-                wait: Some(prost_types::Duration { seconds: 20, nanos: 0 }),
+                wait: Some(prost_types::Duration {
+                    seconds: 20,
+                    nanos: 0,
+                }),
                 skip_task_ids: vec![],
             })
             .await
@@ -285,7 +318,10 @@ async fn fetch_with_wait_returns_a_task_inserted_while_waiting() {
     });
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let task = env.task(&["a"]).await;
-    let got = waiting.await.unwrap().expect("the waiting fetch got the new task");
+    let got = waiting
+        .await
+        .unwrap()
+        .expect("the waiting fetch got the new task");
     assert_eq!(id(&got), task);
     env.shutdown().await;
 }

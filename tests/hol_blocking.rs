@@ -27,8 +27,11 @@ async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
     let mut others = std::collections::HashSet::new();
     for i in 0..OTHERS {
         others.insert(
-            env.task(&[&format!("prn:file.repository:F{i}"), "shared:prn:core.domain:D2"])
-                .await,
+            env.task(&[
+                &format!("prn:file.repository:F{i}"),
+                "shared:prn:core.domain:D2",
+            ])
+            .await,
         );
     }
     let mut leases = Vec::new();
@@ -39,7 +42,10 @@ async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
     for i in 0..OTHERS {
         let lease = leases[i % LEASES].clone();
         let before = env.broker().stats.snapshot();
-        let task = env.fetch(&lease).await.expect("a task from the other domain");
+        let task = env
+            .fetch(&lease)
+            .await
+            .expect("a task from the other domain");
         costs.push(env.broker().stats.snapshot() - before);
         assert!(
             others.remove(&id(&task)),
@@ -63,14 +69,31 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
     let summary = |costs: &[StatsSnapshot]| {
         let pg: Vec<u64> = costs.iter().map(|c| c.postgres_statements).collect();
         let redis: Vec<u64> = costs.iter().map(|c| c.redis_calls).collect();
-        (*pg.iter().max().unwrap(), *redis.iter().max().unwrap(), pg, redis)
+        (
+            *pg.iter().max().unwrap(),
+            *redis.iter().max().unwrap(),
+            pg,
+            redis,
+        )
     };
     let (pg_small, redis_small, pgs, rs) = summary(&small);
     let (pg_large, redis_large, pgl, rl) = summary(&large);
     println!("per-fetch cost with  1,000 blocked: postgres statements {pgs:?}, redis calls {rs:?}");
     println!("per-fetch cost with 20,000 blocked: postgres statements {pgl:?}, redis calls {rl:?}");
-    assert_eq!(pgs, pgl, "postgres statements per fetch changed with the blocked queue");
-    assert_eq!(rs, rl, "redis calls per fetch changed with the blocked queue");
-    assert!(pg_small <= 2 && pg_large <= 2, "a fetch took more than 2 statements");
-    assert!(redis_small <= 2 && redis_large <= 2, "a fetch took more than 2 redis calls");
+    assert_eq!(
+        pgs, pgl,
+        "postgres statements per fetch changed with the blocked queue"
+    );
+    assert_eq!(
+        rs, rl,
+        "redis calls per fetch changed with the blocked queue"
+    );
+    assert!(
+        pg_small <= 2 && pg_large <= 2,
+        "a fetch took more than 2 statements"
+    );
+    assert!(
+        redis_small <= 2 && redis_large <= 2,
+        "a fetch took more than 2 redis calls"
+    );
 }

@@ -15,8 +15,15 @@ async fn open_creates_a_worker_row_that_pulp_would_accept_and_close_removes_it()
         .client
         .open_lease(OpenLeaseRequest {
             worker_name: "123@host".into(),
-            versions: [("core".into(), "3.123.1".into()), ("file".into(), "3.123.1".into())].into(),
-            ttl: Some(prost_types::Duration { seconds: 30, nanos: 0 }),
+            versions: [
+                ("core".into(), "3.123.1".into()),
+                ("file".into(), "3.123.1".into()),
+            ]
+            .into(),
+            ttl: Some(prost_types::Duration {
+                seconds: 30,
+                nanos: 0,
+            }),
             app_status_id: String::new(),
         })
         .await
@@ -41,14 +48,19 @@ async fn open_creates_a_worker_row_that_pulp_would_accept_and_close_removes_it()
     assert!(row.get::<_, bool>(4));
     let closed = env
         .client
-        .close_lease(CloseLeaseRequest { lease_id: lease.lease_id.clone() })
+        .close_lease(CloseLeaseRequest {
+            lease_id: lease.lease_id.clone(),
+        })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(closed.released_locks, 0);
     let left: i64 = env
         .db
-        .query_one("SELECT count(*) FROM core_appstatus WHERE pulp_id = $1", &[&app])
+        .query_one(
+            "SELECT count(*) FROM core_appstatus WHERE pulp_id = $1",
+            &[&app],
+        )
         .await
         .unwrap()
         .get(0);
@@ -68,13 +80,17 @@ async fn each_lease_is_new_even_for_the_same_worker_name() {
 #[tokio::test]
 async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
     let mut env = Env::new().await;
-    let lease = env.open_with("w", &[], Some(Duration::from_millis(400))).await;
+    let lease = env
+        .open_with("w", &[], Some(Duration::from_millis(400)))
+        .await;
     let mut last = None;
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_millis(130)).await;
         let beat = env
             .client
-            .heartbeat(HeartbeatRequest { lease_id: lease.clone() })
+            .heartbeat(HeartbeatRequest {
+                lease_id: lease.clone(),
+            })
             .await
             .expect("alive")
             .into_inner();
@@ -85,7 +101,10 @@ async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
         last = Some(expires.seconds * 1000 + i64::from(expires.nanos / 1_000_000));
     }
     env.task(&["a"]).await;
-    assert!(env.fetch(&lease).await.is_some(), "the lease outlived its TTL through heartbeats");
+    assert!(
+        env.fetch(&lease).await.is_some(),
+        "the lease outlived its TTL through heartbeats"
+    );
     env.shutdown().await;
 }
 
@@ -104,7 +123,9 @@ async fn heartbeat_lists_the_leases_tasks_that_were_asked_to_cancel() {
     assert!(cancel.holder_notified);
     let beat = env
         .client
-        .heartbeat(HeartbeatRequest { lease_id: lease.clone() })
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease.clone(),
+        })
         .await
         .unwrap()
         .into_inner();
@@ -128,11 +149,20 @@ async fn close_requeues_claimed_tasks_fails_running_ones_and_releases_every_lock
     env.start(&lease, &ta).await;
     let closed = env
         .client
-        .close_lease(CloseLeaseRequest { lease_id: lease.clone() })
+        .close_lease(CloseLeaseRequest {
+            lease_id: lease.clone(),
+        })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!((closed.released_locks, closed.requeued_tasks, closed.failed_tasks), (2, 1, 1));
+    assert_eq!(
+        (
+            closed.released_locks,
+            closed.requeued_tasks,
+            closed.failed_tasks
+        ),
+        (2, 1, 1)
+    );
     assert_eq!(env.state(a).await, "failed");
     let error: serde_json::Value = env
         .db
@@ -204,12 +234,17 @@ async fn a_pulp_worker_can_bring_its_own_app_status_row() {
     assert_eq!(env.app_lock(task).await, Some(own));
     env.finish(&lease.lease_id, &t, "completed").await;
     env.client
-        .close_lease(CloseLeaseRequest { lease_id: lease.lease_id })
+        .close_lease(CloseLeaseRequest {
+            lease_id: lease.lease_id,
+        })
         .await
         .unwrap();
     let left: i64 = env
         .db
-        .query_one("SELECT count(*) FROM core_appstatus WHERE pulp_id = $1", &[&own])
+        .query_one(
+            "SELECT count(*) FROM core_appstatus WHERE pulp_id = $1",
+            &[&own],
+        )
         .await
         .unwrap()
         .get(0);

@@ -19,7 +19,11 @@ const PULP_SCHEMA: &str = include_str!("fixtures/pulpcore-3.123.1-schema.sql");
 fn pulp_database() -> String {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let pg = shared_pg();
-    let name = format!("pulp{}_{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let name = format!(
+        "pulp{}_{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
     pg.create_database(&name).expect("create pulp database");
     pg.psql(&name, PULP_SCHEMA).expect("load pulp schema");
     pg.url(&name)
@@ -62,7 +66,9 @@ async fn pulp_task(db: &tokio_postgres::Client, record: &[&str]) -> Uuid {
 #[tokio::test]
 async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
     tokio::spawn(conn);
     let before = schema_fingerprint(&db).await;
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
@@ -71,7 +77,11 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let outcome = tasks.migrate().await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
-    assert_eq!(schema_fingerprint(&db).await, before, "migrate changed a Pulp schema");
+    assert_eq!(
+        schema_fingerprint(&db).await,
+        before,
+        "migrate changed a Pulp schema"
+    );
 }
 
 #[tokio::test]
@@ -81,7 +91,11 @@ async fn the_broker_runs_unchanged_on_a_pulp_database() {
         .await
         .unwrap();
     let mut env = Env::on(url, redis, |_| {}).await;
-    let running = pulp_task(&env.db, &["prn:file.repository:1", "shared:prn:core.domain:x"]).await;
+    let running = pulp_task(
+        &env.db,
+        &["prn:file.repository:1", "shared:prn:core.domain:x"],
+    )
+    .await;
     let blocked = pulp_task(&env.db, &["prn:file.repository:1"]).await;
     let free = pulp_task(&env.db, &["prn:file.repository:2"]).await;
     let w1 = env.open("1@host").await;
@@ -103,9 +117,18 @@ async fn the_broker_runs_unchanged_on_a_pulp_database() {
             .await
             .expect("close on a pulp schema");
     }
-    let rows: i64 = env.db.query_one("SELECT count(*) FROM core_appstatus", &[]).await.unwrap().get(0);
+    let rows: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_appstatus", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(rows, 0);
-    assert_eq!(env.state(free).await, "waiting", "closing requeues a claimed task");
+    assert_eq!(
+        env.state(free).await,
+        "waiting",
+        "closing requeues a claimed task"
+    );
     assert_eq!(env.app_lock(free).await, None);
     env.assert_locks(&[]).await;
     env.shutdown().await;
@@ -116,9 +139,15 @@ async fn the_broker_runs_unchanged_on_a_pulp_database() {
 #[tokio::test]
 async fn the_readiness_lookup_uses_pulps_gin_index() {
     let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
     tokio::spawn(conn);
-    pulp_task(&db, &["prn:python.repository:R0", "shared:prn:core.domain:D1"]).await;
+    pulp_task(
+        &db,
+        &["prn:python.repository:R0", "shared:prn:core.domain:D1"],
+    )
+    .await;
     db.batch_execute(
         "SET session_replication_role = replica; \
          INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
@@ -136,9 +165,11 @@ async fn the_readiness_lookup_uses_pulps_gin_index() {
     .await
     .unwrap();
     let sql = dispatch_broker::tasks::sql::CANDIDATES;
-    db.batch_execute(&format!("PREPARE candidates(text[], timestamptz, uuid, bigint) AS {sql}"))
-        .await
-        .unwrap();
+    db.batch_execute(&format!(
+        "PREPARE candidates(text[], timestamptz, uuid, bigint) AS {sql}"
+    ))
+    .await
+    .unwrap();
     let plan: String = db
         .query("EXPLAIN EXECUTE candidates('{}', NULL, NULL, 32)", &[])
         .await

@@ -21,7 +21,10 @@ fn arb_queue() -> impl Strategy<Value = (Vec<Spec>, Vec<u8>)> {
         .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
     let spec = prop::collection::vec(entry, 0..4).prop_map(|record| Spec { record });
     // The history: how many tasks the "runner" lease takes first, and which of them it finishes.
-    (prop::collection::vec(spec, 1..30), prop::collection::vec(any::<u8>(), 0..8))
+    (
+        prop::collection::vec(spec, 1..30),
+        prop::collection::vec(any::<u8>(), 0..8),
+    )
 }
 
 /// The rule, from Postgres and Redis state: the oldest waiting, unclaimed task that no older
@@ -41,7 +44,12 @@ async fn expected(env: &Env) -> Option<Uuid> {
         .iter()
         .map(|r| {
             let record: Vec<String> = r.get(3);
-            (r.get(0), r.get(1), r.get(2), Resources::from_record(&record))
+            (
+                r.get(0),
+                r.get(1),
+                r.get(2),
+                Resources::from_record(&record),
+            )
         })
         .collect();
     let incomplete = |s: &str| matches!(s, "waiting" | "running" | "canceling");

@@ -17,11 +17,17 @@ async fn start_error(postgres: &str, redis: &str) -> String {
 
 #[tokio::test]
 async fn refuses_to_start_when_a_backend_is_unreachable_or_the_schema_is_missing() {
-    let redis = tokio::task::spawn_blocking(|| Redis::start().unwrap()).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| Redis::start().unwrap())
+        .await
+        .unwrap();
     let db = tokio::task::spawn_blocking(fresh_database).await.unwrap();
     let nowhere = free_port().unwrap();
 
-    let e = start_error(&format!("postgres://postgres@127.0.0.1:{nowhere}/x"), &redis.url()).await;
+    let e = start_error(
+        &format!("postgres://postgres@127.0.0.1:{nowhere}/x"),
+        &redis.url(),
+    )
+    .await;
     assert!(e.contains("cannot reach PostgreSQL"), "{e}");
 
     let e = start_error(&db, &format!("redis://127.0.0.1:{nowhere}/")).await;
@@ -34,13 +40,22 @@ async fn refuses_to_start_when_a_backend_is_unreachable_or_the_schema_is_missing
     .await
     .unwrap();
     let e = start_error(&empty, &redis.url()).await;
-    assert!(e.contains("schema is missing") && e.contains("core_task.reserved_resources_record"), "{e}");
+    assert!(
+        e.contains("schema is missing") && e.contains("core_task.reserved_resources_record"),
+        "{e}"
+    );
 }
 
 #[tokio::test]
 async fn the_binary_exits_with_one_line_on_bad_configuration() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
-        .args(["serve", "--postgres-url", "postgres://127.0.0.1:1/x", "--redis-url", "redis://127.0.0.1:1/"])
+        .args([
+            "serve",
+            "--postgres-url",
+            "postgres://127.0.0.1:1/x",
+            "--redis-url",
+            "redis://127.0.0.1:1/",
+        ])
         .args(["--redis-key-prefix", "{oops}"])
         .output()
         .unwrap();
@@ -59,13 +74,26 @@ async fn migrate_creates_the_schema_once_and_then_changes_nothing() {
     .await
     .unwrap();
     let bin = env!("CARGO_BIN_EXE_dispatch-broker");
-    let first = std::process::Command::new(bin).args(["migrate", "--postgres-url", &url]).output().unwrap();
-    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let first = std::process::Command::new(bin)
+        .args(["migrate", "--postgres-url", &url])
+        .output()
+        .unwrap();
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
     assert!(String::from_utf8_lossy(&first.stdout).contains("created"));
-    let second = std::process::Command::new(bin).args(["migrate", "--postgres-url", &url]).output().unwrap();
+    let second = std::process::Command::new(bin)
+        .args(["migrate", "--postgres-url", &url])
+        .output()
+        .unwrap();
     assert!(second.status.success());
     let said = String::from_utf8_lossy(&second.stdout);
-    assert!(said.contains("changed nothing") && said.contains("has everything"), "{said}");
+    assert!(
+        said.contains("changed nothing") && said.contains("has everything"),
+        "{said}"
+    );
 }
 
 #[tokio::test]
@@ -80,12 +108,17 @@ async fn health_and_reflection_are_served_on_the_grpc_port() {
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
     for service in ["", "dispatch.v1.Broker"] {
         let status = health
-            .check(tonic_health::pb::HealthCheckRequest { service: service.into() })
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
             .await
             .unwrap()
             .into_inner()
             .status;
-        assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+        assert_eq!(
+            status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
     }
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
@@ -106,6 +139,9 @@ async fn health_and_reflection_are_served_on_the_grpc_port() {
         panic!("unexpected reflection reply");
     };
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(names.contains(&"dispatch.v1.Broker".to_string()), "{names:?}");
+    assert!(
+        names.contains(&"dispatch.v1.Broker".to_string()),
+        "{names:?}"
+    );
     env.shutdown().await;
 }

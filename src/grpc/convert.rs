@@ -18,9 +18,8 @@ pub fn parse_id(field: &str, value: &str) -> Result<Uuid, Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
     }
-    Uuid::parse_str(value).map_err(|_| {
-        Status::invalid_argument(format!("{field} {value:?} is not a UUID"))
-    })
+    Uuid::parse_str(value)
+        .map_err(|_| Status::invalid_argument(format!("{field} {value:?} is not a UUID")))
 }
 
 /// A fencing token must be one the broker handed out (never 0).
@@ -57,7 +56,9 @@ pub fn open_lease(request: proto::OpenLeaseRequest) -> Result<OpenLease, Status>
     let mut versions = BTreeMap::new();
     for (component, version) in request.versions {
         if component.is_empty() {
-            return Err(Status::invalid_argument("versions has an empty component name"));
+            return Err(Status::invalid_argument(
+                "versions has an empty component name",
+            ));
         }
         if !is_valid_release(&version) {
             return Err(Status::invalid_argument(format!(
@@ -68,9 +69,10 @@ pub fn open_lease(request: proto::OpenLeaseRequest) -> Result<OpenLease, Status>
     }
     let ttl = match request.ttl {
         None => None,
-        Some(d) => Some(Duration::try_from(d).map_err(|_| {
-            Status::invalid_argument("ttl must be a positive duration")
-        })?),
+        Some(d) => Some(
+            Duration::try_from(d)
+                .map_err(|_| Status::invalid_argument("ttl must be a positive duration"))?,
+        ),
     };
     let app_status_id = if request.app_status_id.is_empty() {
         None

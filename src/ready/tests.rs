@@ -97,15 +97,22 @@ fn releases_compare_numerically() {
 /// The straightforward reference: for every task, look at every older task.
 fn lanes_reference(queue: &[Resources]) -> u64 {
     (0..queue.len())
-        .filter(|&i| !queue[..i].iter().any(|older| older.conflicts_with(&queue[i])))
+        .filter(|&i| {
+            !queue[..i]
+                .iter()
+                .any(|older| older.conflicts_with(&queue[i]))
+        })
         .count() as u64
 }
 
 fn arb_queue() -> impl Strategy<Value = Vec<Resources>> {
     let entry = (0..6u8, any::<bool>())
         .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
-    prop::collection::vec(prop::collection::vec(entry, 0..4), 0..200)
-        .prop_map(|q| q.iter().map(|record| Resources::from_record(record)).collect())
+    prop::collection::vec(prop::collection::vec(entry, 0..4), 0..200).prop_map(|q| {
+        q.iter()
+            .map(|record| Resources::from_record(record))
+            .collect()
+    })
 }
 
 proptest! {

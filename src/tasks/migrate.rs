@@ -52,24 +52,6 @@ pub fn missing(present: &[String]) -> Vec<String> {
     missing
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reports_each_missing_piece() {
-        let mut present: Vec<String> = REQUIRED_COLUMNS.iter().map(|c| c.to_string()).collect();
-        present.push("index:pulp_task_resources_index".into());
-        present.push("extension:hstore".into());
-        assert!(missing(&present).is_empty());
-        present.retain(|p| p != "core_task.app_lock_id" && !p.starts_with("index:"));
-        let m = missing(&present);
-        assert_eq!(m.len(), 2, "{m:?}");
-        assert!(m[0].contains("core_task.app_lock_id"));
-        assert!(m[1].contains("GIN"));
-    }
-}
-
 /// `dispatch-broker migrate`: creates the schema on an empty database, or reports on an existing
 /// one; fails when something the broker needs is missing.
 pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
@@ -97,5 +79,23 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
             "the database lacks what dispatch-broker needs: {}",
             outcome.missing.join(", ")
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_each_missing_piece() {
+        let mut present: Vec<String> = REQUIRED_COLUMNS.iter().map(|c| c.to_string()).collect();
+        present.push("index:pulp_task_resources_index".into());
+        present.push("extension:hstore".into());
+        assert!(missing(&present).is_empty());
+        present.retain(|p| p != "core_task.app_lock_id" && !p.starts_with("index:"));
+        let m = missing(&present);
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert!(m[0].contains("core_task.app_lock_id"));
+        assert!(m[1].contains("GIN"));
     }
 }

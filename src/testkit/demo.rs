@@ -55,7 +55,9 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     for n in 0..args.workers {
         let endpoint = endpoint.clone();
         let others = args.others;
-        workers.push(tokio::spawn(async move { worker(n, endpoint, others, started).await }));
+        workers.push(tokio::spawn(async move {
+            worker(n, endpoint, others, started).await
+        }));
     }
     let mut handled = 0;
     for w in workers {
@@ -95,7 +97,10 @@ async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> 
         let fetched = client
             .fetch_task(FetchTaskRequest {
                 lease_id: lease.lease_id.clone(),
-                wait: Some(prost_types::Duration { seconds: 0, nanos: 300_000_000 }),
+                wait: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 300_000_000,
+                }),
                 skip_task_ids: vec![],
             })
             .await?
@@ -131,7 +136,9 @@ async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> 
         }
     }
     client
-        .close_lease(crate::proto::CloseLeaseRequest { lease_id: lease.lease_id })
+        .close_lease(crate::proto::CloseLeaseRequest {
+            lease_id: lease.lease_id,
+        })
         .await?;
     Ok(handled)
 }

@@ -34,9 +34,16 @@ pub fn shared_pg() -> &'static Postgres {
 /// A fresh, migrated database on the shared cluster.
 pub fn fresh_database() -> String {
     let pg = shared_pg();
-    let name = format!("t{}_{}", std::process::id(), NEXT_DB.fetch_add(1, Ordering::Relaxed));
-    pg.psql("postgres", &format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
-        .expect("create test database");
+    let name = format!(
+        "t{}_{}",
+        std::process::id(),
+        NEXT_DB.fetch_add(1, Ordering::Relaxed)
+    );
+    pg.psql(
+        "postgres",
+        &format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"),
+    )
+    .expect("create test database");
     pg.url(&name)
 }
 
@@ -140,7 +147,10 @@ impl Env {
             )
             .await
             .expect("insert tasks");
-        self.db.batch_execute("COMMIT; ANALYZE core_task").await.expect("commit bulk insert");
+        self.db
+            .batch_execute("COMMIT; ANALYZE core_task")
+            .await
+            .expect("commit bulk insert");
     }
 
     pub async fn state(&self, task: Uuid) -> String {
@@ -153,7 +163,10 @@ impl Env {
 
     pub async fn app_lock(&self, task: Uuid) -> Option<Uuid> {
         self.db
-            .query_one("SELECT app_lock_id FROM core_task WHERE pulp_id = $1", &[&task])
+            .query_one(
+                "SELECT app_lock_id FROM core_task WHERE pulp_id = $1",
+                &[&task],
+            )
             .await
             .expect("task app_lock")
             .get(0)
@@ -162,7 +175,10 @@ impl Env {
     /// Sets a task's state directly, as a Pulp worker does.
     pub async fn set_state(&self, task: Uuid, state: &str) {
         self.db
-            .execute("UPDATE core_task SET state = $2 WHERE pulp_id = $1", &[&task, &state])
+            .execute(
+                "UPDATE core_task SET state = $2 WHERE pulp_id = $1",
+                &[&task, &state],
+            )
             .await
             .expect("set state");
     }
@@ -180,7 +196,10 @@ impl Env {
         self.client
             .open_lease(OpenLeaseRequest {
                 worker_name: name.into(),
-                versions: versions.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                versions: versions
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 ttl: ttl.map(|t| t.try_into().unwrap()),
                 app_status_id: String::new(),
             })
@@ -194,7 +213,11 @@ impl Env {
         self.try_fetch(lease, &[]).await.expect("fetch")
     }
 
-    pub async fn try_fetch(&mut self, lease: &str, skip: &[Uuid]) -> Result<Option<Task>, tonic::Status> {
+    pub async fn try_fetch(
+        &mut self,
+        lease: &str,
+        skip: &[Uuid],
+    ) -> Result<Option<Task>, tonic::Status> {
         Ok(self
             .client
             .fetch_task(FetchTaskRequest {
@@ -285,7 +308,10 @@ impl Env {
         let want: BTreeSet<String> = expected.iter().map(|t| t.task_id.clone()).collect();
         assert_eq!(self.locked_tasks().await, want, "task locks in redis");
         let keys = self.broker().locks.all_keys().await.expect("keys");
-        let resource_keys = keys.iter().filter(|k| k.contains("}:x:") || k.contains("}:s:")).count();
+        let resource_keys = keys
+            .iter()
+            .filter(|k| k.contains("}:x:") || k.contains("}:s:"))
+            .count();
         let want_resources: usize = expected
             .iter()
             .map(|t| t.exclusive_resources.len() + t.shared_resources.len())
