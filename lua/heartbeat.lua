@@ -1,18 +1,23 @@
 -- heartbeat.lua: extends a live lease by its TTL.
 --
--- KEYS[1]  PREFIX:leases          sorted set lease_id -> expiry (ms)
--- KEYS[2]  PREFIX:lease:<id>      lease hash
--- ARGV     lease_id
--- Returns  {new expiry ms, app_status_id}, or false when the lease is unknown or already expired.
+-- KEYS[1]  PREFIX:epoch           the lock state's identity
+-- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (ms)
+-- KEYS[3]  PREFIX:lease:<id>      lease hash
+-- ARGV     epoch, lease_id
+-- Returns  {1, new expiry ms, app_status_id}; {0} when the lease is unknown or already expired;
+--          {-2} when the lock state is not the expected one.
 -- Never    revives an expired lease: its locks belong to the sweeper from that moment on.
 --          O(1) whatever the lease holds.
 
-local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
-local lease = redis.call('HMGET', KEYS[2], 'ttl_ms', 'app_status')
+if not epoch_ok(KEYS[1], ARGV[1]) then
+  return {-2}
+end
+local expires = redis.call('ZSCORE', KEYS[2], ARGV[2])
+local lease = redis.call('HMGET', KEYS[3], 'ttl_ms', 'app_status')
 local now = now_ms()
 if not expires or not lease[1] or tonumber(expires) <= now then
-  return false
+  return {0}
 end
 local next_expiry = now + tonumber(lease[1])
-redis.call('ZADD', KEYS[1], next_expiry, ARGV[1])
-return {next_expiry, lease[2]}
+redis.call('ZADD', KEYS[2], next_expiry, ARGV[2])
+return {1, next_expiry, lease[2]}

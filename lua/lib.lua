@@ -6,6 +6,9 @@
 --                                   exclusive and shared resource names joined with "\n"
 --   PREFIX:x:<resource>             string: the task id holding <resource> exclusively
 --   PREFIX:s:<resource>             set: the task ids holding <resource> shared
+--   PREFIX:locked                   set of every task id that holds a lock (the reconciler's list)
+--   PREFIX:epoch                    the identity of the current lock state; a script that grants
+--                                   refuses when it is not what the caller expects (lost state)
 -- PREFIX carries the hash tag ("{dispatch}"), so every key a script builds hashes to the same
 -- Redis Cluster slot as the keys it was given.
 --
@@ -46,6 +49,13 @@ local function release_task(prefix, task_id)
     redis.call('SREM', prefix .. ':s:' .. name, task_id)
   end
   redis.call('SREM', prefix .. ':lease:' .. lock[1] .. ':tasks', task_id)
+  redis.call('SREM', prefix .. ':locked', task_id)
   redis.call('DEL', task_key)
   return lock[1]
+end
+
+-- True when the lock state is the one the caller knows: the epoch key holds `expected`. A Redis
+-- that restarted empty has no epoch; one that is being rebuilt has another.
+local function epoch_ok(epoch_key, expected)
+  return redis.call('GET', epoch_key) == expected
 end

@@ -104,6 +104,13 @@ pub struct ServeArgs {
     /// Fetch tuning.
     #[command(flatten)]
     pub fetch: FetchArgs,
+    /// How often the sweeper looks for expired leases and finished tasks' locks (one replica at a
+    /// time sweeps). A lease's locks are gone at most TTL + this after its last heartbeat.
+    #[arg(long, env = "DISPATCH_SWEEP_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+    /// On SIGTERM, how long in-flight calls may take before the server stops anyway.
+    #[arg(long, env = "DISPATCH_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
     /// How long a Redis or Postgres call may take before the RPC fails UNAVAILABLE.
     #[arg(long, env = "DISPATCH_BACKEND_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub backend_timeout: Duration,
@@ -195,6 +202,9 @@ impl ServeArgs {
         }
         if self.postgres.pool_size == 0 || self.redis.pool_size == 0 {
             return Err("pool sizes must be at least 1".to_owned());
+        }
+        if self.sweep_interval.is_zero() {
+            return Err("--sweep-interval must be positive".to_owned());
         }
         if self.backend_timeout.is_zero() {
             return Err("--backend-timeout must be positive".to_owned());

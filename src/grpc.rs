@@ -69,6 +69,14 @@ impl proto::broker_server::Broker for BrokerService {
             expires_at: Some(to_timestamp(lease.expires_at)),
             ttl: prost_types::Duration::try_from(lease.ttl).ok(),
             app_status_id: lease.app_status_id.to_string(),
+            adopted_tasks: lease
+                .adopted
+                .into_iter()
+                .map(|(task_id, fencing_token)| proto::HeldTask {
+                    task_id,
+                    fencing_token,
+                })
+                .collect(),
         }))
     }
 

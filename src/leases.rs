@@ -1,8 +1,16 @@
-//! Leases: a worker incarnation's right to hold locks, granted with a TTL and kept by heartbeats.
+//! Leases: a worker incarnation's right to hold locks, granted with a TTL and kept by heartbeats,
+//! and everything that ends them: CloseLease, the sweeper (`leases/sweeper.rs`, which also runs
+//! the reconciler), and the rebuild of lost lock state (`leases/recovery.rs`).
 //!
 //! A lease lives in Redis (expiry judged by Redis server time) and is tied to one
-//! `core_appstatus` row, whose id is what `core_task.app_lock_id` records for claimed tasks. This
-//! module never hands out tasks; `dispatch` does.
+//! `core_appstatus` row, whose id is what `core_task.app_lock_id` records for claimed tasks.
+//! Ending a lease always goes the same way: expire it (no more grants), end its tasks in Postgres
+//! (claimed ones back to the queue, running ones failed), then release its locks through its
+//! registry. A failure half-way leaves an expired lease, which the sweeper finishes. This module
+//! never hands out tasks; `dispatch` does.
+
+pub mod recovery;
+pub mod sweeper;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,8 +24,10 @@ use crate::locks::{Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
 
-/// The `error` reason of tasks a lease was still running when it closed.
+/// The `error` reason of tasks a lease was still running when its worker closed it.
 pub const CLOSED_WHILE_RUNNING: &str = "Aborted during worker shutdown.";
+/// The `error` reason of tasks a lease was running when it expired (Pulp's own words).
+pub const WORKER_MISSING: &str = "Worker has gone missing.";
 
 /// A validated OpenLease request.
 #[derive(Debug, Clone)]
@@ -43,6 +53,8 @@ pub struct Lease {
     pub ttl: Duration,
     /// The `core_appstatus` row it claims tasks for.
     pub app_status_id: Uuid,
+    /// Locks rebuilt after a loss of Redis state and handed to this lease: (task, token).
+    pub adopted: Vec<(String, u64)>,
 }
 
 /// A heartbeat's answer.
@@ -54,7 +66,7 @@ pub struct Beat {
     pub cancel_task_ids: Vec<Uuid>,
 }
 
-/// What closing a lease did.
+/// What ending a lease did.
 #[derive(Debug, Clone, Default)]
 pub struct Closed {
     /// Task locks released.
@@ -96,7 +108,8 @@ impl Leases {
         }
     }
 
-    /// Opens a lease. Creates the worker's `core_appstatus` row when it brings none.
+    /// Opens a lease. Creates the worker's `core_appstatus` row when it brings none; when it
+    /// brings one whose locks were rebuilt after a loss of Redis state, the lease takes them over.
     pub async fn open(&self, request: OpenLease) -> Result<Lease> {
         let ttl = request.ttl.unwrap_or(self.ttl.default);
         if ttl < self.ttl.min || ttl > self.ttl.max {
@@ -137,19 +150,30 @@ impl Leases {
             Err(e) => {
                 if owned {
                     // The lease never existed: remove the row created for it.
-                    if let Err(cleanup) = self.tasks.close_worker(app_status_id, "", true).await {
+                    if let Err(cleanup) = self.tasks.delete_app_status(app_status_id).await {
                         tracing::warn!(%app_status_id, error = %cleanup, "could not remove the core_appstatus row of a lease that failed to open");
                     }
                 }
                 return Err(e.into());
             }
         };
+        let adopted = if owned {
+            Vec::new()
+        } else {
+            self.locks
+                .adopt(&app_status_id.to_string(), &lease_id.to_string())
+                .await?
+        };
+        if !adopted.is_empty() {
+            tracing::warn!(%lease_id, %app_status_id, tasks = adopted.len(), "new lease took over locks rebuilt after redis lost its state");
+        }
         tracing::info!(%lease_id, worker = %request.worker_name, %app_status_id, ?ttl, "lease opened");
         Ok(Lease {
             lease_id,
             expires_at: from_ms(expires_at_ms),
             ttl,
             app_status_id,
+            adopted,
         })
     }
 
@@ -170,35 +194,51 @@ impl Leases {
         })
     }
 
-    /// Ends a lease: its claimed tasks go back to the queue, the tasks it still runs fail, its
-    /// locks are released, and the worker row is removed when the broker created it. Postgres goes
-    /// first, so a failure half-way leaves the locks in place and a retry completes the close.
+    /// CloseLease: ends the lease now, as described in the module docs.
     pub async fn close(&self, lease_id: Uuid) -> Result<Closed> {
-        let id = lease_id.to_string();
-        let (app_status, owned) = self
-            .locks
-            .lease_row(&id)
-            .await?
-            .ok_or_else(|| Error::LeaseNotFound(id.clone()))?;
-        let app_status: Uuid = app_status
-            .parse()
-            .map_err(|_| Error::LeaseNotFound(id.clone()))?;
         let closed = self
-            .tasks
-            .close_worker(app_status, CLOSED_WHILE_RUNNING, owned)
-            .await?;
-        let released = self
-            .locks
-            .close_lease(&id)
+            .end(&lease_id.to_string(), CLOSED_WHILE_RUNNING, None)
             .await?
-            .ok_or_else(|| Error::LeaseNotFound(id.clone()))?;
-        self.stats.locks_released("close", u64::from(released));
-        tracing::info!(%lease_id, released, requeued = closed.requeued, failed = closed.failed, "lease closed");
-        Ok(Closed {
+            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        tracing::info!(%lease_id, released = closed.released_locks, requeued = closed.requeued_tasks, failed = closed.failed_tasks, "lease closed");
+        Ok(closed)
+    }
+
+    /// Ends a lease: expire, end its tasks in Postgres, release its locks. `None` when the lease
+    /// is unknown, or (for a sweeper) when the sweeper lock was lost meanwhile.
+    pub(crate) async fn end(
+        &self,
+        lease_id: &str,
+        reason: &str,
+        sweeper: Option<&str>,
+    ) -> Result<Option<Closed>> {
+        let Some(ending) = self.locks.expire_now(lease_id).await? else {
+            return Ok(None);
+        };
+        let app_status: Uuid = ending.app_status_id.parse().map_err(|_| {
+            Error::Internal(format!(
+                "lease {lease_id} names no valid core_appstatus row"
+            ))
+        })?;
+        let task_ids: Vec<Uuid> = ending
+            .task_ids
+            .iter()
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        let ended = self
+            .tasks
+            .end_lease_tasks(app_status, &task_ids, reason, ending.owns_app_status)
+            .await?;
+        let Some(Some(released)) = self.locks.close_lease(lease_id, sweeper).await? else {
+            return Ok(None);
+        };
+        let path = if sweeper.is_some() { "sweep" } else { "close" };
+        self.stats.locks_released(path, u64::from(released));
+        Ok(Some(Closed {
             released_locks: released,
-            requeued_tasks: closed.requeued,
-            failed_tasks: closed.failed,
-        })
+            requeued_tasks: ended.requeued,
+            failed_tasks: ended.failed,
+        }))
     }
 }
 

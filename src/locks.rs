@@ -1,17 +1,22 @@
 //! Lock and lease state in Redis: the only module that talks to Redis.
 //!
 //! Every change goes through one of the Lua scripts in `lua/` (loaded once at start-up, called
-//! with EVALSHA), so each decision is atomic whichever broker replica makes it. This module
+//! with EVALSHA), so each decision is atomic whichever broker replica makes it. Scripts that grant
+//! (open a lease, heartbeat, lock a task) refuse when the lock state is not the one this replica
+//! knows (the epoch key is gone or different, or the fencing counter went backwards): a Redis that
+//! lost its data is never granted from before it was rebuilt (`leases::recovery`). This module
 //! never decides readiness; it only executes what the scripts allow.
 
 pub mod keys;
 mod scripts;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, Value};
+use tokio::sync::Notify;
 
 use crate::metrics::Stats;
 use crate::ready::Resources;
@@ -30,8 +35,11 @@ pub enum Error {
     /// Redis did not answer within the configured timeout.
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
-    /// A script answered with something the broker does not understand (a bug or a foreign
-    /// script under the same name).
+    /// Redis lost the lock state (restarted empty, failed over without recent writes) or it is
+    /// being rebuilt; nothing is granted until the rebuild from Postgres is done.
+    #[error("lock state in redis was lost and is being rebuilt from postgres; retry shortly")]
+    StateLost,
+    /// A script answered with something the broker does not understand.
     #[error("unexpected reply from redis script {script}: {reply}")]
     Protocol {
         /// The script that answered.
@@ -71,6 +79,17 @@ pub struct NewLease<'a> {
     pub versions: &'a BTreeMap<String, String>,
 }
 
+/// A lease whose life was just ended, and what must be cleaned up after it.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    /// Its `core_appstatus` row.
+    pub app_status_id: String,
+    /// Whether the broker created that row.
+    pub owns_app_status: bool,
+    /// The tasks it holds locks for.
+    pub task_ids: Vec<String>,
+}
+
 /// The outcome of trying to lock a task.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquire {
@@ -100,6 +119,17 @@ pub enum Release {
     StaleToken,
 }
 
+/// What this replica knows of the lock state, to notice when Redis lost it.
+#[derive(Debug, Default)]
+struct Knowledge {
+    /// The epoch this replica works in ("" before the first check).
+    epoch: RwLock<String>,
+    /// The highest fencing token this replica has handed out.
+    max_token: AtomicU64,
+    /// Woken when a script reports lost state, so the background loop rebuilds at once.
+    lost: Notify,
+}
+
 /// Handle on the lock store.
 #[derive(Clone)]
 pub struct Locks {
@@ -108,6 +138,7 @@ pub struct Locks {
     scripts: Arc<Scripts>,
     timeout: Duration,
     stats: Arc<Stats>,
+    known: Arc<Knowledge>,
 }
 
 impl Locks {
@@ -138,9 +169,19 @@ impl Locks {
             scripts: Arc::new(Scripts::new()),
             timeout,
             stats,
+            known: Arc::new(Knowledge::default()),
         };
         locks.load_scripts().await?;
         Ok(locks)
+    }
+
+    /// The same store, counting its calls in `stats` (the background loop counts apart from
+    /// requests, so per-request costs stay exact).
+    pub fn with_stats(&self, stats: Arc<Stats>) -> Locks {
+        Locks {
+            stats,
+            ..self.clone()
+        }
     }
 
     /// The key builder for this store's prefix.
@@ -176,16 +217,139 @@ impl Locks {
             .map_err(Error::from)
     }
 
+    /// Runs one plain command with the timeout, counting it.
+    async fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, Error> {
+        self.stats.redis_call();
+        let mut conn = self.conn().await?;
+        tokio::time::timeout(self.timeout, cmd.query_async(&mut conn))
+            .await
+            .map_err(|_| Error::Timeout(self.timeout))?
+            .map_err(Error::from)
+    }
+
+    /// The epoch this replica works in.
+    pub fn epoch(&self) -> String {
+        self.known
+            .epoch
+            .read()
+            .map(|e| e.clone())
+            .unwrap_or_default()
+    }
+
+    /// Adopts `epoch` as the lock state this replica works in.
+    pub fn set_epoch(&self, epoch: &str) {
+        if let Ok(mut known) = self.known.epoch.write() {
+            *known = epoch.to_owned();
+        }
+    }
+
+    /// Reports lost lock state: wakes the background loop and returns the error to answer with.
+    fn state_lost(&self) -> Error {
+        self.known.lost.notify_one();
+        Error::StateLost
+    }
+
+    /// Completes when a script has reported lost lock state since the last call.
+    pub async fn lost(&self) {
+        self.known.lost.notified().await
+    }
+
+    /// The epoch key's value in Redis, if any.
+    pub async fn current_epoch(&self) -> Result<Option<String>, Error> {
+        self.command(redis::cmd("GET").arg(self.keys.epoch())).await
+    }
+
+    /// Sets the epoch when Redis has none (raising the fencing counter to its time floor);
+    /// returns the epoch in force and whether this call set it.
+    pub async fn init_epoch(&self, candidate: &str) -> Result<(String, bool), Error> {
+        let (epoch, created): (String, i64) = self
+            .run(
+                self.scripts
+                    .init_epoch
+                    .key(self.keys.epoch())
+                    .key(self.keys.fence())
+                    .arg(candidate),
+            )
+            .await?;
+        Ok((epoch, created == 1))
+    }
+
+    /// Overwrites the epoch (the last step of a rebuild).
+    pub async fn publish_epoch(&self, epoch: &str) -> Result<(), Error> {
+        self.command::<()>(redis::cmd("SET").arg(self.keys.epoch()).arg(epoch))
+            .await
+    }
+
+    /// Takes the rebuild lock for `owner` (true) unless another replica holds it.
+    pub async fn try_recovery_lock(&self, owner: &str, ttl: Duration) -> Result<bool, Error> {
+        let set: Option<String> = self
+            .command(
+                redis::cmd("SET")
+                    .arg(self.keys.recovery())
+                    .arg(owner)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl.as_millis() as u64),
+            )
+            .await?;
+        Ok(set.is_some())
+    }
+
+    /// Deletes every key of this prefix except the rebuild lock (only a rebuild does this; it
+    /// is the one path that scans the keyspace, and it runs only when the state is already lost).
+    pub async fn wipe(&self) -> Result<u64, Error> {
+        let mut conn = self.conn().await?;
+        let keep = self.keys.recovery();
+        let mut cursor: u64 = 0;
+        let mut deleted = 0;
+        loop {
+            self.stats.redis_call();
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(self.keys.all_pattern())
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await?;
+            let batch: Vec<String> = batch.into_iter().filter(|k| *k != keep).collect();
+            if !batch.is_empty() {
+                self.stats.redis_call();
+                deleted += redis::cmd("DEL")
+                    .arg(&batch)
+                    .query_async::<u64>(&mut conn)
+                    .await?;
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+
+    /// Marks a rebuilt lease as the one to hand to the worker that reopens with `app_status_id`.
+    pub async fn mark_recovered(&self, app_status_id: &str, lease_id: &str) -> Result<(), Error> {
+        self.command::<()>(
+            redis::cmd("SET")
+                .arg(self.keys.recovered(app_status_id))
+                .arg(lease_id),
+        )
+        .await
+    }
+
     /// Registers a new lease; returns its expiry (ms since the epoch, Redis server time).
-    pub async fn open_lease(&self, lease: &NewLease<'_>) -> Result<i64, Error> {
+    /// `epoch` is the lock state to open it in (the known one, or a rebuild's).
+    pub async fn open_lease_in(&self, epoch: &str, lease: &NewLease<'_>) -> Result<i64, Error> {
         let versions = serde_json::to_string(lease.versions).unwrap_or_else(|_| "{}".into());
-        let ttl_ms = lease.ttl.as_millis().min(i64::MAX as u128) as i64;
+        let ttl_ms = lease.ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
         let expires: i64 = self
             .run(
                 self.scripts
                     .open_lease
+                    .key(self.keys.epoch())
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease.lease_id))
+                    .arg(epoch)
                     .arg(lease.lease_id)
                     .arg(ttl_ms)
                     .arg(lease.worker_name)
@@ -194,47 +358,99 @@ impl Locks {
                     .arg(versions),
             )
             .await?;
-        if expires < 0 {
-            return Err(Error::Protocol {
+        match expires {
+            -2 => Err(self.state_lost()),
+            -1 => Err(Error::Protocol {
                 script: "open_lease",
                 reply: format!("lease id {} already exists", lease.lease_id),
-            });
+            }),
+            ms => Ok(ms),
         }
-        Ok(expires)
+    }
+
+    /// Registers a new lease in the known lock state.
+    pub async fn open_lease(&self, lease: &NewLease<'_>) -> Result<i64, Error> {
+        self.open_lease_in(&self.epoch(), lease).await
+    }
+
+    /// Hands the locks rebuilt for `app_status_id` to `lease_id`; returns (task id, token) pairs.
+    pub async fn adopt(
+        &self,
+        app_status_id: &str,
+        lease_id: &str,
+    ) -> Result<Vec<(String, u64)>, Error> {
+        let flat: Vec<String> = self
+            .run(
+                self.scripts
+                    .adopt
+                    .key(self.keys.recovered(app_status_id))
+                    .key(self.keys.leases())
+                    .key(self.keys.lease_tasks(lease_id))
+                    .arg(self.keys.tag())
+                    .arg(lease_id),
+            )
+            .await?;
+        Ok(flat
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [task, token] => Some((task.clone(), token.parse().ok()?)),
+                _ => None,
+            })
+            .collect())
     }
 
     /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id))`, or `None` when the
     /// lease is unknown or expired.
     pub async fn heartbeat(&self, lease_id: &str) -> Result<Option<(i64, String)>, Error> {
-        self.run(
-            self.scripts
-                .heartbeat
-                .key(self.keys.leases())
-                .key(self.keys.lease(lease_id))
-                .arg(lease_id),
-        )
-        .await
+        let reply: Vec<Value> = self
+            .run(
+                self.scripts
+                    .heartbeat
+                    .key(self.keys.epoch())
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .arg(self.epoch())
+                    .arg(lease_id),
+            )
+            .await?;
+        match reply.first() {
+            Some(Value::Int(1)) => {
+                let expires = int(reply.get(1)).ok_or_else(|| protocol("heartbeat", &reply))?;
+                let app_status = text(reply.get(2)).unwrap_or_default();
+                Ok(Some((expires, app_status)))
+            }
+            Some(Value::Int(0)) => Ok(None),
+            Some(Value::Int(-2)) => Err(self.state_lost()),
+            _ => Err(protocol("heartbeat", &reply)),
+        }
     }
 
     /// Reads a live lease; `None` when it is unknown or expired.
     pub async fn lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, Error> {
-        let reply: Option<(i64, String, String, String)> = self
+        let reply: Vec<Value> = self
             .run(
                 self.scripts
                     .lease_info
+                    .key(self.keys.epoch())
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease_id))
+                    .arg(self.epoch())
                     .arg(lease_id),
             )
             .await?;
-        Ok(reply.map(
-            |(expires_at_ms, app_status_id, versions, worker_name)| LeaseRecord {
-                expires_at_ms,
-                app_status_id,
-                versions: serde_json::from_str(&versions).unwrap_or_default(),
-                worker_name,
-            },
-        ))
+        match reply.first() {
+            Some(Value::Int(1)) => Ok(Some(LeaseRecord {
+                expires_at_ms: int(reply.get(1)).ok_or_else(|| protocol("lease_info", &reply))?,
+                app_status_id: text(reply.get(2)).unwrap_or_default(),
+                versions: text(reply.get(3))
+                    .and_then(|v| serde_json::from_str(&v).ok())
+                    .unwrap_or_default(),
+                worker_name: text(reply.get(4)).unwrap_or_default(),
+            })),
+            Some(Value::Int(0)) => Ok(None),
+            Some(Value::Int(-2)) => Err(self.state_lost()),
+            _ => Err(protocol("lease_info", &reply)),
+        }
     }
 
     /// Locks every resource of a task for a lease in one atomic step, or nothing.
@@ -244,18 +460,37 @@ impl Locks {
         task_id: &str,
         resources: &Resources,
     ) -> Result<Acquire, Error> {
+        let epoch = self.epoch();
+        let floor = self.known.max_token.load(Ordering::Relaxed);
+        self.acquire_in(&epoch, floor, lease_id, task_id, resources)
+            .await
+    }
+
+    /// [`Locks::acquire`] in a given lock state (a rebuild passes its own).
+    pub async fn acquire_in(
+        &self,
+        epoch: &str,
+        token_floor: u64,
+        lease_id: &str,
+        task_id: &str,
+        resources: &Resources,
+    ) -> Result<Acquire, Error> {
         let mut invocation = self.scripts.acquire.prepare_invoke();
         invocation
+            .key(self.keys.epoch())
             .key(self.keys.leases())
             .key(self.keys.lease_tasks(lease_id))
             .key(self.keys.task(task_id))
-            .key(self.keys.fence());
+            .key(self.keys.fence())
+            .key(self.keys.locked());
         for name in resources.exclusive.iter().chain(&resources.shared) {
             invocation
                 .key(self.keys.exclusive(name))
                 .key(self.keys.shared(name));
         }
         invocation
+            .arg(epoch)
+            .arg(token_floor)
             .arg(lease_id)
             .arg(task_id)
             .arg(resources.exclusive.len())
@@ -264,7 +499,17 @@ impl Locks {
             invocation.arg(name);
         }
         let reply: Value = self.run(&invocation).await?;
-        parse_acquire(reply)
+        let outcome = parse_acquire(reply)?;
+        match &outcome {
+            Acquire::Granted { fencing_token } => {
+                self.known
+                    .max_token
+                    .fetch_max(*fencing_token, Ordering::Relaxed);
+            }
+            Acquire::Blocked(names) if names.is_empty() => return Err(self.state_lost()),
+            _ => {}
+        }
+        Ok(outcome)
     }
 
     /// Releases a task's locks if `lease_id` holds them under `fencing_token`. Also returns the
@@ -314,24 +559,6 @@ impl Locks {
         })
     }
 
-    /// Reads a lease's worker row and whether the broker owns it, alive or expired; `None` when
-    /// the lease is unknown.
-    pub async fn lease_row(&self, lease_id: &str) -> Result<Option<(String, bool)>, Error> {
-        self.stats.redis_call();
-        let mut conn = self.conn().await?;
-        let (app_status, owned): (Option<String>, Option<String>) = tokio::time::timeout(
-            self.timeout,
-            redis::cmd("HMGET")
-                .arg(self.keys.lease(lease_id))
-                .arg("app_status")
-                .arg("owned")
-                .query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| Error::Timeout(self.timeout))??;
-        Ok(app_status.map(|a| (a, owned.as_deref() == Some("1"))))
-    }
-
     /// Releases a task's locks whoever holds them; returns the holding lease, if any. Only for
     /// tasks that are over (canceled, final).
     pub async fn force_release(&self, task_id: &str) -> Result<Option<String>, Error> {
@@ -345,8 +572,39 @@ impl Locks {
         .await
     }
 
-    /// Ends a lease and releases all its locks; `None` when the lease is unknown.
-    pub async fn close_lease(&self, lease_id: &str) -> Result<Option<u32>, Error> {
+    /// Ends a lease's life now (no more grants or heartbeats) and returns what it held; `None`
+    /// when the lease is unknown.
+    pub async fn expire_now(&self, lease_id: &str) -> Result<Option<Ending>, Error> {
+        let reply: Vec<String> = self
+            .run(
+                self.scripts
+                    .expire_now
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .key(self.keys.lease_tasks(lease_id))
+                    .arg(lease_id),
+            )
+            .await?;
+        let mut items = reply.into_iter();
+        let Some(app_status_id) = items.next() else {
+            return Ok(None);
+        };
+        let owns_app_status = items.next().as_deref() == Some("1");
+        Ok(Some(Ending {
+            app_status_id,
+            owns_app_status,
+            task_ids: items.collect(),
+        }))
+    }
+
+    /// Removes a lease and releases all its locks; `None` when the lease is unknown. With a
+    /// `sweeper` id, only an expired lease is closed, and only while that sweeper holds the
+    /// sweeper lock (`Some(None)` otherwise: nothing changed).
+    pub async fn close_lease(
+        &self,
+        lease_id: &str,
+        sweeper: Option<&str>,
+    ) -> Result<Option<Option<u32>>, Error> {
         let released: i64 = self
             .run(
                 self.scripts
@@ -354,11 +612,67 @@ impl Locks {
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease_id))
                     .key(self.keys.lease_tasks(lease_id))
+                    .key(self.keys.sweeper())
                     .arg(self.keys.tag())
-                    .arg(lease_id),
+                    .arg(lease_id)
+                    .arg(sweeper.unwrap_or("")),
             )
             .await?;
-        Ok(u32::try_from(released).ok())
+        Ok(match released {
+            -1 => None,
+            -3 => Some(None),
+            n => Some(u32::try_from(n).ok()),
+        })
+    }
+
+    /// The sweeper's turn: `Some(expired lease ids)` when `sweeper` holds (or now took) the
+    /// sweeper lock, `None` when another replica does.
+    pub async fn expired_leases(
+        &self,
+        sweeper: &str,
+        lock_ttl: Duration,
+        limit: usize,
+    ) -> Result<Option<Vec<String>>, Error> {
+        let reply: Vec<Value> = self
+            .run(
+                self.scripts
+                    .expired
+                    .key(self.keys.sweeper())
+                    .key(self.keys.leases())
+                    .arg(sweeper)
+                    .arg(lock_ttl.as_millis() as u64)
+                    .arg(limit),
+            )
+            .await?;
+        match reply.first() {
+            Some(Value::Int(1)) => Ok(Some(
+                reply[1..].iter().filter_map(|v| text(Some(v))).collect(),
+            )),
+            Some(Value::Int(0)) => Ok(None),
+            _ => Err(protocol("expired", &reply)),
+        }
+    }
+
+    /// Every task that holds a lock (the reconciler's list; O(locks held)).
+    pub async fn locked_task_ids(&self) -> Result<Vec<String>, Error> {
+        self.command(redis::cmd("SMEMBERS").arg(self.keys.locked()))
+            .await
+    }
+
+    /// Live leases (not yet expired by Redis server time).
+    pub async fn live_lease_count(&self) -> Result<u64, Error> {
+        let reply: Vec<Value> = self.command(&redis::cmd("TIME")).await?;
+        let now_ms = text(reply.first())
+            .and_then(|s| s.parse::<i64>().ok())
+            .map(|s| s * 1000)
+            .unwrap_or(0);
+        self.command(
+            redis::cmd("ZCOUNT")
+                .arg(self.keys.leases())
+                .arg(format!("({now_ms}"))
+                .arg("+inf"),
+        )
+        .await
     }
 
     /// Lists every task lock as (task id, lease id, fencing token). Scans the broker's keys: for
@@ -397,6 +711,29 @@ impl Locks {
     }
 }
 
+fn text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn int(v: Option<&Value>) -> Option<i64> {
+    match v? {
+        Value::Int(i) => Some(*i),
+        other => text(Some(other))?.parse().ok(),
+    }
+}
+
+fn protocol(script: &'static str, reply: &impl std::fmt::Debug) -> Error {
+    Error::Protocol {
+        script,
+        reply: format!("{reply:?}"),
+    }
+}
+
 fn release_code(script: &'static str, code: i64) -> Result<Release, Error> {
     match code {
         1 => Ok(Release::Released),
@@ -410,33 +747,25 @@ fn release_code(script: &'static str, code: i64) -> Result<Release, Error> {
     }
 }
 
+/// Parses acquire.lua's reply. Lost state comes back as `Blocked(vec![])`, which the caller
+/// turns into [`Error::StateLost`].
 fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
-    let protocol = |reply: &Value| Error::Protocol {
-        script: "acquire",
-        reply: format!("{reply:?}"),
-    };
     let Value::Array(items) = &reply else {
-        return Err(protocol(&reply));
-    };
-    let text = |v: &Value| -> Option<String> {
-        match v {
-            Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-            Value::SimpleString(s) => Some(s.clone()),
-            _ => None,
-        }
+        return Err(protocol("acquire", &reply));
     };
     match (items.first(), items.get(1)) {
         (Some(Value::Int(1)), Some(Value::Int(token))) => Ok(Acquire::Granted {
-            fencing_token: u64::try_from(*token).map_err(|_| protocol(&reply))?,
+            fencing_token: u64::try_from(*token).map_err(|_| protocol("acquire", &reply))?,
         }),
-        (Some(Value::Int(0)), Some(reason)) => match text(reason).as_deref() {
+        (Some(Value::Int(0)), Some(reason)) => match text(Some(reason)).as_deref() {
             Some("lease") => Ok(Acquire::LeaseGone),
             Some("task") => Ok(Acquire::TaskHeld),
+            Some("epoch") => Ok(Acquire::Blocked(Vec::new())),
             Some("blocked") => Ok(Acquire::Blocked(
-                items[2..].iter().filter_map(text).collect(),
+                items[2..].iter().filter_map(|v| text(Some(v))).collect(),
             )),
-            _ => Err(protocol(&reply)),
+            _ => Err(protocol("acquire", &reply)),
         },
-        _ => Err(protocol(&reply)),
+        _ => Err(protocol("acquire", &reply)),
     }
 }

@@ -15,12 +15,28 @@ pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
 /// Locks released, by path (`release`, `finish`, `cancel`, `close`, `fetch_failure`).
 pub const LOCKS_RELEASED_TOTAL: &str = "dispatch_locks_released_total";
 
+/// Expired leases swept.
+pub const LEASES_SWEPT_TOTAL: &str = "dispatch_leases_swept_total";
+/// Locks of finished tasks released by the reconciler.
+pub const LOCKS_RECONCILED_TOTAL: &str = "dispatch_locks_reconciled_total";
+/// Rebuilds of lost lock state.
+pub const LOCK_STATE_REBUILDS_TOTAL: &str = "dispatch_lock_state_rebuilds_total";
+
 /// Describes every metric once, at start-up.
 pub fn describe() {
     metrics::describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
     metrics::describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
     metrics::describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
     metrics::describe_counter!(LOCKS_RELEASED_TOTAL, "Task locks released, by path.");
+    metrics::describe_counter!(LEASES_SWEPT_TOTAL, "Expired leases swept.");
+    metrics::describe_counter!(
+        LOCKS_RECONCILED_TOTAL,
+        "Locks of finished tasks released by the reconciler."
+    );
+    metrics::describe_counter!(
+        LOCK_STATE_REBUILDS_TOTAL,
+        "Rebuilds of lock state lost by Redis."
+    );
 }
 
 /// The broker's own counters.
@@ -29,6 +45,9 @@ pub struct Stats {
     postgres_statements: AtomicU64,
     redis_calls: AtomicU64,
     fetches: AtomicU64,
+    leases_swept: AtomicU64,
+    locks_reconciled: AtomicU64,
+    rebuilds: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -40,6 +59,12 @@ pub struct StatsSnapshot {
     pub redis_calls: u64,
     /// FetchTask and ClaimTask passes run.
     pub fetches: u64,
+    /// Expired leases this replica swept.
+    pub leases_swept: u64,
+    /// Locks this replica's reconciler released.
+    pub locks_reconciled: u64,
+    /// Lock-state rebuilds this replica made.
+    pub rebuilds: u64,
 }
 
 impl Stats {
@@ -66,12 +91,33 @@ impl Stats {
         metrics::counter!(LOCKS_RELEASED_TOTAL, "path" => path).increment(n);
     }
 
+    /// Counts one swept lease.
+    pub fn lease_swept(&self) {
+        self.leases_swept.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(LEASES_SWEPT_TOTAL).increment(1);
+    }
+
+    /// Counts one reconciled lock.
+    pub fn lock_reconciled(&self) {
+        self.locks_reconciled.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(LOCKS_RECONCILED_TOTAL).increment(1);
+    }
+
+    /// Counts one rebuild of lost lock state.
+    pub fn rebuild(&self) {
+        self.rebuilds.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(LOCK_STATE_REBUILDS_TOTAL).increment(1);
+    }
+
     /// Reads every counter.
     pub fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             postgres_statements: self.postgres_statements.load(Ordering::Relaxed),
             redis_calls: self.redis_calls.load(Ordering::Relaxed),
             fetches: self.fetches.load(Ordering::Relaxed),
+            leases_swept: self.leases_swept.load(Ordering::Relaxed),
+            locks_reconciled: self.locks_reconciled.load(Ordering::Relaxed),
+            rebuilds: self.rebuilds.load(Ordering::Relaxed),
         }
     }
 }
@@ -83,6 +129,9 @@ impl std::ops::Sub for StatsSnapshot {
             postgres_statements: self.postgres_statements - earlier.postgres_statements,
             redis_calls: self.redis_calls - earlier.redis_calls,
             fetches: self.fetches - earlier.fetches,
+            leases_swept: self.leases_swept - earlier.leases_swept,
+            locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
+            rebuilds: self.rebuilds - earlier.rebuilds,
         }
     }
 }

@@ -11,6 +11,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::config::ServeArgs;
 use crate::dispatch::{Dispatch, FetchPolicy};
 use crate::grpc::BrokerService;
+use crate::leases::recovery::Recovery;
+use crate::leases::sweeper::Sweeper;
 use crate::leases::{Leases, TtlPolicy};
 use crate::locks::Locks;
 use crate::metrics::Stats;
@@ -22,22 +24,44 @@ use crate::tasks::Tasks;
 pub struct Running {
     /// The address it listens on (useful with port 0).
     pub addr: SocketAddr,
-    /// Its counters.
+    /// Its counters of request-path work.
     pub stats: Arc<Stats>,
+    /// Its counters of background work (sweeper, reconciler, rebuilds).
+    pub background_stats: Arc<Stats>,
     /// Its lock store handle (tests inspect Redis through it).
     pub locks: Locks,
     /// Its task store handle.
     pub tasks: Tasks,
+    /// The background loop (sweeper, reconciler, lock-state checks).
+    pub sweeper: Arc<Sweeper>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    background: JoinHandle<()>,
+    grace: std::time::Duration,
 }
 
 impl Running {
-    /// Signals shutdown and waits for the server to finish in-flight calls.
+    /// Signals shutdown: stops accepting calls, lets in-flight calls finish within the grace
+    /// period, stops the background loop. Leases are left alone: another replica or the restarted
+    /// broker serves them.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.trigger.fire();
-        self.server.await.context("server task")??;
+        let mut server = self.server;
+        match tokio::time::timeout(self.grace, &mut server).await {
+            Ok(joined) => joined.context("server task")??,
+            Err(_) => {
+                tracing::warn!(grace = ?self.grace, "in-flight calls outlived the grace period; stopping anyway");
+                server.abort();
+            }
+        }
+        let _ = self.background.await;
         Ok(())
+    }
+
+    /// Stops at once, as a crash would (tests): no grace, nothing awaited.
+    pub fn abort(self) {
+        self.server.abort();
+        self.background.abort();
     }
 
     /// Serves until `signal` completes, then shuts down.
@@ -79,6 +103,21 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     .await
     .context("cannot reach Redis at --redis-url")?;
 
+    let replica = uuid::Uuid::new_v4().to_string();
+    let background_stats = Arc::new(Stats::default());
+    let bg_locks = locks.with_stats(Arc::clone(&background_stats));
+    let bg_tasks = tasks.with_stats(Arc::clone(&background_stats));
+    let recovery = Recovery::new(
+        bg_locks.clone(),
+        bg_tasks.clone(),
+        Arc::clone(&background_stats),
+        replica.clone(),
+    );
+    // Know the lock state (rebuilding it if Redis lost it) before serving anything.
+    if let Err(e) = recovery.check().await {
+        tracing::warn!(error = %e, "lock state not ready at start-up; calls answer UNAVAILABLE until it is");
+    }
+
     let (trigger, shutdown) = shutdown::channel();
     let leases = Leases::new(
         locks.clone(),
@@ -102,6 +141,24 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         },
         shutdown.clone(),
     );
+    let sweeper = Arc::new(Sweeper {
+        leases: Leases::new(
+            bg_locks.clone(),
+            bg_tasks.clone(),
+            TtlPolicy {
+                default: args.lease.ttl,
+                min: args.lease.min_ttl,
+                max: args.lease.max_ttl,
+            },
+            Arc::clone(&background_stats),
+        ),
+        locks: bg_locks,
+        tasks: bg_tasks,
+        recovery,
+        stats: Arc::clone(&background_stats),
+        interval: args.sweep_interval,
+        replica,
+    });
     let service = BrokerService::new(leases, dispatch);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -118,6 +175,11 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    let background = tokio::spawn({
+        let sweeper = Arc::clone(&sweeper);
+        let shutdown = shutdown.clone();
+        async move { run_background(sweeper, shutdown).await }
+    });
     let server = tokio::spawn(serve(
         listener,
         service,
@@ -129,11 +191,30 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     Ok(Running {
         addr,
         stats,
+        background_stats,
         locks,
         tasks,
+        sweeper,
         trigger,
         server,
+        background,
+        grace: args.shutdown_grace,
     })
+}
+
+async fn run_background(sweeper: Arc<Sweeper>, shutdown: Shutdown) {
+    let mut tick = tokio::time::interval(sweeper.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = sweeper.locks.lost() => sweeper.recovery.suspect(),
+            _ = shutdown.fired() => return,
+        }
+        if let Err(e) = sweeper.turn().await {
+            tracing::warn!(error = %e, "background turn failed; retrying next interval");
+        }
+    }
 }
 
 async fn serve(

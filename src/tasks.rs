@@ -38,9 +38,15 @@ pub mod sql {
     pub const DELETE_APP_STATUS: &str = include_str!("tasks/delete_app_status.sql");
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
     pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
+    pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
+    pub const FINISHED_AMONG: &str = include_str!("tasks/finished_among.sql");
+    pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
 
-    /// The statements served on request paths (prepared at start-up).
-    pub const ALL: [&str; 14] = [
+    /// The statements the broker runs (prepared at start-up).
+    pub const ALL: [&str; 17] = [
+        END_TASKS,
+        FINISHED_AMONG,
+        CLAIMED_TASKS,
         CANDIDATES,
         TASK,
         CLAIM,
@@ -124,6 +130,25 @@ pub struct Closed {
     pub failed: u32,
 }
 
+/// A claimed incomplete task and its worker, as a rebuild of lost lock state needs them.
+#[derive(Debug, Clone)]
+pub struct ClaimedTask {
+    /// `pulp_id`.
+    pub task_id: Uuid,
+    /// Its resources.
+    pub resources: Resources,
+    /// `app_lock_id`: the worker row that claimed it.
+    pub app_status_id: Uuid,
+    /// The worker row's name.
+    pub worker_name: String,
+    /// The worker row's ttl in ms.
+    pub worker_ttl_ms: i64,
+    /// Whether the worker's last heartbeat is within its ttl.
+    pub worker_fresh: bool,
+    /// The worker's component versions.
+    pub worker_versions: BTreeMap<String, String>,
+}
+
 /// Handle on the task store.
 #[derive(Clone)]
 pub struct Tasks {
@@ -167,6 +192,14 @@ impl Tasks {
         };
         drop(tasks.client().await?);
         Ok(tasks)
+    }
+
+    /// The same store, counting its statements in `stats`.
+    pub fn with_stats(&self, stats: Arc<Stats>) -> Tasks {
+        Tasks {
+            stats,
+            ..self.clone()
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
@@ -363,25 +396,35 @@ impl Tasks {
             .collect()
     }
 
-    /// Ends a worker row's tasks in one transaction: claimed tasks go back to the queue, running
-    /// ones fail with `reason`, and the row is removed when `delete_row` (the broker created it).
-    pub async fn close_worker(
+    /// Ends the tasks of an ended lease in one transaction: claimed tasks that had not started
+    /// go back to the queue, running ones fail with `reason`. When the broker created the worker
+    /// row (one row per lease), every task claimed by that row is covered and the row is removed;
+    /// otherwise only the tasks the lease held locks for are touched, and the worker's own row
+    /// stays.
+    pub async fn end_lease_tasks(
         &self,
         app_status: Uuid,
+        task_ids: &[Uuid],
         reason: &str,
-        delete_row: bool,
+        owned_row: bool,
     ) -> Result<Closed, Error> {
         let mut client = self.client().await?;
+        let end = client.prepare_cached(sql::END_TASKS).await?;
         let requeue = client.prepare_cached(sql::REQUEUE_CLAIMED).await?;
         let fail = client.prepare_cached(sql::FAIL_RUNNING).await?;
         let delete = client.prepare_cached(sql::DELETE_APP_STATUS).await?;
         let tx = self.timed(client.transaction()).await?;
-        let requeued = self.timed(tx.query(&requeue, &[&app_status])).await?.len();
-        let failed = self
-            .timed(tx.query(&fail, &[&app_status, &reason]))
-            .await?
-            .len();
-        if delete_row {
+        let row = self
+            .timed(tx.query_one(&end, &[&task_ids, &app_status, &reason]))
+            .await?;
+        let mut requeued: i64 = row.try_get(0)?;
+        let mut failed: i64 = row.try_get(1)?;
+        if owned_row {
+            requeued += self.timed(tx.query(&requeue, &[&app_status])).await?.len() as i64;
+            failed += self
+                .timed(tx.query(&fail, &[&app_status, &reason]))
+                .await?
+                .len() as i64;
             self.timed(tx.execute(&delete, &[&app_status])).await?;
         }
         self.timed(tx.commit()).await?;
@@ -389,6 +432,42 @@ impl Tasks {
             requeued: requeued as u32,
             failed: failed as u32,
         })
+    }
+
+    /// Removes a worker row the broker created (for a lease that failed to open).
+    pub async fn delete_app_status(&self, app_status: Uuid) -> Result<(), Error> {
+        self.query(sql::DELETE_APP_STATUS, &[&app_status]).await?;
+        Ok(())
+    }
+
+    /// Which of these tasks are final or gone.
+    pub async fn finished_among(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, Error> {
+        let rows = self.query(sql::FINISHED_AMONG, &[&ids]).await?;
+        rows.iter()
+            .map(|r| r.try_get(0).map_err(Error::from))
+            .collect()
+    }
+
+    /// Every claimed incomplete task with its worker row, for rebuilding lost lock state.
+    pub async fn claimed_tasks(&self) -> Result<Vec<ClaimedTask>, Error> {
+        let rows = self.query(sql::CLAIMED_TASKS, &[]).await?;
+        rows.iter()
+            .map(|r| {
+                let record: Vec<String> = r.try_get(1)?;
+                let versions: Option<String> = r.try_get(6)?;
+                Ok(ClaimedTask {
+                    task_id: r.try_get(0)?,
+                    resources: Resources::from_record(&record),
+                    app_status_id: r.try_get(2)?,
+                    worker_name: r.try_get(3)?,
+                    worker_ttl_ms: r.try_get(4)?,
+                    worker_fresh: r.try_get(5)?,
+                    worker_versions: versions
+                        .and_then(|v| serde_json::from_str(&v).ok())
+                        .unwrap_or_default(),
+                })
+            })
+            .collect()
     }
 
     /// Runs `migrate.sql` in one transaction when the database has no `core_task` table; returns

@@ -58,6 +58,31 @@ impl Keys {
         format!("{}:fence", self.tag)
     }
 
+    /// Every task id that holds a lock: the reconciler's list.
+    pub fn locked(&self) -> String {
+        format!("{}:locked", self.tag)
+    }
+
+    /// The identity of the current lock state; gone when Redis lost its data.
+    pub fn epoch(&self) -> String {
+        format!("{}:epoch", self.tag)
+    }
+
+    /// The sweeper lock: the id of the replica sweeping now.
+    pub fn sweeper(&self) -> String {
+        format!("{}:sweeper", self.tag)
+    }
+
+    /// The rebuild lock: the id of the replica rebuilding lost lock state.
+    pub fn recovery(&self) -> String {
+        format!("{}:recovery", self.tag)
+    }
+
+    /// The lease a rebuild made for a worker row, until the worker reopens and adopts it.
+    pub fn recovered(&self, app_status_id: &str) -> String {
+        format!("{}:recovered:{app_status_id}", self.tag)
+    }
+
     /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
     /// itself never scans the keyspace).
     pub fn all_pattern(&self) -> String {

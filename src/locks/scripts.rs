@@ -25,6 +25,10 @@ pub(super) struct Scripts {
     pub force_release: Script,
     pub close_lease: Script,
     pub holder: Script,
+    pub init_epoch: Script,
+    pub expired: Script,
+    pub expire_now: Script,
+    pub adopt: Script,
 }
 
 impl Scripts {
@@ -38,10 +42,14 @@ impl Scripts {
             force_release: script!("force_release.lua"),
             close_lease: script!("close_lease.lua"),
             holder: script!("holder.lua"),
+            init_epoch: script!("init_epoch.lua"),
+            expired: script!("expired.lua"),
+            expire_now: script!("expire_now.lua"),
+            adopt: script!("adopt.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 8] {
+    pub fn all(&self) -> [&Script; 12] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -51,6 +59,10 @@ impl Scripts {
             &self.force_release,
             &self.close_lease,
             &self.holder,
+            &self.init_epoch,
+            &self.expired,
+            &self.expire_now,
+            &self.adopt,
         ]
     }
 }

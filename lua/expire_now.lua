@@ -1,0 +1,24 @@
+-- expire_now.lua: ends a lease's life at once (no more grants, no heartbeat revives it) and
+-- returns what ending it must clean up. The first step of CloseLease and of every sweep; if a
+-- later step fails, the sweeper finds the lease expired and finishes the job.
+--
+-- KEYS[1]  PREFIX:leases             sorted set lease_id -> expiry (ms)
+-- KEYS[2]  PREFIX:lease:<id>         lease hash
+-- KEYS[3]  PREFIX:lease:<id>:tasks   the lease's registry
+-- ARGV     lease_id
+-- Returns  {app_status_id, owned ("1"/"0"), task_id, ...}, or {} when the lease is unknown.
+-- Never    releases a lock; close_lease.lua does.
+
+local lease = redis.call('HMGET', KEYS[2], 'app_status', 'owned')
+if not lease[1] then
+  return {}
+end
+local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if expires and tonumber(expires) > 0 then
+  redis.call('ZADD', KEYS[1], 0, ARGV[1])
+end
+local reply = {lease[1], lease[2] or '0'}
+for _, task_id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  reply[#reply + 1] = task_id
+end
+return reply

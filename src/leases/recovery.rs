@@ -1,0 +1,179 @@
+//! Rebuilding lost lock state (invariant 5): when Redis restarted empty, or failed over to a
+//! replica that lost writes, the locks of every claimed incomplete task are rebuilt from Postgres
+//! before anything is granted again.
+//!
+//! Detection: every script that grants checks the epoch key against the epoch this replica works
+//! in, and the fencing counter against the highest token this replica handed out. A refusal makes
+//! the RPC answer UNAVAILABLE ("being rebuilt") and wakes the background loop, which calls
+//! [`Recovery::check`]. One replica at a time rebuilds (a Redis lock): it wipes the prefix, sets a
+//! temporary epoch (so no other replica grants meanwhile) and a fencing floor above every token
+//! handed out before, opens one lease per worker row that has claimed tasks (already expired when
+//! the row's last heartbeat is older than its ttl, so the sweeper fails its running tasks as
+//! missing), locks each task under it, and finally publishes a new epoch. A live worker whose
+//! heartbeat then gets NOT_FOUND reopens with its `app_status_id` and takes its locks back
+//! (`adopt.lua`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::locks::{self, Acquire, Locks, NewLease};
+use crate::metrics::Stats;
+use crate::tasks::Tasks;
+
+const REBUILDING: &str = "rebuilding:";
+
+/// Watches the lock state and rebuilds it when lost.
+#[derive(Clone)]
+pub struct Recovery {
+    locks: Locks,
+    tasks: Tasks,
+    stats: Arc<Stats>,
+    /// This replica's id, as holder of the rebuild lock.
+    replica: String,
+    /// One rebuild at a time in this replica.
+    busy: Arc<tokio::sync::Mutex<()>>,
+    /// Set when a grant was refused although the epoch matched: the counter went backwards.
+    suspect: Arc<AtomicBool>,
+}
+
+impl Recovery {
+    /// Builds the watcher for one replica.
+    pub fn new(locks: Locks, tasks: Tasks, stats: Arc<Stats>, replica: String) -> Self {
+        Recovery {
+            locks,
+            tasks,
+            stats,
+            replica,
+            busy: Arc::new(tokio::sync::Mutex::new(())),
+            suspect: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Notes that a grant was refused for lost state (called by the background loop when woken).
+    pub fn suspect(&self) {
+        self.suspect.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes sure this replica works in the lock state Redis holds, rebuilding it when lost.
+    /// `Err(StateLost)` while another replica rebuilds.
+    pub async fn check(&self) -> Result<()> {
+        let suspect = self.suspect.swap(false, Ordering::Relaxed);
+        let known = self.locks.epoch();
+        match self.locks.current_epoch().await? {
+            Some(current) if current.starts_with(REBUILDING) => {
+                Err(Error::Redis(locks::Error::StateLost))
+            }
+            Some(current) if current == known && !known.is_empty() => {
+                if suspect && self.counter_regressed().await? {
+                    tracing::error!("the fencing counter went backwards: redis lost writes; rebuilding lock state");
+                    self.rebuild().await
+                } else {
+                    Ok(())
+                }
+            }
+            Some(current) => {
+                tracing::info!(epoch = %current, "working in the lock state in redis");
+                self.locks.set_epoch(&current);
+                Ok(())
+            }
+            None => {
+                if !known.is_empty() {
+                    tracing::error!(
+                        "redis lost the lock state (no epoch); rebuilding it from postgres"
+                    );
+                }
+                self.rebuild().await
+            }
+        }
+    }
+
+    /// True when a grant now would be refused although the epoch matches.
+    async fn counter_regressed(&self) -> Result<bool> {
+        // A probe acquire on a lease that cannot exist: "epoch" means regression, "lease" not.
+        let probe = Uuid::new_v4().to_string();
+        match self
+            .locks
+            .acquire(&probe, &probe, &crate::ready::Resources::default())
+            .await
+        {
+            Err(locks::Error::StateLost) => Ok(true),
+            Ok(_) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Rebuilds the lock state from Postgres (see the module docs).
+    pub async fn rebuild(&self) -> Result<()> {
+        let _one_at_a_time = self.busy.lock().await;
+        if !self
+            .locks
+            .try_recovery_lock(&self.replica, Duration::from_secs(60))
+            .await?
+        {
+            return Err(Error::Redis(locks::Error::StateLost));
+        }
+        let building = format!("{REBUILDING}{}", Uuid::new_v4());
+        self.locks.wipe().await?;
+        self.locks.init_epoch(&building).await?;
+        let claimed = self.tasks.claimed_tasks().await?;
+        let mut leases: HashMap<Uuid, String> = HashMap::new();
+        let mut locked = 0usize;
+        for task in &claimed {
+            let lease_id = match leases.get(&task.app_status_id) {
+                Some(id) => id.clone(),
+                None => {
+                    let id = Uuid::new_v4().to_string();
+                    let ttl = if task.worker_fresh {
+                        Duration::from_millis(task.worker_ttl_ms.max(1) as u64)
+                    } else {
+                        Duration::from_millis(1)
+                    };
+                    let app_status = task.app_status_id.to_string();
+                    self.locks
+                        .open_lease_in(
+                            &building,
+                            &NewLease {
+                                lease_id: &id,
+                                ttl,
+                                worker_name: &task.worker_name,
+                                app_status_id: &app_status,
+                                owns_app_status: false,
+                                versions: &task.worker_versions,
+                            },
+                        )
+                        .await?;
+                    self.locks.mark_recovered(&app_status, &id).await?;
+                    leases.insert(task.app_status_id, id.clone());
+                    id
+                }
+            };
+            match self
+                .locks
+                .acquire_in(
+                    &building,
+                    0,
+                    &lease_id,
+                    &task.task_id.to_string(),
+                    &task.resources,
+                )
+                .await?
+            {
+                Acquire::Granted { .. } => locked += 1,
+                other => {
+                    tracing::error!(task_id = %task.task_id, ?other, "a claimed task could not be locked again while rebuilding");
+                }
+            }
+        }
+        let epoch = Uuid::new_v4().to_string();
+        self.locks.publish_epoch(&epoch).await?;
+        self.locks.set_epoch(&epoch);
+        self.stats.rebuild();
+        tracing::warn!(%epoch, leases = leases.len(), locks = locked, "lock state rebuilt from postgres");
+        Ok(())
+    }
+}

@@ -1,0 +1,18 @@
+-- end_tasks.sql: ends the tasks an ended lease held: claimed tasks that had not started go back to
+-- the queue, running (or canceling) tasks fail with the reason, as Pulp's missing-worker cleanup
+-- does. Only tasks still claimed by that lease's worker row are touched.
+--
+-- $1 uuid[]  the tasks the lease held locks for;  $2 uuid  its core_appstatus row;  $3 text  reason
+-- Returns: requeued count, failed count.
+WITH requeued AS (
+    UPDATE core_task SET app_lock_id = NULL, pulp_last_updated = now()
+    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state = 'waiting'
+    RETURNING pulp_id
+), failed AS (
+    UPDATE core_task
+    SET state = 'failed', finished_at = now(), error = jsonb_build_object('reason', $3::text),
+        app_lock_id = NULL, pulp_last_updated = now()
+    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state IN ('running', 'canceling')
+    RETURNING pulp_id
+)
+SELECT (SELECT count(*) FROM requeued), (SELECT count(*) FROM failed)
