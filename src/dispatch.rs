@@ -39,6 +39,10 @@ pub struct Grant {
     pub immediate: bool,
     /// `pulp_created`.
     pub created_at: DateTime<Utc>,
+    /// The lease it was granted to (not sent to the worker).
+    pub lease_id: Uuid,
+    /// The lease's worker row that claimed it (not sent to the worker).
+    pub app_status_id: Uuid,
 }
 
 /// A validated FinishTask request.
@@ -65,8 +69,12 @@ pub struct FetchPolicy {
 
 enum Attempt {
     Granted(Grant),
-    /// Not granted; the task still reserves its resources for newer ones.
+    /// Not granted (held locks, or already locked); the task still reserves its resources.
     NotGranted,
+    /// The claim found the task no longer waiting and unclaimed (canceled, finished or claimed
+    /// meanwhile). Whether it still reserves anything is for the next look-up to say; the exact
+    /// count of older conflicts keeps newer tasks from being judged ready meanwhile.
+    Lost,
     LeaseGone,
 }
 
@@ -114,11 +122,9 @@ impl Dispatch {
             }
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
-            // Detached, so a caller that goes away cannot cancel it between lock and claim.
-            let pass = tokio::spawn(async move { this.fetch_once(lease_id, &skip_now).await });
-            let outcome = pass
-                .await
-                .map_err(|e| Error::Internal(format!("fetch: {e}")))?;
+            let outcome = self
+                .detached(async move { this.fetch_once(lease_id, &skip_now).await })
+                .await;
             match &outcome {
                 Ok(Some(_)) => self.stats.fetch("claimed"),
                 Ok(None) => self.stats.fetch("none_ready"),
@@ -158,6 +164,7 @@ impl Dispatch {
                         Attempt::LeaseGone => {
                             return Err(Error::LeaseNotFound(lease_id.to_string()))
                         }
+                        Attempt::Lost => continue,
                         Attempt::NotGranted => {}
                     }
                 }
@@ -175,9 +182,45 @@ impl Dispatch {
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
     pub async fn claim(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
         let this = self.clone();
-        tokio::spawn(async move { this.claim_once(lease_id, task_id).await })
+        self.detached(async move { this.claim_once(lease_id, task_id).await })
             .await
-            .map_err(|e| Error::Internal(format!("claim: {e}")))?
+    }
+
+    /// Runs a granting step in its own task, so a caller that goes away cannot interrupt it
+    /// between lock and claim. If the caller is gone when a grant is ready, the grant is undone
+    /// (the task goes back to the queue, its locks are released) instead of being lost.
+    async fn detached(
+        &self,
+        step: impl std::future::Future<Output = Result<Option<Grant>>> + Send + 'static,
+    ) -> Result<Option<Grant>> {
+        let (deliver, receive) = tokio::sync::oneshot::channel();
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(Ok(Some(grant))) = deliver.send(step.await) {
+                this.undo(&grant).await;
+            }
+        });
+        receive
+            .await
+            .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
+    }
+
+    /// Takes back a grant that could not be delivered.
+    async fn undo(&self, grant: &Grant) {
+        tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
+        match self.tasks.unclaim(grant.task_id, grant.app_status_id).await {
+            Ok(_) => {
+                self.release_after_failure(
+                    &grant.lease_id.to_string(),
+                    &grant.task_id.to_string(),
+                    grant.fencing_token,
+                )
+                .await
+            }
+            Err(e) => {
+                tracing::error!(task_id = %grant.task_id, error = %e, "could not undo an undelivered grant; it stays claimed until its lease ends");
+            }
+        }
     }
 
     async fn claim_once(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
@@ -201,7 +244,7 @@ impl Dispatch {
         match self.lock_and_claim(lease_id, &lease, &task.row).await? {
             Attempt::Granted(grant) => Ok(Some(grant)),
             Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
-            Attempt::NotGranted => Ok(None),
+            Attempt::NotGranted | Attempt::Lost => Ok(None),
         }
     }
 
@@ -213,7 +256,9 @@ impl Dispatch {
     }
 
     /// Locks a ready task's resources and claims it. Every exit after the locks were taken
-    /// either returns the grant or releases them.
+    /// either returns the grant or releases them, except one: when the claim's outcome is
+    /// unknown and the task cannot be put back, the locks stay with the claim, so the state
+    /// stays consistent until the lease ends.
     async fn lock_and_claim(
         &self,
         lease_id: Uuid,
@@ -223,21 +268,41 @@ impl Dispatch {
         let lease_str = lease_id.to_string();
         let task_str = row.id.to_string();
         let resources = &row.candidate.resources;
-        let fencing_token = match self.locks.acquire(&lease_str, &task_str, resources).await? {
+        if resources
+            .exclusive
+            .iter()
+            .chain(&resources.shared)
+            .any(|r| r.contains('\n'))
+        {
+            tracing::error!(task_id = %row.id, "a resource name contains a newline; the task cannot be locked");
+            return Ok(Attempt::NotGranted);
+        }
+        let app_status: Uuid = lease.app_status_id.parse().map_err(|_| {
+            Error::Internal(format!(
+                "lease {lease_id} names no valid core_appstatus row"
+            ))
+        })?;
+        let acquired = match self.locks.acquire(&lease_str, &task_str, resources).await {
+            Ok(acquired) => acquired,
+            Err(crate::locks::Error::StateLost) => {
+                return Err(crate::locks::Error::StateLost.into())
+            }
+            Err(e) => {
+                // The script may have run although the answer was lost: take back whatever this
+                // lease holds for the unclaimed task.
+                if let Err(abort) = self.locks.abort(&lease_str, &task_str).await {
+                    tracing::error!(task_id = %row.id, error = %abort, "could not take back locks of a failed acquire; they stay until the lease ends");
+                }
+                return Err(e.into());
+            }
+        };
+        let fencing_token = match acquired {
             Acquire::Granted { fencing_token } => fencing_token,
             Acquire::LeaseGone => return Ok(Attempt::LeaseGone),
             Acquire::TaskHeld => return Ok(Attempt::NotGranted),
             Acquire::Blocked(names) => {
                 tracing::debug!(task_id = %row.id, ?names, "resources held; not ready");
                 return Ok(Attempt::NotGranted);
-            }
-        };
-        let app_status: Uuid = match lease.app_status_id.parse() {
-            Ok(id) => id,
-            Err(_) => {
-                self.release_after_failure(&lease_str, &task_str, fencing_token)
-                    .await;
-                return Ok(Attempt::LeaseGone);
             }
         };
         match self.tasks.claim(row.id, app_status).await {
@@ -250,17 +315,28 @@ impl Dispatch {
                     fencing_token,
                     immediate: row.immediate,
                     created_at: row.created,
+                    lease_id,
+                    app_status_id: app_status,
                 }))
             }
             Ok(false) => {
                 // Canceled, finished or claimed elsewhere since it was read.
                 self.release_after_failure(&lease_str, &task_str, fencing_token)
                     .await;
-                Ok(Attempt::NotGranted)
+                Ok(Attempt::Lost)
             }
             Err(e) => {
-                self.release_after_failure(&lease_str, &task_str, fencing_token)
-                    .await;
+                // The claim may have committed although the answer was lost: put the task back
+                // first, and release only once it is back.
+                match self.tasks.unclaim(row.id, app_status).await {
+                    Ok(_) => {
+                        self.release_after_failure(&lease_str, &task_str, fencing_token)
+                            .await
+                    }
+                    Err(unclaim) => {
+                        tracing::error!(task_id = %row.id, error = %unclaim, "claim outcome unknown and postgres unreachable; the locks stay with the lease until it ends")
+                    }
+                }
                 Err(e.into())
             }
         }
@@ -270,10 +346,11 @@ impl Dispatch {
     async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
         for attempt in 0..3u32 {
             match self.locks.release(lease_id, task_id, fencing_token).await {
-                Ok(_) => {
+                Ok((Release::Released, _)) => {
                     self.stats.locks_released("fetch_failure", 1);
                     return;
                 }
+                Ok(_) => return,
                 Err(e) => {
                     tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
@@ -371,14 +448,18 @@ impl Dispatch {
                 Err(e) => return Err(e.into()),
             }
         };
+        // A claimed task that never started goes back to the queue; also when the locks were
+        // already gone, so a retry after a failure half-way completes the job.
+        if matches!(outcome, Release::Released | Release::NotHeld) {
+            if let Ok(app_status) = app_status.parse::<Uuid>() {
+                if self.tasks.unclaim(task_id, app_status).await? {
+                    tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
+                }
+            }
+        }
         match outcome {
             Release::Released => {
                 self.stats.locks_released("release", 1);
-                if let Ok(app_status) = app_status.parse::<Uuid>() {
-                    if self.tasks.unclaim(task_id, app_status).await? {
-                        tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
-                    }
-                }
                 Ok(true)
             }
             Release::NotHeld => Ok(false),

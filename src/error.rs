@@ -33,9 +33,6 @@ pub enum Error {
     /// A bug: a background step panicked.
     #[error("internal error: {0}")]
     Internal(String),
-    /// The broker is shutting down.
-    #[error("the broker is shutting down; retry against another replica")]
-    ShuttingDown,
 }
 
 /// Result of a broker operation.

@@ -13,6 +13,7 @@ use crate::dispatch::Dispatch;
 use crate::error::Error;
 use crate::leases::Leases;
 use crate::proto;
+use crate::{locks, tasks};
 use convert::{duration_or_zero, parse_id, to_timestamp};
 
 /// Implements `dispatch.v1.Broker`.
@@ -38,10 +39,20 @@ impl From<Error> for Status {
             Error::TaskNotFound(_) => Status::not_found(message),
             Error::AppStatusNotFound(_) => Status::not_found(message),
             Error::NotHolder(_) => Status::failed_precondition(message),
-            Error::Redis(_) => Status::unavailable(message),
-            Error::Postgres(_) => Status::unavailable(message),
+            Error::Redis(e) => match e {
+                locks::Error::Pool(_)
+                | locks::Error::Command(_)
+                | locks::Error::Timeout(_)
+                | locks::Error::StateLost => Status::unavailable(message),
+                locks::Error::Protocol { .. } => Status::internal(message),
+            },
+            Error::Postgres(e) => match e {
+                tasks::Error::Pool(_) | tasks::Error::Db(_) | tasks::Error::Timeout(_) => {
+                    Status::unavailable(message)
+                }
+                tasks::Error::Schema(_) | tasks::Error::Config(_) => Status::internal(message),
+            },
             Error::Internal(_) => Status::internal(message),
-            Error::ShuttingDown => Status::unavailable(message),
         }
     }
 }

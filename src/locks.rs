@@ -559,6 +559,22 @@ impl Locks {
         })
     }
 
+    /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own
+    /// unclaimed grants whose acquire outcome is unknown); true when something was released.
+    pub async fn abort(&self, lease_id: &str, task_id: &str) -> Result<bool, Error> {
+        let released: i64 = self
+            .run(
+                self.scripts
+                    .abort
+                    .key(self.keys.task(task_id))
+                    .arg(self.keys.tag())
+                    .arg(task_id)
+                    .arg(lease_id),
+            )
+            .await?;
+        Ok(released == 1)
+    }
+
     /// Releases a task's locks whoever holds them; returns the holding lease, if any. Only for
     /// tasks that are over (canceled, final).
     pub async fn force_release(&self, task_id: &str) -> Result<Option<String>, Error> {
@@ -697,6 +713,36 @@ impl Locks {
         }
         locks.sort();
         Ok(locks)
+    }
+
+    /// Every resource lock as (resource, exclusive?, holding task ids). Scans the broker's keys:
+    /// for tests and diagnostics only.
+    pub async fn resource_locks(&self) -> Result<Vec<(String, bool, Vec<String>)>, Error> {
+        let mut conn = self.conn().await?;
+        let mut out = Vec::new();
+        for (exclusive, infix) in [(true, ":x:"), (false, ":s:")] {
+            let prefix = format!("{}{infix}", self.keys.tag());
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{prefix}*"))
+                .query_async(&mut conn)
+                .await?;
+            for key in keys {
+                let holders: Vec<String> = if exclusive {
+                    let holder: Option<String> =
+                        redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+                    holder.into_iter().collect()
+                } else {
+                    redis::cmd("SMEMBERS")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await?
+                };
+                let name = key[prefix.len()..].to_owned();
+                out.push((name, exclusive, holders));
+            }
+        }
+        out.sort();
+        Ok(out)
     }
 
     /// Every key under the broker's prefix (tests and diagnostics only).

@@ -126,8 +126,9 @@ pub struct Candidate {
     pub resources: Resources,
     /// The number of older incomplete tasks that conflict with it (from the exact GIN look-up).
     pub older_conflicts: i64,
-    /// The task's `versions`: component -> minimum version.
-    pub versions: BTreeMap<String, String>,
+    /// The task's `versions`: component -> minimum version. `None` when they could not be read,
+    /// which makes the task incompatible with every lease (fail closed).
+    pub versions: Option<BTreeMap<String, String>>,
     /// The worker asked not to be given this task.
     pub skipped: bool,
 }
@@ -161,7 +162,11 @@ pub fn judge(
         Verdict::BlockedByReserved
     } else if candidate.skipped {
         Verdict::Skipped
-    } else if !is_compatible(&candidate.versions, lease_versions) {
+    } else if !candidate
+        .versions
+        .as_ref()
+        .is_some_and(|needed| is_compatible(needed, lease_versions))
+    {
         Verdict::Incompatible
     } else {
         Verdict::Ready
@@ -182,35 +187,39 @@ pub fn is_compatible(
     })
 }
 
-/// Compares dotted release numbers (`3.123.1` < `3.124`; `3.1` == `3.1.0`). Each dot-separated
-/// part is compared by its leading digits; trailing text such as `dev0` or `rc1` in a part is
-/// ignored, so pre-releases compare equal to their release.
+/// Compares release numbers the way Pulp's (PEP 440) comparison does for the versions Pulp
+/// ships: dotted numbers compared numerically (`3.123.1` < `3.124`; `3.1` == `3.1.0`), a
+/// pre-release or development suffix (`3.124.0.dev0`, `3.124.0rc1`) before its release, and a
+/// `post` suffix after it. Two suffixes of the same kind compare equal.
 pub fn compare_releases(a: &str, b: &str) -> std::cmp::Ordering {
-    let parse = |v: &str| -> Vec<u64> {
-        let mut parts: Vec<u64> = v
-            .trim()
-            .trim_start_matches(['v', 'V'])
-            .split('.')
-            .map(|part| {
-                let digits: String = part.chars().take_while(|c| c.is_ascii_digit()).collect();
-                digits.parse().unwrap_or(0)
-            })
-            .collect();
-        while parts.last() == Some(&0) {
-            parts.pop();
+    let parse = |v: &str| -> (Vec<u64>, u8) {
+        let mut numbers = Vec::new();
+        let mut rank = 1; // 0: pre-release or dev, 1: release, 2: post-release
+        for part in v.trim().trim_start_matches(['v', 'V']).split('.') {
+            let digits: String = part.chars().take_while(|c| c.is_ascii_digit()).collect();
+            let suffix = &part[digits.len()..];
+            if !digits.is_empty() {
+                numbers.push(digits.parse().unwrap_or(u64::MAX));
+            }
+            if !suffix.is_empty() || digits.is_empty() {
+                rank = if suffix.contains("post") { 2 } else { 0 };
+                break;
+            }
         }
-        parts
+        while numbers.last() == Some(&0) {
+            numbers.pop();
+        }
+        (numbers, rank)
     };
     parse(a).cmp(&parse(b))
 }
 
-/// Checks that a version string is one [`compare_releases`] understands: dotted parts that each
-/// start with a digit.
+/// Checks that a version string is one [`compare_releases`] understands: dot-separated parts,
+/// none empty, the first starting with a digit.
 pub fn is_valid_release(v: &str) -> bool {
     let v = v.trim().trim_start_matches(['v', 'V']);
-    !v.is_empty()
-        && v.split('.')
-            .all(|part| part.chars().next().is_some_and(|c| c.is_ascii_digit()))
+    v.chars().next().is_some_and(|c| c.is_ascii_digit())
+        && v.split('.').all(|part| !part.is_empty())
 }
 
 #[cfg(test)]

@@ -499,6 +499,18 @@ impl Tasks {
     }
 }
 
+/// Reads an hstore rendered as JSON. A component without a version (`NULL`) needs the component
+/// at any version; text that is not a JSON object gives `None` (incompatible with everything).
+pub fn parse_versions(json: &str) -> Option<BTreeMap<String, String>> {
+    let parsed: BTreeMap<String, Option<String>> = serde_json::from_str(json).ok()?;
+    Some(
+        parsed
+            .into_iter()
+            .map(|(component, version)| (component, version.unwrap_or_else(|| "0".to_owned())))
+            .collect(),
+    )
+}
+
 /// The server's message when there is one (tokio-postgres shows only "db error" otherwise).
 fn describe(error: &tokio_postgres::Error) -> String {
     match error.as_db_error() {
@@ -510,9 +522,7 @@ fn describe(error: &tokio_postgres::Error) -> String {
 fn task_row(row: &Row) -> Result<TaskRow, Error> {
     let record: Vec<String> = row.try_get(3)?;
     let versions: Option<String> = row.try_get(4)?;
-    let versions: BTreeMap<String, String> = versions
-        .and_then(|v| serde_json::from_str(&v).ok())
-        .unwrap_or_default();
+    let versions = versions.as_deref().and_then(parse_versions);
     Ok(TaskRow {
         id: row.try_get(0)?,
         created: row.try_get(1)?,

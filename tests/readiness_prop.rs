@@ -16,14 +16,16 @@ struct Spec {
     record: Vec<String>,
 }
 
-fn arb_queue() -> impl Strategy<Value = (Vec<Spec>, Vec<u8>)> {
+fn arb_queue() -> impl Strategy<Value = (Vec<Spec>, Vec<u8>, i64)> {
     let entry = (0..6u8, prop::bool::weighted(0.4))
         .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
     let spec = prop::collection::vec(entry, 0..4).prop_map(|record| Spec { record });
-    // The history: how many tasks the "runner" lease takes first, and which of them it finishes.
+    // The history (what the "runner" lease and others do first), and the candidate page size
+    // (small pages exercise the keyset paging and the exclusions carried between pages).
     (
         prop::collection::vec(spec, 1..30),
-        prop::collection::vec(any::<u8>(), 0..8),
+        prop::collection::vec(any::<u8>(), 0..10),
+        1i64..6,
     )
 }
 
@@ -69,22 +71,38 @@ async fn expected(env: &Env) -> Option<Uuid> {
     })
 }
 
-async fn check(queue: Vec<Spec>, history: Vec<u8>) {
-    let mut env = Env::new().await;
+async fn check(queue: Vec<Spec>, history: Vec<u8>, page: i64) {
+    let mut env = Env::with(|args| args.fetch.page = page).await;
+    let mut ids = Vec::new();
     for spec in &queue {
         let record: Vec<&str> = spec.record.iter().map(String::as_str).collect();
-        env.task(&record).await;
+        ids.push(env.task(&record).await);
     }
-    // Some tasks run already: a runner takes some, starts them, and finishes some of those.
+    // Some tasks run already: a runner takes some and starts them, finishes some of those,
+    // a second lease claims some without starting, and some tasks are canceled.
     let runner = env.open("runner").await;
+    let claimer = env.open("claimer").await;
     let mut running = Vec::new();
     for step in &history {
-        if step % 3 == 0 && !running.is_empty() {
-            let t = running.remove(usize::from(*step) % running.len());
-            env.finish(&runner, &t, "completed").await;
-        } else if let Some(t) = env.fetch(&runner).await {
-            env.start(&runner, &t).await;
-            running.push(t);
+        match step % 5 {
+            0 if !running.is_empty() => {
+                let t = running.remove(usize::from(*step) % running.len());
+                env.finish(&runner, &t, "completed").await;
+            }
+            1 => {
+                env.cancel(ids[usize::from(*step) % ids.len()])
+                    .await
+                    .unwrap();
+            }
+            2 => {
+                env.fetch(&claimer).await;
+            }
+            _ => {
+                if let Some(t) = env.fetch(&runner).await {
+                    env.start(&runner, &t).await;
+                    running.push(t);
+                }
+            }
         }
     }
     // Now a fresh worker fetches until nothing is ready; each grant must be the rule's choice.
@@ -92,7 +110,10 @@ async fn check(queue: Vec<Spec>, history: Vec<u8>) {
     loop {
         let want = expected(&env).await;
         let got = env.fetch(&worker).await.map(|t| id(&t));
-        assert_eq!(got, want, "queue {queue:?}, history {history:?}");
+        assert_eq!(
+            got, want,
+            "queue {queue:?}, history {history:?}, page {page}"
+        );
         if got.is_none() {
             break;
         }
@@ -101,11 +122,11 @@ async fn check(queue: Vec<Spec>, history: Vec<u8>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, .. ProptestConfig::default() })]
 
     #[test]
-    fn every_fetched_task_is_the_oldest_ready_one((queue, history) in arb_queue()) {
+    fn every_fetched_task_is_the_oldest_ready_one((queue, history, page) in arb_queue()) {
         let runtime = tokio::runtime::Runtime::new().unwrap();
-        runtime.block_on(check(queue, history));
+        runtime.block_on(check(queue, history, page));
     }
 }

@@ -29,6 +29,7 @@ pub(super) struct Scripts {
     pub expired: Script,
     pub expire_now: Script,
     pub adopt: Script,
+    pub abort: Script,
 }
 
 impl Scripts {
@@ -46,10 +47,11 @@ impl Scripts {
             expired: script!("expired.lua"),
             expire_now: script!("expire_now.lua"),
             adopt: script!("adopt.lua"),
+            abort: script!("abort.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 12] {
+    pub fn all(&self) -> [&Script; 13] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -63,6 +65,7 @@ impl Scripts {
             &self.expired,
             &self.expire_now,
             &self.adopt,
+            &self.abort,
         ]
     }
 }

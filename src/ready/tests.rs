@@ -53,7 +53,7 @@ fn judge_orders_its_reasons() {
     let mut c = Candidate {
         resources: res(&["a"]),
         older_conflicts: 0,
-        versions: map(&[("core", "3.123.0")]),
+        versions: Some(map(&[("core", "3.123.0")])),
         skipped: false,
     };
     let none = Reservations::default();
@@ -61,8 +61,15 @@ fn judge_orders_its_reasons() {
     c.skipped = true;
     assert_eq!(judge(&c, &none, &lease), Verdict::Skipped);
     c.skipped = false;
-    c.versions = map(&[("core", "3.124")]);
+    c.versions = Some(map(&[("core", "3.124")]));
     assert_eq!(judge(&c, &none, &lease), Verdict::Incompatible);
+    c.versions = None;
+    assert_eq!(
+        judge(&c, &none, &lease),
+        Verdict::Incompatible,
+        "unreadable versions fail closed"
+    );
+    c.versions = Some(map(&[("core", "3.124")]));
     let mut held = Reservations::default();
     held.reserve(&res(&["shared:a"]));
     assert_eq!(judge(&c, &held, &lease), Verdict::BlockedByReserved);
@@ -85,10 +92,14 @@ fn compatibility_is_pulps_rule() {
 fn releases_compare_numerically() {
     assert_eq!(compare_releases("3.123.1", "3.9.10"), Ordering::Greater);
     assert_eq!(compare_releases("3.1", "3.1.0"), Ordering::Equal);
-    assert_eq!(compare_releases("3.1.0.dev0", "3.1"), Ordering::Equal);
+    assert_eq!(compare_releases("3.1.0.dev0", "3.1"), Ordering::Less);
+    assert_eq!(compare_releases("3.124.0rc1", "3.124.0"), Ordering::Less);
+    assert_eq!(compare_releases("3.124.0rc1", "3.123.9"), Ordering::Greater);
+    assert_eq!(compare_releases("3.1.post1", "3.1"), Ordering::Greater);
     assert_eq!(compare_releases("10", "9.99"), Ordering::Greater);
     assert!(is_valid_release("3.123.1"));
     assert!(is_valid_release("3.1.0rc1"));
+    assert!(is_valid_release("3.124.0.dev0"));
     assert!(!is_valid_release(""));
     assert!(!is_valid_release("abc"));
     assert!(!is_valid_release("3..1"));

@@ -302,27 +302,42 @@ impl Env {
             .collect()
     }
 
-    /// Fails unless Redis holds exactly the locks of `expected` tasks, and no resource key
-    /// belongs to any other task.
+    /// Fails unless Redis holds exactly the locks of `expected` tasks: their task locks, and
+    /// resource locks naming only them, each in the mode the task needs.
     pub async fn assert_locks(&self, expected: &[&Task]) {
         let want: BTreeSet<String> = expected.iter().map(|t| t.task_id.clone()).collect();
         assert_eq!(self.locked_tasks().await, want, "task locks in redis");
-        let keys = self.broker().locks.all_keys().await.expect("keys");
-        let resource_keys = keys
-            .iter()
-            .filter(|k| k.contains("}:x:") || k.contains("}:s:"))
-            .count();
-        let want_resources: usize = expected
-            .iter()
-            .map(|t| t.exclusive_resources.len() + t.shared_resources.len())
-            .sum();
-        assert!(
-            resource_keys <= want_resources,
-            "resource keys left in redis: {keys:?}"
-        );
-        if expected.is_empty() {
-            assert_eq!(resource_keys, 0, "resource keys left in redis: {keys:?}");
+        let mut want_resources: Vec<(String, bool, Vec<String>)> = Vec::new();
+        for t in expected {
+            for (names, exclusive) in [(&t.exclusive_resources, true), (&t.shared_resources, false)]
+            {
+                for name in names {
+                    match want_resources
+                        .iter_mut()
+                        .find(|(n, x, _)| n == name && *x == exclusive)
+                    {
+                        Some(entry) => entry.2.push(t.task_id.clone()),
+                        None => {
+                            want_resources.push((name.clone(), exclusive, vec![t.task_id.clone()]))
+                        }
+                    }
+                }
+            }
         }
+        for entry in &mut want_resources {
+            entry.2.sort();
+        }
+        want_resources.sort();
+        let mut have = self
+            .broker()
+            .locks
+            .resource_locks()
+            .await
+            .expect("resource locks");
+        for entry in &mut have {
+            entry.2.sort();
+        }
+        assert_eq!(have, want_resources, "resource locks in redis");
     }
 
     pub async fn shutdown(mut self) {
