@@ -22,7 +22,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the gRPC API (Broker, grpc.health.v1, reflection).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Create the broker's subset of Pulp's schema on an empty database, or report whether an
     /// existing Pulp database has everything the broker needs. Changes nothing on a Pulp database.
     Migrate(MigrateArgs),
@@ -225,7 +225,7 @@ impl ServeArgs {
             "127.0.0.1:0",
         ]);
         match cli.command {
-            Command::Serve(args) => args,
+            Command::Serve(args) => *args,
             _ => unreachable!("parsed a serve command line"),
         }
     }

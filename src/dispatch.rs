@@ -325,6 +325,11 @@ impl Dispatch {
                     .await;
                 Ok(Attempt::Lost)
             }
+            Err(e) if e.certainly_not_applied() => {
+                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                    .await;
+                Err(e.into())
+            }
             Err(e) => {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.

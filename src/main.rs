@@ -9,7 +9,7 @@ async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_tracing(&cli.log);
     let outcome = match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
         Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
     };

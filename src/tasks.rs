@@ -84,6 +84,19 @@ pub enum Error {
     Config(String),
 }
 
+impl Error {
+    /// True when the statement certainly did not take effect: the server answered with an error
+    /// (a single-statement transaction that reports an error did not commit). False for lost
+    /// connections and timeouts, whose outcome is unknown.
+    pub fn certainly_not_applied(&self) -> bool {
+        match self {
+            Error::Db(e) => e.as_db_error().is_some(),
+            Error::Pool(_) | Error::Schema(_) | Error::Config(_) => true,
+            Error::Timeout(_) => false,
+        }
+    }
+}
+
 /// A waiting task as dispatch sees it.
 #[derive(Debug, Clone)]
 pub struct TaskRow {
@@ -173,8 +186,11 @@ impl Tasks {
         let manager = Manager::from_config(
             pg,
             NoTls,
+            // Verified: a pooled connection is checked with an empty query before reuse, so a
+            // connection that Postgres terminated (restart, failover, admin) is replaced instead
+            // of failing the next call. Costs one round trip per checkout.
             ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
+                recycling_method: RecyclingMethod::Verified,
             },
         );
         let pool = Pool::builder(manager)

@@ -152,6 +152,8 @@ impl Postgres {
         if let Some((uid, gid)) = self.identity {
             std::os::unix::fs::chown(self.dir.path().join("postgres.log"), Some(uid), Some(gid))?;
         }
+        // fsync=off: fast, and still survives the server being killed (WAL reaches the OS at
+        // every commit); only an OS crash would lose data, which tests never cause.
         let mut cmd = Command::new(postgres);
         cmd.arg("-D")
             .arg(&data)
@@ -164,8 +166,6 @@ impl Postgres {
                 "listen_addresses=127.0.0.1",
                 "-c",
                 "fsync=off",
-                "-c",
-                "synchronous_commit=off",
                 "-c",
                 "full_page_writes=off",
                 "-c",
@@ -313,6 +313,20 @@ impl Redis {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): it holds its data but answers nothing until [`Redis::resume`].
+    pub fn pause(&self) {
+        if let Some(child) = &self.child {
+            signal(child.id(), "STOP");
+        }
+    }
+
+    /// Lets a paused server go on (SIGCONT).
+    pub fn resume(&self) {
+        if let Some(child) = &self.child {
+            signal(child.id(), "CONT");
         }
     }
 

@@ -347,6 +347,43 @@ impl Env {
     }
 }
 
+/// Polls `check` until it holds, for at most `limit`; returns whether it did and how long it took.
+pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if check().await {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// A migrated database on a cluster of the test's own (for tests that stop Postgres).
+pub fn own_postgres() -> (Postgres, String) {
+    let pg = Postgres::start().expect("start own postgres");
+    let url = pg.create_database("own").expect("create database");
+    pg.psql("own", include_str!("../../src/tasks/migrate.sql"))
+        .expect("migrate");
+    (pg, url)
+}
+
+/// Terminates the broker's Postgres sessions that wait on a lock (the injected failure).
+pub async fn kill_waiting_broker_sessions(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = 'dispatch-broker' AND wait_event_type = 'Lock'",
+        &[],
+    )
+    .await
+    .expect("terminate")
+    .get(0)
+}
+
 /// Parses a task id from the wire.
 pub fn id(task: &Task) -> Uuid {
     task.task_id.parse().unwrap()

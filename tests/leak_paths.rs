@@ -1,0 +1,528 @@
+//! One test per leak path of the seed lock-leaks.txt, as each shows up in a broker world, plus
+//! the lease and lock-state cases of invariants 1-5. Every test ends by checking that Redis holds
+//! exactly the locks it expects.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::proto::*;
+use support::{eventually, id, kill_waiting_broker_sessions, Env};
+use tonic::Code;
+
+const TTL: Duration = Duration::from_millis(600);
+const SWEEP: Duration = Duration::from_millis(200);
+
+async fn sweeping_env() -> Env {
+    Env::with(|a| a.sweep_interval = SWEEP).await
+}
+
+async fn error_of(env: &Env, task: uuid::Uuid) -> serde_json::Value {
+    env.db
+        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&task])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Path 1: a failure after the locks were acquired in FetchTask (the claim's Postgres session is
+/// terminated while it waits on the task's row) leaves no lock and the task in the queue.
+#[tokio::test]
+async fn path1_a_failure_after_acquiring_leaves_no_lock() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a", "shared:d"]).await;
+    let lease = env.open("w").await;
+    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
+        &[&task],
+    )
+    .await
+    .unwrap();
+    let mut client = env.client.clone();
+    let lease2 = lease.clone();
+    let fetch = tokio::spawn(async move {
+        client
+            .fetch_task(FetchTaskRequest {
+                lease_id: lease2,
+                wait: None,
+                skip_task_ids: vec![],
+            })
+            .await
+    });
+    let env_ref = &env;
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            env_ref.locked_tasks().await.contains(&task.to_string())
+        })
+        .await
+        .is_some(),
+        "the fetch took the locks and waits in its claim"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            kill_waiting_broker_sessions(&env_ref.db).await > 0
+        })
+        .await
+        .is_some(),
+        "the claim's session was terminated"
+    );
+    let status = fetch.await.unwrap().expect_err("the fetch fails");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("postgres"), "{status:?}");
+    tx.rollback().await.unwrap();
+    env.assert_locks(&[]).await;
+    assert_eq!(env.app_lock(task).await, None);
+    assert_eq!(
+        id(&env.fetch(&lease).await.expect("the task is still there")),
+        task
+    );
+    env.shutdown().await;
+}
+
+/// Path 2a: a worker set its task final (as Pulp's worker does) and died before ReleaseLocks:
+/// the reconciler frees the locks.
+#[tokio::test]
+async fn path2_a_final_task_left_locked_is_reconciled() {
+    let mut env = sweeping_env().await;
+    env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &t).await;
+    env.set_state(id(&t), "completed").await;
+    let env_ref = &env;
+    let took = eventually(Duration::from_secs(10), || async {
+        env_ref.locked_tasks().await.is_empty()
+    })
+    .await
+    .expect("the reconciler released the locks");
+    println!("locks of a completed task released after {took:?} (sweep interval {SWEEP:?})");
+    env.assert_locks(&[]).await;
+    assert!(env.broker().background_stats.snapshot().locks_reconciled >= 1);
+    env.shutdown().await;
+}
+
+/// Path 2b and 4: a worker that died mid-task (stopped heartbeating, never released): its locks
+/// are swept, its running task fails "Worker has gone missing.", the task it had claimed but not
+/// started goes to another lease.
+#[tokio::test]
+async fn path2_and_4_a_dead_workers_locks_are_swept_and_its_tasks_dealt_with() {
+    let mut env = sweeping_env().await;
+    let running = env.task(&["a"]).await;
+    let claimed = env.task(&["b", "shared:d"]).await;
+    let dead = env.open_with("dead", &[], Some(TTL)).await;
+    let t1 = env.fetch(&dead).await.unwrap();
+    env.start(&dead, &t1).await;
+    let t2 = env.fetch(&dead).await.unwrap();
+    assert_eq!((id(&t1), id(&t2)), (running, claimed));
+    let last_heartbeat = std::time::Instant::now();
+    env.client
+        .heartbeat(HeartbeatRequest {
+            lease_id: dead.clone(),
+        })
+        .await
+        .unwrap();
+    let env_ref = &env;
+    eventually(Duration::from_secs(10), || async {
+        env_ref.locked_tasks().await.is_empty()
+    })
+    .await
+    .expect("the dead lease's locks are swept");
+    println!(
+        "locks gone {:?} after the last heartbeat (TTL {TTL:?}, sweep interval {SWEEP:?})",
+        last_heartbeat.elapsed()
+    );
+    assert_eq!(env.state(running).await, "failed");
+    assert_eq!(
+        error_of(&env, running).await["reason"],
+        "Worker has gone missing."
+    );
+    assert_eq!(env.state(claimed).await, "waiting");
+    let other = env.open("other").await;
+    let again = env.fetch(&other).await.unwrap();
+    assert_eq!(id(&again), claimed);
+    env.assert_locks(&[&again]).await;
+    let gone = env
+        .client
+        .heartbeat(HeartbeatRequest { lease_id: dead })
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound);
+    env.shutdown().await;
+}
+
+/// Path 3: CancelTask while Postgres fails mid-way (its session is terminated while it waits on
+/// the task's row): the call fails, nothing is half-done, and a retry cancels and releases.
+#[tokio::test]
+async fn path3_cancel_failing_half_way_changes_nothing_and_a_retry_completes_it() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
+        &[&task],
+    )
+    .await
+    .unwrap();
+    let mut client = env.client.clone();
+    let cancel = tokio::spawn(async move {
+        client
+            .cancel_task(CancelTaskRequest {
+                task_id: task.to_string(),
+            })
+            .await
+    });
+    let env_ref = &env;
+    eventually(Duration::from_secs(10), || async {
+        kill_waiting_broker_sessions(&env_ref.db).await > 0
+    })
+    .await
+    .expect("the cancel's session was terminated");
+    let status = cancel.await.unwrap().expect_err("the cancel fails");
+    assert_eq!(status.code(), Code::Unavailable);
+    tx.rollback().await.unwrap();
+    assert_eq!(env.state(task).await, "waiting", "nothing half-done");
+    env.assert_locks(&[&t]).await;
+    let retry = env.cancel(task).await.unwrap();
+    assert_eq!(retry.state, "canceled");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+/// Path 5: CancelTask on a waiting task racing FetchTask from several leases, many times: a canceled task is never handed out
+/// after the cancel succeeded, and no lock for it remains.
+#[tokio::test]
+async fn path5_cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_task() {
+    let env = Env::new().await;
+    let mut leases = Vec::new();
+    for n in 0..4 {
+        let mut c = env.client.clone();
+        leases.push(
+            c.open_lease(dispatch_broker::proto::OpenLeaseRequest {
+                worker_name: format!("w{n}"),
+                versions: Default::default(),
+                ttl: None,
+                app_status_id: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease_id,
+        );
+    }
+    for round in 0..25 {
+        let task = env.task(&[&format!("r{round}"), "shared:d"]).await;
+        let mut fetches = Vec::new();
+        for lease in &leases {
+            let mut c = env.client.clone();
+            let lease = lease.clone();
+            fetches.push(tokio::spawn(async move {
+                c.fetch_task(dispatch_broker::proto::FetchTaskRequest {
+                    lease_id: lease.clone(),
+                    wait: None,
+                    skip_task_ids: vec![],
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .task
+                .map(|t| (lease, t))
+            }));
+        }
+        let mut c = env.client.clone();
+        let cancel = c
+            .cancel_task(dispatch_broker::proto::CancelTaskRequest {
+                task_id: task.to_string(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut granted = Vec::new();
+        for f in fetches {
+            if let Some(g) = f.await.unwrap() {
+                granted.push(g);
+            }
+        }
+        assert!(granted.len() <= 1, "round {round}: handed out twice");
+        assert_eq!(
+            cancel.state, "canceled",
+            "round {round}: waiting or claimed task is canceled"
+        );
+        assert_eq!(env.state(task).await, "canceled");
+        // A grant may have been made before the cancel; its holder cannot start it now.
+        for (lease, t) in granted {
+            let start = c
+                .start_task(dispatch_broker::proto::StartTaskRequest {
+                    lease_id: lease,
+                    task_id: t.task_id,
+                    fencing_token: t.fencing_token,
+                })
+                .await;
+            assert!(start.is_err(), "round {round}: a canceled task was started");
+        }
+        env.assert_locks(&[]).await;
+    }
+    env.shutdown().await;
+}
+
+/// Path 6: ReleaseLocks while Redis is briefly down (paused): the call succeeds after a retry or
+/// fails UNAVAILABLE; either way, once Redis is back, no lock remains.
+#[tokio::test]
+async fn path6_release_while_redis_is_briefly_down_leaves_no_lock() {
+    let mut env = Env::with(|a| {
+        a.sweep_interval = SWEEP;
+        a.backend_timeout = Duration::from_millis(300);
+    })
+    .await;
+    env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &t).await;
+    env.set_state(id(&t), "completed").await;
+    env.redis.pause();
+    let resume = {
+        let pid_owner = std::time::Instant::now();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            pid_owner
+        })
+    };
+    let released = env.release(&lease, &t).await;
+    resume.await.unwrap();
+    env.redis.resume();
+    match &released {
+        Ok(_) => {}
+        Err(status) => {
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("redis"), "{status:?}");
+        }
+    }
+    let env_ref = &env;
+    eventually(Duration::from_secs(10), || async {
+        env_ref.locked_tasks().await.is_empty()
+    })
+    .await
+    .expect("no lock remains once redis is back");
+    println!("release during a redis pause answered {released:?}");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+/// A worker restarted under the same name gets a new lease, does not inherit its previous
+/// incarnation's locks, and is not blocked by them past that lease's expiry.
+#[tokio::test]
+async fn a_restarted_worker_is_not_blocked_by_its_previous_incarnation() {
+    let mut env = sweeping_env().await;
+    let first = env.task(&["repo"]).await;
+    let second = env.task(&["repo"]).await;
+    let old = env.open_with("1234@host", &[], Some(TTL)).await;
+    let t = env.fetch(&old).await.unwrap();
+    env.start(&old, &t).await;
+    let new = env
+        .open_with("1234@host", &[], Some(Duration::from_secs(30)))
+        .await;
+    assert_ne!(old, new);
+    let not_mine = env.release(&new, &t).await.unwrap_err();
+    assert_eq!(not_mine.code(), Code::FailedPrecondition);
+    let env_ref = &env;
+    eventually(Duration::from_secs(10), || async {
+        env_ref.state(first).await == "failed"
+    })
+    .await
+    .expect("the old incarnation's lease is swept");
+    let next = env.fetch(&new).await.unwrap();
+    assert_eq!(id(&next), second);
+    env.assert_locks(&[&next]).await;
+    env.shutdown().await;
+}
+
+/// A swept lease's late ReleaseLocks with its old token changes nothing a new holder owns.
+#[tokio::test]
+async fn a_swept_leases_late_release_changes_nothing_for_the_new_holder() {
+    let mut env = sweeping_env().await;
+    let task = env.task(&["a", "shared:d"]).await;
+    let old = env.open_with("old", &[], Some(TTL)).await;
+    let stale = env.fetch(&old).await.unwrap();
+    let env_ref = &env;
+    eventually(Duration::from_secs(10), || async {
+        env_ref.app_lock(task).await.is_none()
+    })
+    .await
+    .expect("swept and requeued");
+    let new = env.open("new").await;
+    let fresh = env.fetch(&new).await.unwrap();
+    assert_eq!(id(&fresh), task);
+    assert!(fresh.fencing_token > stale.fencing_token);
+    let late = env.release(&old, &stale).await.unwrap_err();
+    assert_eq!(late.code(), Code::FailedPrecondition);
+    let mut c = env.client.clone();
+    let late_finish = c
+        .finish_task(FinishTaskRequest {
+            lease_id: old.clone(),
+            task_id: stale.task_id.clone(),
+            fencing_token: stale.fencing_token,
+            state: "failed".into(),
+            error: "late".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(late_finish.code(), Code::NotFound, "{late_finish:?}");
+    env.assert_locks(&[&fresh]).await;
+    assert_eq!(env.state(task).await, "waiting");
+    env.shutdown().await;
+}
+
+/// Redis killed and restarted empty while a task runs: nothing is granted until the running
+/// task's locks are rebuilt from Postgres; its worker reopens with its app_status_id, takes the
+/// locks back with a fresh token, and finishes the task; no conflicting task is handed out.
+#[tokio::test]
+async fn redis_restarted_empty_rebuilds_running_locks_before_dispatch_resumes() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let running = env.task(&["a", "shared:d"]).await;
+    let behind = env.task(&["a"]).await;
+    let free = env.task(&["b"]).await;
+    let worker = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "w".into(),
+            versions: Default::default(),
+            ttl: None,
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let t = env.fetch(&worker.lease_id).await.unwrap();
+    assert_eq!(id(&t), running);
+    env.start(&worker.lease_id, &t).await;
+
+    let rebuilds_before = env.broker().background_stats.snapshot().rebuilds;
+    env.redis.restart().unwrap();
+    // The first calls notice: unavailable while rebuilding (or a dropped connection), then the
+    // old lease is unknown.
+    let mut saw_rebuilding = false;
+    let env_ref = &mut env;
+    let lease = worker.lease_id.clone();
+    let mut outcome = None;
+    for _ in 0..200 {
+        match env_ref.try_fetch(&lease, &[]).await {
+            Err(s) if s.code() == Code::Unavailable => {
+                saw_rebuilding |= s.message().contains("being rebuilt");
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            other => {
+                outcome = Some(other);
+                break;
+            }
+        }
+    }
+    assert!(
+        saw_rebuilding,
+        "a call said the lock state is being rebuilt"
+    );
+    let status = outcome
+        .expect("the broker recovered")
+        .expect_err("the old lease is gone");
+    assert_eq!(status.code(), Code::NotFound);
+    // Before any new grant, the running task's locks are back.
+    let rebuilt = env.broker().locks.held_task_locks().await.unwrap();
+    assert_eq!(rebuilt.len(), 1, "{rebuilt:?}");
+    assert_eq!(rebuilt[0].0, running.to_string());
+    assert!(
+        rebuilt[0].2 > t.fencing_token,
+        "fresh fencing token above every earlier one"
+    );
+    // The worker reopens with its row and takes its task back.
+    let reopened = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "w".into(),
+            versions: Default::default(),
+            ttl: None,
+            app_status_id: worker.app_status_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reopened.adopted_tasks.len(), 1);
+    assert_eq!(reopened.adopted_tasks[0].task_id, running.to_string());
+    let adopted = Task {
+        fencing_token: reopened.adopted_tasks[0].fencing_token,
+        ..t.clone()
+    };
+    // Another worker gets only the unrelated task.
+    let other = env.open("other").await;
+    let got = env.fetch(&other).await.unwrap();
+    assert_eq!(id(&got), free);
+    assert!(
+        env.fetch(&other).await.is_none(),
+        "the task behind the running one waits"
+    );
+    let done = env.finish(&reopened.lease_id, &adopted, "completed").await;
+    assert!(done.released);
+    assert_eq!(id(&env.fetch(&other).await.unwrap()), behind);
+    assert_eq!(
+        env.broker().background_stats.snapshot().rebuilds,
+        rebuilds_before + 1
+    );
+    env.shutdown().await;
+}
+
+/// Two broker replicas sweeping the same Redis never process one lease twice.
+#[tokio::test]
+async fn two_replicas_sweeping_at_once_never_double_process_a_lease() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_millis(50)).await;
+    let mut args = env.args.clone();
+    args.listen = "127.0.0.1:0".parse().unwrap();
+    let second = dispatch_broker::server::start(&args).await.unwrap();
+    const LEASES: usize = 12;
+    for n in 0..LEASES {
+        env.task(&[&format!("r{n}")]).await;
+        let lease = env
+            .open_with(&format!("w{n}"), &[], Some(Duration::from_millis(300)))
+            .await;
+        let t = env.fetch(&lease).await.unwrap();
+        env.start(&lease, &t).await;
+    }
+    let env_ref = &env;
+    let second_ref = &second;
+    eventually(Duration::from_secs(15), || async {
+        // Besides both replicas' own ticks, drive turns of both at the same instant.
+        let (a, b) = tokio::join!(env_ref.broker().sweeper.turn(), second_ref.sweeper.turn());
+        a.is_ok()
+            && b.is_ok()
+            && env_ref.broker().background_stats.snapshot().leases_swept
+                + second_ref.background_stats.snapshot().leases_swept
+                >= LEASES as u64
+    })
+    .await
+    .expect("every lease swept");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (a, b) = (
+        env.broker().background_stats.snapshot().leases_swept,
+        second.background_stats.snapshot().leases_swept,
+    );
+    println!("replica sweeps: {a} + {b}");
+    assert_eq!(a + b, LEASES as u64, "a lease was swept twice");
+    let failed: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_task WHERE state = 'failed'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(failed, LEASES as i64);
+    env.assert_locks(&[]).await;
+    second.shutdown().await.unwrap();
+    env.shutdown().await;
+}

@@ -1,0 +1,180 @@
+//! Transient outages and shutdown: with Redis or Postgres down, calls fail UNAVAILABLE naming the
+//! backend, quickly, and the broker recovers on its own when the backend returns; on SIGTERM the
+//! server exits 0 and leaves leases alone.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::proto::broker_client::BrokerClient;
+use dispatch_broker::proto::*;
+use support::{id, own_postgres, Env};
+use tonic::Code;
+
+fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(deadline);
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recovers() {
+    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut env = Env::on(url, redis, |a| {
+        a.backend_timeout = Duration::from_millis(500)
+    })
+    .await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    tokio::task::block_in_place(|| pg.kill());
+    let mut client = env.client.clone();
+    let status = client
+        .fetch_task(with_deadline(
+            FetchTaskRequest {
+                lease_id: lease.clone(),
+                wait: None,
+                skip_task_ids: vec![],
+            },
+            Duration::from_secs(5),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("postgres"), "{status:?}");
+    tokio::task::block_in_place(|| pg.restart().unwrap());
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    env.db = db;
+    let env_ref = &mut env;
+    let lease_ref = &lease;
+    let mut got = None;
+    for _ in 0..100 {
+        if let Ok(Some(t)) = env_ref.try_fetch(lease_ref, &[]).await {
+            got = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(id(&got.expect("the broker recovered")), task);
+    env.shutdown().await;
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
+    let mut env = Env::with(|a| a.backend_timeout = Duration::from_millis(500)).await;
+    env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    env.redis.kill();
+    let mut client = env.client.clone();
+    for call in 0..2 {
+        let status = client
+            .fetch_task(with_deadline(
+                FetchTaskRequest {
+                    lease_id: lease.clone(),
+                    wait: None,
+                    skip_task_ids: vec![],
+                },
+                Duration::from_secs(5),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "call {call}: {status:?}");
+        assert!(
+            status.message().contains("redis"),
+            "call {call}: {status:?}"
+        );
+    }
+    let status = client
+        .heartbeat(with_deadline(
+            HeartbeatRequest {
+                lease_id: lease.clone(),
+            },
+            Duration::from_secs(5),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    // Redis comes back empty: the state is rebuilt and new leases work.
+    env.redis.restart().unwrap();
+    let env_ref = &mut env;
+    let mut reopened = None;
+    for _ in 0..100 {
+        let mut c = env_ref.client.clone();
+        if let Ok(l) = c
+            .open_lease(OpenLeaseRequest {
+                worker_name: "w2".into(),
+                versions: Default::default(),
+                ttl: None,
+                app_status_id: String::new(),
+            })
+            .await
+        {
+            reopened = Some(l.into_inner().lease_id);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let lease = reopened.expect("the broker recovered");
+    assert!(env.fetch(&lease).await.is_some());
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
+    let env = Env::new().await;
+    let port = dispatch_broker::testkit::free_port().unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+        .args([
+            "serve",
+            "--postgres-url",
+            &env.db_url,
+            "--redis-url",
+            &env.redis.url(),
+        ])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut client = None;
+    for _ in 0..200 {
+        if let Ok(c) = BrokerClient::connect(endpoint.clone()).await {
+            client = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut client = client.expect("the binary serves");
+    let lease = client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "w".into(),
+            versions: Default::default(),
+            ttl: None,
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::task::block_in_place(|| child.wait()).unwrap();
+    assert_eq!(status.code(), Some(0), "exit status after SIGTERM");
+    // The lease outlives the broker process: the in-process broker still knows it.
+    let mut other = env.client.clone();
+    other
+        .heartbeat(HeartbeatRequest { lease_id: lease })
+        .await
+        .expect("the lease is still alive");
+    env.shutdown().await;
+}
