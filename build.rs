@@ -7,7 +7,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("dispatch_descriptor.bin"))
-        .compile_protos(&["proto/dispatch/v1/broker.proto"], &["proto"])?;
+        .compile_protos(
+            &[
+                "proto/dispatch/v1/broker.proto",
+                "proto/externalscaler.proto",
+            ],
+            &["proto"],
+        )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

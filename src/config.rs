@@ -98,9 +98,19 @@ pub struct ServeArgs {
     /// Address the gRPC server listens on.
     #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Address of the Prometheus endpoint (`GET /metrics`).
+    #[arg(
+        long,
+        env = "DISPATCH_METRICS_LISTEN",
+        default_value = "127.0.0.1:9464"
+    )]
+    pub metrics_listen: SocketAddr,
     /// Lease tuning.
     #[command(flatten)]
     pub lease: LeaseArgs,
+    /// Lane gauge tuning.
+    #[command(flatten)]
+    pub lanes: LaneArgs,
     /// Fetch tuning.
     #[command(flatten)]
     pub fetch: FetchArgs,
@@ -128,6 +138,22 @@ pub struct LeaseArgs {
     /// Longest TTL a worker may ask for.
     #[arg(id = "lease_max_ttl", long = "lease-max-ttl", env = "DISPATCH_LEASE_MAX_TTL", default_value = "1h", value_parser = parse_duration)]
     pub max_ttl: Duration,
+}
+
+/// Lane gauge options.
+#[derive(Debug, Clone, Args)]
+pub struct LaneArgs {
+    /// How often the lane count is recomputed (by one replica for all; the others serve the
+    /// shared value).
+    #[arg(id = "lane_interval", long = "lane-interval", env = "DISPATCH_LANE_INTERVAL", default_value = "15s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Tasks younger than this are not counted as lanes yet (Pulp uses 5 s).
+    #[arg(id = "lane_cutoff", long = "lane-cutoff", env = "DISPATCH_LANE_CUTOFF", default_value = "5s", value_parser = parse_duration)]
+    pub cutoff: Duration,
+    /// How often each replica refreshes what it serves (activity for KEDA, live leases, the
+    /// shared lane count).
+    #[arg(id = "lane_refresh", long = "lane-refresh", env = "DISPATCH_LANE_REFRESH", default_value = "500ms", value_parser = parse_duration)]
+    pub refresh: Duration,
 }
 
 /// Fetch options.
@@ -203,6 +229,9 @@ impl ServeArgs {
         if self.postgres.pool_size == 0 || self.redis.pool_size == 0 {
             return Err("pool sizes must be at least 1".to_owned());
         }
+        if self.lanes.interval.is_zero() || self.lanes.refresh.is_zero() {
+            return Err("--lane-interval and --lane-refresh must be positive".to_owned());
+        }
         if self.sweep_interval.is_zero() {
             return Err("--sweep-interval must be positive".to_owned());
         }
@@ -222,6 +251,8 @@ impl ServeArgs {
             "--redis-url",
             redis_url,
             "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
             "127.0.0.1:0",
         ]);
         match cli.command {

@@ -123,7 +123,9 @@ impl Dispatch {
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
             let outcome = self
-                .detached(async move { this.fetch_once(lease_id, &skip_now).await })
+                .detached(async move {
+                    crate::metrics::count_pass(this.fetch_once(lease_id, &skip_now)).await
+                })
                 .await;
             match &outcome {
                 Ok(Some(_)) => self.stats.fetch("claimed"),

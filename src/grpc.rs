@@ -33,6 +33,11 @@ impl BrokerService {
 impl From<Error> for Status {
     fn from(error: Error) -> Status {
         let message = error.to_string();
+        match &error {
+            Error::Redis(_) => crate::metrics::backend_error("redis"),
+            Error::Postgres(_) => crate::metrics::backend_error("postgres"),
+            _ => {}
+        }
         match error {
             Error::InvalidArgument(_) => Status::invalid_argument(message),
             Error::LeaseNotFound(_) => Status::not_found(message),

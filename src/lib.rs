@@ -10,6 +10,8 @@ pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
+pub mod keda;
+pub mod lanes;
 pub mod leases;
 pub mod locks;
 pub mod metrics;
@@ -27,4 +29,10 @@ pub mod proto {
     /// The encoded file descriptor set, for gRPC reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         tonic::include_file_descriptor_set!("dispatch_descriptor");
+}
+
+/// Generated code for KEDA's external scaler interface (`externalscaler`).
+pub mod externalscaler {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("externalscaler");
 }

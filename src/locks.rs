@@ -675,6 +675,35 @@ impl Locks {
             .await
     }
 
+    /// The shared lane count: `(value, computed-at ms, now ms)`, value `None` when none is cached.
+    pub async fn lanes_cache(&self) -> Result<(Option<u64>, i64, i64), Error> {
+        let (value, at, now): (i64, i64, i64) = self
+            .run(&self.scripts.lanes_cache.key(self.keys.lanes()))
+            .await?;
+        Ok((u64::try_from(value).ok(), at, now))
+    }
+
+    /// Takes the lane-computation lock for `owner` for `ttl`; false when another replica has it.
+    pub async fn try_lanes_lock(&self, owner: &str, ttl: Duration) -> Result<bool, Error> {
+        let set: Option<String> = self
+            .command(
+                redis::cmd("SET")
+                    .arg(self.keys.lanes_lock())
+                    .arg(owner)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl.as_millis().max(1) as u64),
+            )
+            .await?;
+        Ok(set.is_some())
+    }
+
+    /// Publishes a lane count; returns its stamp (ms, server time).
+    pub async fn store_lanes(&self, lanes: u64) -> Result<i64, Error> {
+        self.run(self.scripts.store_lanes.key(self.keys.lanes()).arg(lanes))
+            .await
+    }
+
     /// Live leases (not yet expired by Redis server time).
     pub async fn live_lease_count(&self) -> Result<u64, Error> {
         let reply: Vec<Value> = self.command(&redis::cmd("TIME")).await?;

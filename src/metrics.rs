@@ -1,42 +1,197 @@
-//! Metric names and the broker's own counters.
+//! Metric names, the broker's own counters, and the Prometheus endpoint.
 //!
-//! Every metric name is a const here. `Stats` keeps the counts the broker reports about itself
-//! (Postgres statements, Redis calls, fetch outcomes) in atomics, so tests and benchmarks read the
-//! exact per-fetch cost; each count also goes to the `metrics` facade.
+//! Every metric name is a const here and described once at start-up. `Stats` keeps the counts
+//! the broker reports about itself (Postgres statements, Redis calls, fetches, sweeps) in atomics,
+//! so tests and benchmarks read exact costs; each count also goes to the `metrics` facade, which
+//! the Prometheus recorder renders on `/metrics`. Per-fetch costs are counted with a task-local
+//! counter around each fetch pass, so concurrent fetches do not mix.
 
+use std::cell::Cell;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tonic::codegen::http;
+
+use crate::lanes::Gauge;
 
 /// Postgres statements executed.
 pub const POSTGRES_STATEMENTS_TOTAL: &str = "dispatch_postgres_statements_total";
 /// Redis calls made (script invocations and commands).
 pub const REDIS_CALLS_TOTAL: &str = "dispatch_redis_calls_total";
-/// FetchTask calls by outcome (`claimed`, `none_ready`, `error`).
+/// FetchTask passes by outcome (`claimed`, `none_ready`, `error`).
 pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
-/// Locks released, by path (`release`, `finish`, `cancel`, `close`, `fetch_failure`).
+/// Postgres statements per fetch pass.
+pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements";
+/// Redis calls per fetch pass.
+pub const FETCH_REDIS_CALLS: &str = "dispatch_fetch_redis_calls";
+/// Locks released, by path (`release`, `finish`, `cancel`, `close`, `sweep`, `fetch_failure`).
 pub const LOCKS_RELEASED_TOTAL: &str = "dispatch_locks_released_total";
-
 /// Expired leases swept.
 pub const LEASES_SWEPT_TOTAL: &str = "dispatch_leases_swept_total";
 /// Locks of finished tasks released by the reconciler.
 pub const LOCKS_RECONCILED_TOTAL: &str = "dispatch_locks_reconciled_total";
 /// Rebuilds of lost lock state.
 pub const LOCK_STATE_REBUILDS_TOTAL: &str = "dispatch_lock_state_rebuilds_total";
+/// RPC latency by method and status.
+pub const RPC_DURATION_SECONDS: &str = "dispatch_rpc_duration_seconds";
+/// Backend errors answered to clients, by backend (`redis`, `postgres`).
+pub const BACKEND_ERRORS_TOTAL: &str = "dispatch_backend_errors_total";
+/// Lanes: incomplete tasks no older incomplete task conflicts with.
+pub const LANES: &str = "dispatch_lanes";
+/// Lanes minus live leases: Pulp's KEDA gauge.
+pub const WAITING_TASKS: &str = "dispatch_waiting_tasks";
+/// Live leases.
+pub const LIVE_LEASES: &str = "dispatch_live_leases";
+/// Age of the served lane count.
+pub const LANE_AGE_SECONDS: &str = "dispatch_lane_age_seconds";
+/// Failed refreshes of the lane gauge.
+pub const LANE_ERRORS_TOTAL: &str = "dispatch_lane_errors_total";
 
 /// Describes every metric once, at start-up.
 pub fn describe() {
-    metrics::describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
-    metrics::describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
-    metrics::describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
-    metrics::describe_counter!(LOCKS_RELEASED_TOTAL, "Task locks released, by path.");
-    metrics::describe_counter!(LEASES_SWEPT_TOTAL, "Expired leases swept.");
-    metrics::describe_counter!(
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
+    describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
+    describe_counter!(FETCH_TOTAL, "FetchTask passes by outcome.");
+    describe_histogram!(
+        FETCH_POSTGRES_STATEMENTS,
+        "Postgres statements per fetch pass."
+    );
+    describe_histogram!(FETCH_REDIS_CALLS, "Redis calls per fetch pass.");
+    describe_counter!(LOCKS_RELEASED_TOTAL, "Task locks released, by path.");
+    describe_counter!(LEASES_SWEPT_TOTAL, "Expired leases swept.");
+    describe_counter!(
         LOCKS_RECONCILED_TOTAL,
         "Locks of finished tasks released by the reconciler."
     );
-    metrics::describe_counter!(
+    describe_counter!(
         LOCK_STATE_REBUILDS_TOTAL,
         "Rebuilds of lock state lost by Redis."
     );
+    describe_histogram!(
+        RPC_DURATION_SECONDS,
+        Unit::Seconds,
+        "RPC latency by method and status."
+    );
+    describe_counter!(
+        BACKEND_ERRORS_TOTAL,
+        "Backend errors answered to clients, by backend."
+    );
+    describe_gauge!(
+        LANES,
+        "Incomplete tasks that no older incomplete task conflicts with."
+    );
+    describe_gauge!(
+        WAITING_TASKS,
+        "Lanes minus live leases (Pulp's KEDA gauge)."
+    );
+    describe_gauge!(LIVE_LEASES, "Live worker leases.");
+    describe_gauge!(
+        LANE_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the served lane count."
+    );
+    describe_counter!(LANE_ERRORS_TOTAL, "Failed refreshes of the lane gauge.");
+}
+
+static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the Prometheus recorder (once per process) and returns its handle; `None` when
+/// another recorder was installed first.
+pub fn recorder() -> Option<PrometheusHandle> {
+    RECORDER
+        .get_or_init(|| {
+            let latency = [
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+            ];
+            let counts = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+            let handle = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(RPC_DURATION_SECONDS.into()), &latency)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Suffix("_statements".into()), &counts)
+                })
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_calls".into()), &counts))
+                .and_then(|b| b.install_recorder())
+                .map_err(|e| tracing::warn!(error = %e, "no prometheus recorder"))
+                .ok();
+            describe();
+            handle
+        })
+        .clone()
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    handle: PrometheusHandle,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let handle = handle.clone();
+            async move {
+                (
+                    [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    handle.render(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Binds the metrics address (so a taken port fails start-up).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Publishes the lane gauge.
+pub fn publish_gauge(g: &Gauge) {
+    metrics::gauge!(LANES).set(g.lanes as f64);
+    metrics::gauge!(WAITING_TASKS).set(g.waiting_tasks() as f64);
+    metrics::gauge!(LIVE_LEASES).set(g.live_leases as f64);
+    metrics::gauge!(LANE_AGE_SECONDS).set(g.age().as_secs_f64());
+}
+
+/// Counts a failed refresh of the lane gauge.
+pub fn lane_error() {
+    metrics::counter!(LANE_ERRORS_TOTAL).increment(1);
+}
+
+/// Counts a backend error answered to a client.
+pub fn backend_error(backend: &'static str) {
+    metrics::counter!(BACKEND_ERRORS_TOTAL, "backend" => backend).increment(1);
+}
+
+/// Calls made by one fetch pass.
+#[derive(Debug, Default)]
+pub struct PassCalls {
+    postgres: Cell<u64>,
+    redis: Cell<u64>,
+}
+
+tokio::task_local! {
+    static PASS: PassCalls;
+}
+
+/// Runs one fetch pass, recording how many Postgres statements and Redis calls it made.
+pub async fn count_pass<T>(pass: impl std::future::Future<Output = T>) -> T {
+    PASS.scope(PassCalls::default(), async move {
+        let out = pass.await;
+        let _ = PASS.try_with(|calls| {
+            metrics::histogram!(FETCH_POSTGRES_STATEMENTS).record(calls.postgres.get() as f64);
+            metrics::histogram!(FETCH_REDIS_CALLS).record(calls.redis.get() as f64);
+        });
+        out
+    })
+    .await
 }
 
 /// The broker's own counters.
@@ -57,7 +212,7 @@ pub struct StatsSnapshot {
     pub postgres_statements: u64,
     /// Redis calls made.
     pub redis_calls: u64,
-    /// FetchTask and ClaimTask passes run.
+    /// FetchTask passes run.
     pub fetches: u64,
     /// Expired leases this replica swept.
     pub leases_swept: u64,
@@ -71,16 +226,18 @@ impl Stats {
     /// Counts one Postgres statement.
     pub fn postgres_statement(&self) {
         self.postgres_statements.fetch_add(1, Ordering::Relaxed);
+        let _ = PASS.try_with(|c| c.postgres.set(c.postgres.get() + 1));
         metrics::counter!(POSTGRES_STATEMENTS_TOTAL).increment(1);
     }
 
     /// Counts one Redis call.
     pub fn redis_call(&self) {
         self.redis_calls.fetch_add(1, Ordering::Relaxed);
+        let _ = PASS.try_with(|c| c.redis.set(c.redis.get() + 1));
         metrics::counter!(REDIS_CALLS_TOTAL).increment(1);
     }
 
-    /// Counts one fetch with its outcome.
+    /// Counts one fetch pass with its outcome.
     pub fn fetch(&self, outcome: &'static str) {
         self.fetches.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_TOTAL, "outcome" => outcome).increment(1);
@@ -133,5 +290,64 @@ impl std::ops::Sub for StatsSnapshot {
             locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
             rebuilds: self.rebuilds - earlier.rebuilds,
         }
+    }
+}
+
+/// A tower layer that records every RPC's latency by method and gRPC status.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RpcMetricsLayer;
+
+impl<S> tower::Layer<S> for RpcMetricsLayer {
+    type Service = RpcMetrics<S>;
+    fn layer(&self, inner: S) -> RpcMetrics<S> {
+        RpcMetrics { inner }
+    }
+}
+
+/// See [`RpcMetricsLayer`].
+#[derive(Debug, Clone)]
+pub struct RpcMetrics<S> {
+    inner: S,
+}
+
+impl<S, B, RB> tower::Service<http::Request<B>> for RpcMetrics<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let method = request
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let started = Instant::now();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await;
+            let status = match &response {
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map(|code| format!("{:?}", tonic::Code::from(code)))
+                    .unwrap_or_else(|| "Ok".to_owned()),
+                Err(_) => "TransportError".to_owned(),
+            };
+            metrics::histogram!(RPC_DURATION_SECONDS, "method" => method, "status" => status)
+                .record(started.elapsed().as_secs_f64());
+            response
+        })
     }
 }

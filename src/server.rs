@@ -10,7 +10,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::config::ServeArgs;
 use crate::dispatch::{Dispatch, FetchPolicy};
+use crate::externalscaler::external_scaler_server::ExternalScalerServer;
 use crate::grpc::BrokerService;
+use crate::keda::Scaler;
+use crate::lanes::{LaneConfig, Lanes};
 use crate::leases::recovery::Recovery;
 use crate::leases::sweeper::Sweeper;
 use crate::leases::{Leases, TtlPolicy};
@@ -24,6 +27,10 @@ use crate::tasks::Tasks;
 pub struct Running {
     /// The address it listens on (useful with port 0).
     pub addr: SocketAddr,
+    /// The address of its Prometheus endpoint.
+    pub metrics_addr: SocketAddr,
+    /// Its lane gauge.
+    pub lanes: Arc<Lanes>,
     /// Its counters of request-path work.
     pub stats: Arc<Stats>,
     /// Its counters of background work (sweeper, reconciler, rebuilds).
@@ -79,7 +86,7 @@ impl Running {
 /// schema lacks something.
 pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     args.validate().map_err(anyhow::Error::msg)?;
-    crate::metrics::describe();
+    let prometheus = crate::metrics::recorder();
     let stats = Arc::new(Stats::default());
     let tasks = Tasks::connect(
         &args.postgres.url,
@@ -159,6 +166,17 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         interval: args.sweep_interval,
         replica,
     });
+    let lanes = Arc::new(Lanes::new(
+        bg_tasks_for_lanes(&sweeper),
+        sweeper.locks.clone(),
+        LaneConfig {
+            interval: args.lanes.interval,
+            cutoff: args.lanes.cutoff,
+            refresh: args.lanes.refresh,
+        },
+        sweeper.replica.clone(),
+    ));
+    let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
     let service = BrokerService::new(leases, dispatch);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -175,6 +193,30 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    let metrics_listener = crate::metrics::bind(args.metrics_listen)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-listen {}", args.metrics_listen))?;
+    let metrics_addr = metrics_listener.local_addr()?;
+    if let Some(handle) = prometheus {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) =
+                crate::metrics::serve(
+                    metrics_listener,
+                    handle,
+                    async move { shutdown.fired().await },
+                )
+                .await
+            {
+                tracing::error!(error = %e, "the metrics endpoint stopped");
+            }
+        });
+    }
+    tokio::spawn({
+        let lanes = Arc::clone(&lanes);
+        let shutdown = shutdown.clone();
+        async move { lanes.run(shutdown).await }
+    });
     let background = tokio::spawn({
         let sweeper = Arc::clone(&sweeper);
         let shutdown = shutdown.clone();
@@ -183,13 +225,16 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     let server = tokio::spawn(serve(
         listener,
         service,
+        scaler,
         health_service,
         reflection,
         shutdown,
     ));
-    tracing::info!(%addr, "dispatch-broker serving");
+    tracing::info!(%addr, %metrics_addr, "dispatch-broker serving");
     Ok(Running {
         addr,
+        metrics_addr,
+        lanes,
         stats,
         background_stats,
         locks,
@@ -217,9 +262,14 @@ async fn run_background(sweeper: Arc<Sweeper>, shutdown: Shutdown) {
     }
 }
 
+fn bg_tasks_for_lanes(sweeper: &Sweeper) -> Tasks {
+    sweeper.tasks.clone()
+}
+
 async fn serve(
     listener: tokio::net::TcpListener,
     service: BrokerService,
+    scaler: Scaler,
     health: tonic_health::pb::health_server::HealthServer<
         impl tonic_health::pb::health_server::Health,
     >,
@@ -229,9 +279,11 @@ async fn serve(
     shutdown: Shutdown,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
+        .layer(crate::metrics::RpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
         .add_service(BrokerServer::new(service))
+        .add_service(ExternalScalerServer::new(scaler))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.fired().await
         })

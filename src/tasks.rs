@@ -41,9 +41,13 @@ pub mod sql {
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
     pub const FINISHED_AMONG: &str = include_str!("tasks/finished_among.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
+    pub const LANES: &str = include_str!("tasks/lanes.sql");
+    pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 19] = [
+        LANES,
+        ANY_INCOMPLETE,
         END_TASKS,
         FINISHED_AMONG,
         CLAIMED_TASKS,
@@ -462,6 +466,40 @@ impl Tasks {
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
             .collect()
+    }
+
+    /// Counts lanes: streams the records of incomplete tasks older than `cutoff` in queue order
+    /// through `ready::LaneCounter`, so memory stays flat whatever the number of tasks.
+    pub async fn lanes(&self, cutoff: Duration) -> Result<u64, Error> {
+        use futures::TryStreamExt;
+        let mut client = self.client().await?;
+        let statement = client.prepare_cached(sql::LANES).await?;
+        let tx = self.timed(client.transaction()).await?;
+        // The sort of the queue happens in Postgres; give it room to stay in memory.
+        self.timed(tx.batch_execute("SET LOCAL work_mem = '64MB'"))
+            .await?;
+        let secs = cutoff.as_secs_f64();
+        self.stats.postgres_statement();
+        let rows = tokio::time::timeout(
+            self.timeout,
+            tx.query_raw(&statement, [&secs as &(dyn ToSql + Sync)]),
+        )
+        .await
+        .map_err(|_| Error::Timeout(self.timeout))??;
+        let mut rows = std::pin::pin!(rows);
+        let mut counter = crate::ready::LaneCounter::default();
+        while let Some(row) = rows.try_next().await? {
+            let record: Vec<&str> = row.try_get(0)?;
+            counter.push(&Resources::from_record(&record));
+        }
+        self.timed(tx.commit()).await?;
+        Ok(counter.lanes())
+    }
+
+    /// Whether any task is incomplete.
+    pub async fn any_incomplete(&self) -> Result<bool, Error> {
+        let rows = self.query(sql::ANY_INCOMPLETE, &[]).await?;
+        Ok(rows.first().map(|r| r.get(0)).unwrap_or(false))
     }
 
     /// Every claimed incomplete task with its worker row, for rebuilding lost lock state.

@@ -83,6 +83,16 @@ impl Keys {
         format!("{}:recovered:{app_status_id}", self.tag)
     }
 
+    /// The shared lane count: hash {value, at}.
+    pub fn lanes(&self) -> String {
+        format!("{}:lanes", self.tag)
+    }
+
+    /// The lock that lets one replica at a time compute the lane count.
+    pub fn lanes_lock(&self) -> String {
+        format!("{}:lanes:lock", self.tag)
+    }
+
     /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
     /// itself never scans the keyspace).
     pub fn all_pattern(&self) -> String {

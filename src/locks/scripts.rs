@@ -30,6 +30,8 @@ pub(super) struct Scripts {
     pub expire_now: Script,
     pub adopt: Script,
     pub abort: Script,
+    pub lanes_cache: Script,
+    pub store_lanes: Script,
 }
 
 impl Scripts {
@@ -48,10 +50,12 @@ impl Scripts {
             expire_now: script!("expire_now.lua"),
             adopt: script!("adopt.lua"),
             abort: script!("abort.lua"),
+            lanes_cache: script!("lanes_cache.lua"),
+            store_lanes: script!("store_lanes.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 13] {
+    pub fn all(&self) -> [&Script; 15] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -66,6 +70,8 @@ impl Scripts {
             &self.expire_now,
             &self.adopt,
             &self.abort,
+            &self.lanes_cache,
+            &self.store_lanes,
         ]
     }
 }

@@ -1,0 +1,148 @@
+//! The lane gauge: how many incomplete tasks (older than a cut-off) no older incomplete task
+//! conflicts with — the same rule as dispatch (`ready::LaneCounter`), Pulp's
+//! `count_waiting_tasks_for_metric`. `waiting_tasks` = lanes - live leases is Pulp's KEDA gauge.
+//!
+//! The count is computed at most once per interval across all replicas (a Redis lock) and shared
+//! through Redis with its time of computation; every replica serves that cached value to
+//! /metrics, to KEDA and to the StreamIsActive push. When a computation fails, the last value is
+//! served with its growing age and an error counter rises. Whether any task is incomplete is
+//! checked every `activity` tick (a cheap EXISTS), so a task arriving in an empty queue is pushed
+//! to KEDA within about a second.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::error::Result;
+use crate::locks::Locks;
+use crate::metrics;
+use crate::shutdown::Shutdown;
+use crate::tasks::Tasks;
+
+/// What the gauge serves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gauge {
+    /// Lanes, as last computed by any replica (0 before the first computation).
+    pub lanes: u64,
+    /// When that value was computed (ms since the epoch, Redis server time; 0: never).
+    pub computed_at_ms: i64,
+    /// Redis server time at the last refresh (ms), to judge the value's age.
+    pub observed_at_ms: i64,
+    /// Live leases at the last refresh.
+    pub live_leases: u64,
+    /// Whether any task is incomplete (waiting, running or canceling).
+    pub active: bool,
+}
+
+impl Gauge {
+    /// Pulp's KEDA gauge: lanes not already served by a live worker.
+    pub fn waiting_tasks(&self) -> u64 {
+        self.lanes.saturating_sub(self.live_leases)
+    }
+
+    /// Age of the served lane count.
+    pub fn age(&self) -> Duration {
+        if self.computed_at_ms == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_millis((self.observed_at_ms - self.computed_at_ms).max(0) as u64)
+    }
+}
+
+/// Tuning of the gauge.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneConfig {
+    /// How often the lane count is recomputed (by one replica for all).
+    pub interval: Duration,
+    /// Tasks younger than this are not counted yet.
+    pub cutoff: Duration,
+    /// How often activity, live leases and the shared count are refreshed.
+    pub refresh: Duration,
+}
+
+/// The gauge of one replica.
+pub struct Lanes {
+    tasks: Tasks,
+    locks: Locks,
+    config: LaneConfig,
+    replica: String,
+    state: watch::Sender<Gauge>,
+}
+
+impl Lanes {
+    /// Builds the gauge; call [`Lanes::run`] to keep it current.
+    pub fn new(tasks: Tasks, locks: Locks, config: LaneConfig, replica: String) -> Self {
+        Lanes {
+            tasks,
+            locks,
+            config,
+            replica,
+            state: watch::channel(Gauge::default()).0,
+        }
+    }
+
+    /// The value served now.
+    pub fn current(&self) -> Gauge {
+        *self.state.borrow()
+    }
+
+    /// Watches the served value.
+    pub fn subscribe(&self) -> watch::Receiver<Gauge> {
+        self.state.subscribe()
+    }
+
+    /// Refreshes every `refresh` until shutdown.
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
+        let mut tick = tokio::time::interval(self.config.refresh);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.fired() => return,
+            }
+            if let Err(e) = self.refresh().await {
+                metrics::lane_error();
+                tracing::warn!(error = %e, "refreshing the lane gauge failed; serving the last value");
+            }
+            metrics::publish_gauge(&self.current());
+        }
+    }
+
+    /// One refresh: activity, live leases, and the shared lane count (computed here when it is
+    /// due and no other replica is computing it).
+    pub async fn refresh(&self) -> Result<()> {
+        // Redis first: the age of the served value keeps growing even while Postgres is down.
+        let (cached, computed_at_ms, now_ms) = self.locks.lanes_cache().await?;
+        let live_leases = self.locks.live_lease_count().await?;
+        self.state.send_modify(|g| {
+            if let Some(lanes) = cached {
+                g.lanes = lanes;
+                g.computed_at_ms = computed_at_ms;
+            }
+            g.observed_at_ms = now_ms;
+            g.live_leases = live_leases;
+        });
+        let active = self.tasks.any_incomplete().await?;
+        self.state.send_modify(|g| g.active = active);
+        let due =
+            cached.is_none() || now_ms - computed_at_ms >= self.config.interval.as_millis() as i64;
+        if due
+            && self
+                .locks
+                .try_lanes_lock(&self.replica, self.config.interval)
+                .await?
+        {
+            let started = std::time::Instant::now();
+            let lanes = self.tasks.lanes(self.config.cutoff).await?;
+            let stamp = self.locks.store_lanes(lanes).await?;
+            tracing::debug!(lanes, took = ?started.elapsed(), "lanes computed");
+            self.state.send_modify(|g| {
+                g.lanes = lanes;
+                g.computed_at_ms = stamp;
+                g.observed_at_ms = stamp.max(g.observed_at_ms);
+            });
+        }
+        Ok(())
+    }
+}

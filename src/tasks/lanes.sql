@@ -1,0 +1,10 @@
+-- lanes.sql: the records of incomplete tasks older than the cut-off, in queue order, streamed to
+-- ready::LaneCounter (memory grows with distinct resources, never with tasks).
+--
+-- $1 double precision  the cut-off in seconds (tasks younger than this are not counted yet)
+-- Returns: reserved_resources_record per task, ordered by (pulp_created, pulp_id).
+-- Never writes.
+SELECT coalesce(reserved_resources_record, '{}'::text[])
+FROM core_task
+WHERE state IN ('waiting', 'running') AND pulp_created < now() - make_interval(secs => $1)
+ORDER BY pulp_created, pulp_id

@@ -1,0 +1,341 @@
+//! The lane gauge: equal to Pulp's algorithm on every queue, shared across replicas, served with
+//! its age when computing fails; the Prometheus endpoint; KEDA's external scaler over gRPC.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dispatch_broker::externalscaler::external_scaler_client::ExternalScalerClient;
+use dispatch_broker::externalscaler::{GetMetricsRequest, ScaledObjectRef};
+use dispatch_broker::metrics::Stats;
+use dispatch_broker::tasks::Tasks;
+use proptest::prelude::*;
+use support::{eventually, own_postgres, Env};
+use tonic::Code;
+
+/// Pulp's `count_waiting_tasks_for_metric`, straightforwardly: load every waiting or running
+/// task in creation order, and count those whose resources no earlier task has taken.
+async fn pulp_reference(db: &tokio_postgres::Client) -> u64 {
+    let rows = db
+        .query(
+            "SELECT coalesce(reserved_resources_record, '{}') FROM core_task \
+             WHERE state IN ('waiting', 'running') AND pulp_created < now() \
+             ORDER BY pulp_created, pulp_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut taken_exclusive: HashSet<String> = HashSet::new();
+    let mut taken_shared: HashSet<String> = HashSet::new();
+    let mut lanes = 0;
+    for row in rows {
+        let record: Vec<String> = row.get(0);
+        let exclusive: Vec<&str> = record
+            .iter()
+            .filter(|r| !r.starts_with("shared:"))
+            .map(String::as_str)
+            .collect();
+        let shared: Vec<&str> = record
+            .iter()
+            .filter_map(|r| r.strip_prefix("shared:"))
+            .collect();
+        let blocked = exclusive
+            .iter()
+            .any(|r| taken_exclusive.contains(*r) || taken_shared.contains(*r))
+            || shared.iter().any(|r| taken_exclusive.contains(*r));
+        if !blocked {
+            lanes += 1;
+        }
+        taken_exclusive.extend(exclusive.iter().map(|s| s.to_string()));
+        taken_shared.extend(shared.iter().map(|s| s.to_string()));
+    }
+    lanes
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    record: Vec<String>,
+    state: &'static str,
+    /// Seconds in the past; small range so equal timestamps are common.
+    age: u8,
+}
+
+fn arb_rows() -> impl Strategy<Value = Vec<Row>> {
+    let entry = (0..5u8, prop::bool::weighted(0.4))
+        .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
+    let state = prop::sample::select(vec![
+        "waiting",
+        "waiting",
+        "waiting",
+        "running",
+        "canceling",
+        "completed",
+    ]);
+    let row = (prop::collection::vec(entry, 0..4), state, 0..4u8)
+        .prop_map(|(record, state, age)| Row { record, state, age });
+    prop::collection::vec(row, 0..300)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    /// Random queues, dense conflicts, mixed modes, many equal timestamps: the broker's count is
+    /// Pulp's count.
+    #[test]
+    fn lanes_equal_pulps_algorithm_on_random_queues(rows in arb_rows()) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async move {
+            let url = tokio::task::spawn_blocking(support::fresh_database).await.unwrap();
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(conn);
+            db.batch_execute("SET session_replication_role = replica").await.unwrap();
+            for row in &rows {
+                db.execute(
+                    "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+                     VALUES (gen_random_uuid(), date_trunc('second', now()) - make_interval(secs => $1), 't', $2, $3)",
+                    &[&(f64::from(row.age) + 1.0), &row.state, &row.record],
+                )
+                .await
+                .unwrap();
+            }
+            let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+                .await
+                .unwrap();
+            let broker = tasks.lanes(Duration::ZERO).await.unwrap();
+            let reference = pulp_reference(&db).await;
+            assert_eq!(broker, reference, "{rows:?}");
+        });
+    }
+}
+
+fn get(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).unwrap();
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
+    let mut env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_millis(100);
+        a.lanes.refresh = Duration::from_millis(50);
+    })
+    .await;
+    env.task(&["a"]).await;
+    env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    assert!(env.fetch(&lease).await.is_some());
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().lanes == 2 && lanes.current().live_leases == 1
+    })
+    .await
+    .expect("two lanes (a and b), one live lease");
+    assert_eq!(lanes.current().waiting_tasks(), 1);
+    let addr = env.broker().metrics_addr;
+    let body = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"),
+        "{body}"
+    );
+    for name in [
+        "dispatch_lanes ",
+        "dispatch_waiting_tasks ",
+        "dispatch_live_leases ",
+        "dispatch_lane_age_seconds ",
+        "dispatch_fetch_total{outcome=\"claimed\"}",
+        "dispatch_rpc_duration_seconds_bucket{method=\"FetchTask\",status=\"Ok\"",
+        "dispatch_fetch_postgres_statements_bucket",
+        "dispatch_fetch_redis_calls_bucket",
+        "dispatch_postgres_statements_total",
+        "# HELP dispatch_lanes",
+    ] {
+        assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
+    }
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_one_computation_per_interval() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_secs(3600);
+        a.lanes.refresh = Duration::from_millis(50);
+    })
+    .await;
+    let mut args = env.args.clone();
+    args.listen = "127.0.0.1:0".parse().unwrap();
+    args.metrics_listen = "127.0.0.1:0".parse().unwrap();
+    let first = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        first.current().computed_at_ms > 0
+    })
+    .await
+    .expect("computed once");
+    let stamp = first.current().computed_at_ms;
+    let served = first.current().lanes;
+    // Tasks arrive, but the shared value is not due for an hour: a second replica serves the
+    // same computation instead of running its own.
+    env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let second = dispatch_broker::server::start(&args).await.unwrap();
+    let lanes2 = Arc::clone(&second.lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes2.current().computed_at_ms > 0
+    })
+    .await
+    .expect("the second replica serves the shared value");
+    assert_eq!(
+        second.lanes.current().computed_at_ms,
+        stamp,
+        "computed again within the interval"
+    );
+    assert_eq!(second.lanes.current().lanes, served, "the shared, cached value");
+    assert_eq!(first.current().computed_at_ms, stamp);
+    second.shutdown().await.unwrap();
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_computing_fails_the_last_value_is_served_with_its_age() {
+    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let env = Env::on(url, redis, |a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_millis(100);
+        a.lanes.refresh = Duration::from_millis(50);
+        a.backend_timeout = Duration::from_millis(300);
+    })
+    .await;
+    env.task(&["a"]).await;
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().lanes == 1
+    })
+    .await
+    .expect("one lane");
+    tokio::task::block_in_place(|| pg.kill());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let served = lanes.current();
+    assert_eq!(served.lanes, 1, "the last value is still served");
+    assert!(
+        served.age() >= Duration::from_millis(700),
+        "its age grows: {:?}",
+        served.age()
+    );
+    let addr = env.broker().metrics_addr;
+    let body = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert!(body.contains("dispatch_lane_errors_total"), "{body}");
+    env.shutdown().await;
+}
+
+fn scaled(metadata: &[(&str, &str)]) -> ScaledObjectRef {
+    ScaledObjectRef {
+        name: "pulp-workers".into(),
+        namespace: "pulp".into(),
+        scaler_metadata: metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keda_scales_on_lanes_and_hears_of_the_first_task_at_once() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_millis(100);
+        a.lanes.refresh = Duration::from_millis(100);
+    })
+    .await;
+    let mut keda = ExternalScalerClient::connect(format!("http://{}", env.broker().addr))
+        .await
+        .unwrap();
+    let spec = keda
+        .get_metric_spec(scaled(&[]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(spec.metric_specs[0].metric_name, "lanes");
+    assert_eq!(spec.metric_specs[0].target_size_float, 1.0);
+    let spec = keda
+        .get_metric_spec(scaled(&[("tasksPerWorker", "2.5")]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(spec.metric_specs[0].target_size_float, 2.5);
+    let bad = keda
+        .get_metric_spec(scaled(&[("tasksPerWorker", "zero")]))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert!(
+        !keda
+            .is_active(scaled(&[]))
+            .await
+            .unwrap()
+            .into_inner()
+            .result
+    );
+
+    let mut stream = keda
+        .stream_is_active(scaled(&[]))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert!(!first.result, "an empty queue is inactive");
+    env.task(&["a"]).await;
+    env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let pushed = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("a push")
+        .unwrap()
+        .unwrap();
+    assert!(pushed.result, "the first task makes the scaler active");
+    assert!(
+        keda.is_active(scaled(&[]))
+            .await
+            .unwrap()
+            .into_inner()
+            .result
+    );
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().lanes == 2
+    })
+    .await
+    .expect("two lanes");
+    let metrics = keda
+        .get_metrics(GetMetricsRequest {
+            scaled_object_ref: Some(scaled(&[])),
+            metric_name: "lanes".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(metrics.metric_values[0].metric_name, "lanes");
+    assert_eq!(metrics.metric_values[0].metric_value, 2);
+    assert_eq!(metrics.metric_values[0].metric_value_float, 2.0);
+    // The push stream ends cleanly on broker shutdown.
+    env.shutdown().await;
+    let end = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the stream ends");
+    assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
+}
