@@ -3,7 +3,7 @@
 
 CARGO ?= cargo
 
-.PHONY: demo test build lint fmt
+.PHONY: demo test build lint fmt bench
 
 demo:
 	@scripts/ensure-services.sh
@@ -11,7 +11,7 @@ demo:
 
 test:
 	@scripts/ensure-services.sh
-	$(CARGO) test --all-targets
+	$(CARGO) test
 
 build:
 	$(CARGO) build --release
@@ -22,3 +22,7 @@ lint:
 
 fmt:
 	$(CARGO) fmt
+
+bench:
+	@scripts/ensure-services.sh
+	$(CARGO) bench --bench lanes

@@ -26,6 +26,8 @@ pub enum Command {
     /// Create the broker's subset of Pulp's schema on an empty database, or report whether an
     /// existing Pulp database has everything the broker needs. Changes nothing on a Pulp database.
     Migrate(MigrateArgs),
+    /// Check a running broker's gRPC health (exit 0 when serving): for container health checks.
+    Health(HealthArgs),
     /// Start throwaway PostgreSQL and Redis servers, the broker, and a scripted exchange of
     /// workers and tasks that shows the broker at work. Needs nothing configured.
     Demo(DemoArgs),
@@ -178,6 +180,21 @@ pub struct MigrateArgs {
     pub postgres: PostgresArgs,
 }
 
+/// Options of `health`.
+#[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// The broker's gRPC address.
+    #[arg(
+        long,
+        env = "DISPATCH_HEALTH_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub addr: String,
+    /// How long to wait for an answer.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    pub timeout: Duration,
+}
+
 /// Options of `demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -190,6 +207,12 @@ pub struct DemoArgs {
     /// Simulated workers.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
+    /// Where the demo broker serves /metrics.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+    /// Keep the broker (and its /metrics) up after the exchange, until Ctrl-C.
+    #[arg(long)]
+    pub keep_running: bool,
 }
 
 /// Parses "30s", "500ms", "2m", "1h".

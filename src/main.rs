@@ -11,6 +11,7 @@ async fn main() -> std::process::ExitCode {
     let outcome = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
+        Command::Health(args) => dispatch_broker::server::probe(&args).await,
         Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
     };
     match outcome {

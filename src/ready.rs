@@ -113,6 +113,34 @@ impl LaneCounter {
         self.reserved.reserve(resources);
     }
 
+    /// Feeds the next-oldest incomplete task straight from its `reserved_resources_record`:
+    /// the same decision as [`LaneCounter::push`] without building [`Resources`], and without
+    /// allocating for a resource already reserved (the hot loop of the gauge).
+    pub fn push_record<S: AsRef<str>>(&mut self, record: &[S]) {
+        let reserved = &self.reserved;
+        let blocked = record
+            .iter()
+            .any(|entry| match entry.as_ref().strip_prefix(SHARED_PREFIX) {
+                Some(name) => reserved.exclusive.contains(name),
+                None => {
+                    let name = entry.as_ref();
+                    reserved.exclusive.contains(name) || reserved.shared.contains(name)
+                }
+            });
+        if !blocked {
+            self.lanes += 1;
+        }
+        for entry in record {
+            let (set, name) = match entry.as_ref().strip_prefix(SHARED_PREFIX) {
+                Some(name) => (&mut self.reserved.shared, name),
+                None => (&mut self.reserved.exclusive, entry.as_ref()),
+            };
+            if !set.contains(name) {
+                set.insert(name.to_owned());
+            }
+        }
+    }
+
     /// Lanes counted so far.
     pub fn lanes(&self) -> u64 {
         self.lanes

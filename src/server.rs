@@ -289,3 +289,30 @@ async fn serve(
         })
         .await
 }
+
+/// `dispatch-broker health`: asks a broker's `grpc.health.v1` service whether it serves.
+pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let check = async {
+        let channel = tonic::transport::Endpoint::from_shared(args.addr.clone())?
+            .connect()
+            .await?;
+        let reply = tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await?
+            .into_inner();
+        anyhow::Ok(reply.status)
+    };
+    let status = tokio::time::timeout(args.timeout, check)
+        .await
+        .with_context(|| format!("no answer from {} within {:?}", args.addr, args.timeout))?
+        .with_context(|| format!("health check of {} failed", args.addr))?;
+    if status == ServingStatus::Serving as i32 {
+        println!("serving");
+        Ok(())
+    } else {
+        anyhow::bail!("{} is not serving (status {status})", args.addr)
+    }
+}

@@ -490,7 +490,7 @@ impl Tasks {
         let mut counter = crate::ready::LaneCounter::default();
         while let Some(row) = rows.try_next().await? {
             let record: Vec<&str> = row.try_get(0)?;
-            counter.push(&Resources::from_record(&record));
+            counter.push_record(&record);
         }
         self.timed(tx.commit()).await?;
         Ok(counter.lanes())

@@ -200,7 +200,11 @@ async fn replicas_share_one_computation_per_interval() {
         stamp,
         "computed again within the interval"
     );
-    assert_eq!(second.lanes.current().lanes, served, "the shared, cached value");
+    assert_eq!(
+        second.lanes.current().lanes,
+        served,
+        "the shared, cached value"
+    );
     assert_eq!(first.current().computed_at_ms, stamp);
     second.shutdown().await.unwrap();
     env.shutdown().await;

@@ -145,3 +145,32 @@ async fn health_and_reflection_are_served_on_the_grpc_port() {
     );
     env.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_subcommand_reports_a_serving_broker_and_fails_otherwise() {
+    let env = Env::new().await;
+    let bin = env!("CARGO_BIN_EXE_dispatch-broker");
+    let addr = format!("http://{}", env.broker().addr);
+    let ok = tokio::task::block_in_place(|| {
+        std::process::Command::new(bin)
+            .args(["health", "--addr", &addr])
+            .output()
+            .unwrap()
+    });
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "serving");
+    let nowhere = format!("http://127.0.0.1:{}", free_port().unwrap());
+    let down = tokio::task::block_in_place(|| {
+        std::process::Command::new(bin)
+            .args(["health", "--addr", &nowhere, "--timeout", "2s"])
+            .output()
+            .unwrap()
+    });
+    assert!(!down.status.success());
+    assert!(String::from_utf8_lossy(&down.stderr).contains(&nowhere));
+    env.shutdown().await;
+}

@@ -126,6 +126,12 @@ fn arb_queue() -> impl Strategy<Value = Vec<Resources>> {
     })
 }
 
+fn arb_records() -> impl Strategy<Value = Vec<Vec<String>>> {
+    let entry = (0..6u8, any::<bool>())
+        .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
+    prop::collection::vec(prop::collection::vec(entry, 0..4), 0..200)
+}
+
 proptest! {
     #[test]
     fn lane_counter_matches_the_pairwise_reference(queue in arb_queue()) {
@@ -134,6 +140,17 @@ proptest! {
             counter.push(task);
         }
         prop_assert_eq!(counter.lanes(), lanes_reference(&queue));
+    }
+
+    #[test]
+    fn push_record_counts_exactly_like_push(queue in arb_records()) {
+        let mut by_resources = LaneCounter::default();
+        let mut by_record = LaneCounter::default();
+        for record in &queue {
+            by_resources.push(&Resources::from_record(record));
+            by_record.push_record(record);
+        }
+        prop_assert_eq!(by_record.lanes(), by_resources.lanes());
     }
 
     #[test]

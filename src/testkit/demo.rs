@@ -1,9 +1,9 @@
 //! `dispatch-broker demo`: the head-of-line incident in miniature, on throwaway servers.
 //!
-//! Queues many tasks on one repository (the oldest of them already running) and a few tasks of
-//! another domain behind them, then lets simulated workers fetch, run and finish tasks through
-//! the broker's gRPC API. It prints who got what and when, showing that the other domain's tasks
-//! are handed out at once instead of waiting behind the blocked head.
+//! Queues many tasks on one repository, the oldest of them already running on a busy worker,
+//! and tasks of another domain behind them; then lets simulated workers fetch, run and finish
+//! tasks through the broker's gRPC API. The other domain's tasks are handed out at once instead
+//! of waiting behind the blocked head. Ends with what the broker's `/metrics` shows.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,11 @@ use anyhow::{Context, Result};
 
 use crate::config::{DemoArgs, ServeArgs};
 use crate::proto::broker_client::BrokerClient;
-use crate::proto::{FetchTaskRequest, FinishTaskRequest, OpenLeaseRequest, StartTaskRequest};
+use crate::proto::{
+    CloseLeaseRequest, FetchTaskRequest, FinishTaskRequest, OpenLeaseRequest, StartTaskRequest,
+};
+
+const REPO: &str = "prn:python.repository:R0";
 
 /// Runs the demo.
 pub async fn run(args: &DemoArgs) -> Result<()> {
@@ -21,93 +25,140 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     })
     .await??;
     let url = pg.create_database("demo")?;
-    let serve = ServeArgs::with_urls(&url, &redis.url());
+    let mut serve = ServeArgs::with_urls(&url, &redis.url());
+    serve.metrics_listen = args.metrics_listen;
+    serve.lanes.cutoff = Duration::ZERO;
+    serve.lanes.interval = Duration::from_millis(500);
     let stats = std::sync::Arc::new(crate::metrics::Stats::default());
     let tasks = crate::tasks::Tasks::connect(&url, 2, Duration::from_secs(10), stats).await?;
     tasks.migrate().await?;
     let broker = crate::server::start(&serve).await?;
-    println!("broker listening on {}", broker.addr);
+    println!(
+        "broker: gRPC on {}, metrics on http://{}/metrics",
+        broker.addr, broker.metrics_addr
+    );
+    let endpoint = format!("http://{}", broker.addr);
 
     let client = tasks.pool().get().await?;
     client
         .batch_execute(&format!(
             "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
              SELECT gen_random_uuid(), 'pulp_python.sync', 'waiting', \
-                    ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'] \
-             FROM generate_series(1, {blocked}); \
-             INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+                    ARRAY['{REPO}', 'shared:prn:core.domain:D1'] \
+             FROM generate_series(1, {blocked});",
+            blocked = args.blocked,
+        ))
+        .await?;
+    // The busy worker takes the head of the repository's queue and keeps it running.
+    let mut busy = BrokerClient::connect(endpoint.clone()).await?;
+    let busy_lease = open(&mut busy, "busy-worker").await?;
+    let head = fetch(&mut busy, &busy_lease, Duration::ZERO)
+        .await?
+        .context("the head task")?;
+    busy.start_task(StartTaskRequest {
+        lease_id: busy_lease.clone(),
+        task_id: head.task_id.clone(),
+        fencing_token: head.fencing_token,
+    })
+    .await?;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
              SELECT gen_random_uuid(), 'pulp_file.publish', 'waiting', \
                     ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D2'] \
              FROM generate_series(1, {others}) AS i;",
-            blocked = args.blocked,
             others = args.others
         ))
         .await?;
     drop(client);
     println!(
-        "queued {} tasks on prn:python.repository:R0 and {} tasks in domain D2 behind them",
+        "queued {} tasks on {REPO} (the oldest one running on busy-worker) and {} tasks of domain D2 behind them",
         args.blocked, args.others
     );
 
-    let endpoint = format!("http://{}", broker.addr);
     let started = Instant::now();
     let mut workers = Vec::new();
     for n in 0..args.workers {
         let endpoint = endpoint.clone();
-        let others = args.others;
-        workers.push(tokio::spawn(async move {
-            worker(n, endpoint, others, started).await
-        }));
+        workers.push(tokio::spawn(
+            async move { worker(n, endpoint, started).await },
+        ));
     }
     let mut handled = 0;
     for w in workers {
         handled += w.await.context("worker")??;
     }
     println!(
-        "{} workers handled {handled} tasks in {:.2?}; every D2 task was handed out while R0's queue was still {}+ deep",
+        "{} workers ran all {handled} D2 tasks in {:.2?}, while {REPO} stayed blocked behind its running head",
         args.workers,
         started.elapsed(),
-        args.blocked.saturating_sub(handled),
     );
     let s = broker.stats.snapshot();
     println!(
-        "broker counters: {} fetches, {} postgres statements, {} redis calls",
+        "broker counters: {} fetch passes, {} postgres statements, {} redis calls",
         s.fetches, s.postgres_statements, s.redis_calls
     );
+    // Let the gauge see the queue, then show what Prometheus would scrape.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    println!(
+        "\n$ curl http://{}/metrics   (dispatch_* gauges and counters)",
+        broker.metrics_addr
+    );
+    for line in scrape(broker.metrics_addr).await?.lines() {
+        let interesting = line.starts_with("dispatch_")
+            && !line.contains("_bucket")
+            && !line.contains("dispatch_rpc_duration_seconds");
+        if interesting {
+            println!("  {line}");
+        }
+    }
+    if args.keep_running {
+        println!("\nserving until Ctrl-C ...");
+        crate::shutdown::os_signal().await;
+    }
     broker.shutdown().await?;
     drop(redis);
     drop(pg);
     Ok(())
 }
 
-/// One simulated worker: fetches until no D2 task is left, "runs" each task for 20 ms.
-async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> Result<usize> {
-    let mut client = BrokerClient::connect(endpoint).await?;
-    let lease = client
+async fn open(client: &mut BrokerClient<tonic::transport::Channel>, name: &str) -> Result<String> {
+    Ok(client
         .open_lease(OpenLeaseRequest {
-            worker_name: format!("demo-worker-{n}"),
+            worker_name: name.to_owned(),
             versions: [("core".to_string(), "3.123.1".to_string())].into(),
             ttl: None,
             app_status_id: String::new(),
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .lease_id)
+}
+
+async fn fetch(
+    client: &mut BrokerClient<tonic::transport::Channel>,
+    lease: &str,
+    wait: Duration,
+) -> Result<Option<crate::proto::Task>> {
+    Ok(client
+        .fetch_task(FetchTaskRequest {
+            lease_id: lease.to_owned(),
+            wait: prost_types::Duration::try_from(wait).ok(),
+            skip_task_ids: vec![],
+        })
+        .await?
+        .into_inner()
+        .task)
+}
+
+/// One simulated worker: fetches until nothing is ready for 300 ms, "runs" each task 20 ms.
+async fn worker(n: usize, endpoint: String, started: Instant) -> Result<usize> {
+    let mut client = BrokerClient::connect(endpoint).await?;
+    let lease = open(&mut client, &format!("demo-worker-{n}")).await?;
     let mut handled = 0;
-    loop {
-        let fetched = client
-            .fetch_task(FetchTaskRequest {
-                lease_id: lease.lease_id.clone(),
-                wait: Some(prost_types::Duration {
-                    seconds: 0,
-                    nanos: 300_000_000,
-                }),
-                skip_task_ids: vec![],
-            })
-            .await?
-            .into_inner();
-        let Some(task) = fetched.task else { break };
+    while let Some(task) = fetch(&mut client, &lease, Duration::from_millis(300)).await? {
         println!(
-            "  {:>6.0?}  worker {n} got {:<18} {} (token {})",
+            "  {:>6.0?}  demo-worker-{n} got {:<18} {} (fencing token {})",
             started.elapsed(),
             task.name,
             task.exclusive_resources.join(","),
@@ -115,7 +166,7 @@ async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> 
         );
         client
             .start_task(StartTaskRequest {
-                lease_id: lease.lease_id.clone(),
+                lease_id: lease.clone(),
                 task_id: task.task_id.clone(),
                 fencing_token: task.fencing_token,
             })
@@ -123,7 +174,7 @@ async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> 
         tokio::time::sleep(Duration::from_millis(20)).await;
         client
             .finish_task(FinishTaskRequest {
-                lease_id: lease.lease_id.clone(),
+                lease_id: lease.clone(),
                 task_id: task.task_id,
                 fencing_token: task.fencing_token,
                 state: "completed".into(),
@@ -131,14 +182,20 @@ async fn worker(n: usize, endpoint: String, others: usize, started: Instant) -> 
             })
             .await?;
         handled += 1;
-        if handled > others + 5 {
-            break;
-        }
     }
     client
-        .close_lease(crate::proto::CloseLeaseRequest {
-            lease_id: lease.lease_id,
-        })
+        .close_lease(CloseLeaseRequest { lease_id: lease })
         .await?;
     Ok(handled)
+}
+
+async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    Ok(body)
 }

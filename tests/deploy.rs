@@ -1,0 +1,258 @@
+//! deploy/: every manifest parses, and names, ports and labels agree with each other, with the
+//! Dockerfile and with the binary's own defaults and environment variables.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use clap::CommandFactory;
+use dispatch_broker::config::{Cli, Command};
+use serde_norway::Value;
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/kubernetes");
+
+fn load(name: &str) -> Value {
+    let text = std::fs::read_to_string(Path::new(DIR).join(name)).unwrap();
+    serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{name} does not parse: {e}"))
+}
+
+fn s<'a>(v: &'a Value, path: &[&str]) -> &'a Value {
+    path.iter().fold(v, |v, key| &v[*key])
+}
+
+fn labels(v: &Value) -> BTreeMap<String, String> {
+    v.as_mapping()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().unwrap().to_owned(),
+                        v.as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn subset(small: &BTreeMap<String, String>, big: &BTreeMap<String, String>) -> bool {
+    !small.is_empty() && small.iter().all(|(k, v)| big.get(k) == Some(v))
+}
+
+/// Every `DISPATCH_*` variable `serve` reads.
+fn serve_env_vars() -> BTreeSet<String> {
+    let cli = Cli::command();
+    let serve = cli.find_subcommand("serve").unwrap();
+    serve
+        .get_arguments()
+        .chain(cli.get_arguments())
+        .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+        .collect()
+}
+
+fn default_ports() -> (u16, u16) {
+    let cli = <Cli as clap::Parser>::parse_from([
+        "dispatch-broker",
+        "serve",
+        "--postgres-url",
+        "x",
+        "--redis-url",
+        "y",
+    ]);
+    match cli.command {
+        Command::Serve(args) => (args.listen.port(), args.metrics_listen.port()),
+        _ => unreachable!(),
+    }
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn kustomization_lists_every_manifest() {
+    let k = load("kustomization.yaml");
+    let listed: BTreeSet<String> = k["resources"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    let present: BTreeSet<String> = std::fs::read_dir(DIR)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
+        .collect();
+    assert_eq!(listed, present);
+}
+
+#[test]
+fn names_ports_and_labels_agree() {
+    let deployment = load("deployment.yaml");
+    let service = load("service.yaml");
+    let configmap = load("configmap.yaml");
+    let secret = load("secret.yaml");
+    let podmonitor = load("podmonitor.yaml");
+    let scaled = load("worker-scaledobject.yaml");
+    let namespace = load("kustomization.yaml")["namespace"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    assert_eq!(deployment["spec"]["replicas"].as_u64(), Some(2));
+    let pod_labels = labels(s(&deployment, &["spec", "template", "metadata", "labels"]));
+    assert!(subset(
+        &labels(s(&deployment, &["spec", "selector", "matchLabels"])),
+        &pod_labels
+    ));
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let ports: BTreeMap<String, u64> = container["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["containerPort"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let (grpc_default, metrics_default) = default_ports();
+    assert_eq!(
+        ports["grpc"],
+        u64::from(grpc_default),
+        "gRPC port = the binary's default"
+    );
+    assert_eq!(
+        ports["metrics"],
+        u64::from(metrics_default),
+        "metrics port = the binary's default"
+    );
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(
+            container[probe]["grpc"]["port"].as_u64(),
+            Some(ports["grpc"]),
+            "{probe}"
+        );
+    }
+    assert!(container["resources"]["requests"].is_mapping());
+    let env_from: BTreeSet<String> = container["envFrom"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| {
+            e["configMapRef"]["name"]
+                .as_str()
+                .or(e["secretRef"]["name"].as_str())
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(env_from.contains(configmap["metadata"]["name"].as_str().unwrap()));
+    assert!(env_from.contains(secret["metadata"]["name"].as_str().unwrap()));
+
+    // Every variable set is one the binary reads, and the listen ports match the container.
+    let known = serve_env_vars();
+    let data = configmap["data"].as_mapping().unwrap();
+    for key in data
+        .keys()
+        .chain(secret["stringData"].as_mapping().unwrap().keys())
+    {
+        let key = key.as_str().unwrap();
+        assert!(
+            known.contains(key),
+            "{key} is not an option of `dispatch-broker serve`"
+        );
+    }
+    assert!(secret["stringData"]["DISPATCH_POSTGRES_URL"].is_string());
+    assert!(secret["stringData"]["DISPATCH_REDIS_URL"].is_string());
+    assert_eq!(
+        u64::from(port_of(
+            configmap["data"]["DISPATCH_LISTEN"].as_str().unwrap()
+        )),
+        ports["grpc"]
+    );
+    assert_eq!(
+        u64::from(port_of(
+            configmap["data"]["DISPATCH_METRICS_LISTEN"]
+                .as_str()
+                .unwrap()
+        )),
+        ports["metrics"]
+    );
+
+    // The Service selects the pods and maps its ports to the named container ports.
+    assert!(subset(&labels(&service["spec"]["selector"]), &pod_labels));
+    let mut service_ports = BTreeMap::new();
+    for p in service["spec"]["ports"].as_sequence().unwrap() {
+        let target = p["targetPort"].as_str().unwrap();
+        assert!(
+            ports.contains_key(target),
+            "targetPort {target} names no container port"
+        );
+        assert_eq!(p["port"].as_u64(), Some(ports[target]));
+        service_ports.insert(
+            p["name"].as_str().unwrap().to_owned(),
+            p["port"].as_u64().unwrap(),
+        );
+    }
+
+    // Prometheus scrapes the pods' metrics port.
+    assert!(subset(
+        &labels(&podmonitor["spec"]["selector"]["matchLabels"]),
+        &pod_labels
+    ));
+    let endpoint = &podmonitor["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["port"].as_str(), Some("metrics"));
+    assert_eq!(endpoint["path"].as_str(), Some("/metrics"));
+
+    // KEDA reaches the broker's Service on its gRPC port.
+    let trigger = &scaled["spec"]["triggers"][0];
+    assert_eq!(trigger["type"].as_str(), Some("external"));
+    let address = trigger["metadata"]["scalerAddress"].as_str().unwrap();
+    let service_name = service["metadata"]["name"].as_str().unwrap();
+    assert_eq!(
+        address,
+        format!("{service_name}.{namespace}.svc:{}", service_ports["grpc"])
+    );
+    let per_worker: f64 = trigger["metadata"][dispatch_broker::keda::TASKS_PER_WORKER]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(per_worker > 0.0);
+    let raw = std::fs::read_to_string(Path::new(DIR).join("worker-scaledobject.yaml")).unwrap();
+    assert!(
+        raw.contains(dispatch_broker::metrics::WAITING_TASKS),
+        "the prometheus alternative names the gauge"
+    );
+}
+
+#[test]
+fn the_dockerfile_matches_the_binary() {
+    let docker =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/Dockerfile")).unwrap();
+    let (grpc, metrics) = default_ports();
+    assert!(
+        docker.contains(&format!("EXPOSE {grpc} {metrics}")),
+        "EXPOSE lists both ports"
+    );
+    assert!(docker.contains(&format!("DISPATCH_LISTEN=0.0.0.0:{grpc}")));
+    assert!(docker.contains(&format!("DISPATCH_METRICS_LISTEN=0.0.0.0:{metrics}")));
+    assert!(
+        docker.contains("\"dispatch-broker\", \"health\""),
+        "health check through gRPC health"
+    );
+    assert!(
+        docker
+            .lines()
+            .any(|l| l.starts_with("USER ") && !l.contains("root")),
+        "runs as non-root"
+    );
+    let known = serve_env_vars();
+    for var in [
+        "DISPATCH_LISTEN",
+        "DISPATCH_METRICS_LISTEN",
+        "DISPATCH_LOG_JSON",
+    ] {
+        assert!(known.contains(var), "{var}");
+    }
+}
