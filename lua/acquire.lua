@@ -3,7 +3,7 @@
 -- KEYS[1]  PREFIX:epoch              the lock state's identity
 -- KEYS[2]  PREFIX:leases             sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<id>:tasks   the lease's registry
--- KEYS[4]  PREFIX:task:<task_id>     the task lock
+-- KEYS[4]  PREFIX:task:<task_id>     the task lock: hash {lease, token, at, x, s}
 -- KEYS[5]  PREFIX:fence              the fencing counter
 -- KEYS[6]  PREFIX:locked             every locked task id
 -- KEYS[7..] one pair per resource, exclusive resources first, then shared ones:
@@ -66,8 +66,8 @@ for i = 1, n_x + n_s do
     s_names[#s_names + 1] = name
   end
 end
-redis.call('HSET', KEYS[4], 'lease', lease_id, 'token', token,
-  'x', table.concat(x_names, '\n'), 's', table.concat(s_names, '\n'))
+redis.call('HSET', KEYS[4], 'lease', lease_id, 'token', string.format('%d', token),
+  'at', now_ms(), 'x', table.concat(x_names, '\n'), 's', table.concat(s_names, '\n'))
 redis.call('SADD', KEYS[3], task_id)
 redis.call('SADD', KEYS[6], task_id)
 return {1, token}

@@ -5,12 +5,18 @@
 -- KEYS[1]  PREFIX:recovered:<app_status_id>   string: the lease the rebuild made for that row
 -- KEYS[2]  PREFIX:leases                      sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<new id>:tasks        the new lease's registry
--- ARGV     prefix (with hash tag), new lease_id
+-- KEYS[4]  PREFIX:epoch                       the lock state's identity
+-- ARGV     prefix (with hash tag), new lease_id, epoch
 -- Returns  {task_id, fencing_token, ...} for every lock moved (empty when there was nothing).
--- Never    moves locks of a lease that is not a rebuilt one, or into a lease that does not exist.
+-- Never    moves locks of a lease that is not a rebuilt one, of a rebuilt lease that already
+--          expired (the sweeper owns those), or into a lease that does not exist.
 
+if not epoch_ok(KEYS[4], ARGV[3]) then
+  return {}
+end
 local old = redis.call('GET', KEYS[1])
-if not old or not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
+local old_expires = old and redis.call('ZSCORE', KEYS[2], old)
+if not old_expires or tonumber(old_expires) <= now_ms() or not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
   return {}
 end
 local moved = {}

@@ -5,7 +5,7 @@
 -- KEYS[1]  PREFIX:leases             sorted set lease_id -> expiry (ms)
 -- KEYS[2]  PREFIX:lease:<id>         lease hash
 -- KEYS[3]  PREFIX:lease:<id>:tasks   the lease's registry
--- ARGV     lease_id
+-- ARGV     lease_id, "rotate" to move an already expired lease behind the others
 -- Returns  {app_status_id, owned ("1"/"0"), task_id, ...}, or {} when the lease is unknown.
 -- Never    releases a lock; close_lease.lua does.
 
@@ -13,9 +13,12 @@ local lease = redis.call('HMGET', KEYS[2], 'app_status', 'owned')
 if not lease[1] then
   return {}
 end
+-- Expired as of now; a lease whose clean-up fails is expired again later, so it moves behind
+-- the others and cannot hold up the sweeper.
+local now = now_ms()
 local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if expires and tonumber(expires) > 0 then
-  redis.call('ZADD', KEYS[1], 0, ARGV[1])
+if not expires or tonumber(expires) > now or ARGV[2] == 'rotate' then
+  redis.call('ZADD', KEYS[1], now, ARGV[1])
 end
 local reply = {lease[1], lease[2] or '0'}
 for _, task_id in ipairs(redis.call('SMEMBERS', KEYS[3])) do

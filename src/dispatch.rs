@@ -117,9 +117,6 @@ impl Dispatch {
         let deadline = tokio::time::Instant::now() + wait.min(self.policy.max_wait);
         let skip = Arc::new(skip);
         loop {
-            if self.shutdown.is_fired() {
-                return Ok(None);
-            }
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
             let outcome = self
@@ -127,22 +124,30 @@ impl Dispatch {
                     crate::metrics::count_pass(this.fetch_once(lease_id, &skip_now)).await
                 })
                 .await;
-            match &outcome {
-                Ok(Some(_)) => self.stats.fetch("claimed"),
-                Ok(None) => self.stats.fetch("none_ready"),
-                Err(_) => self.stats.fetch("error"),
-            }
-            if let Some(grant) = outcome? {
+            self.stats.fetch_pass();
+            let grant = match outcome {
+                Ok(grant) => grant,
+                Err(e) => {
+                    self.stats.fetch("error");
+                    return Err(e);
+                }
+            };
+            if let Some(grant) = grant {
+                self.stats.fetch("claimed");
                 return Ok(Some(grant));
             }
             let now = tokio::time::Instant::now();
-            if now >= deadline {
+            if now >= deadline || self.shutdown.is_fired() {
+                self.stats.fetch("none_ready");
                 return Ok(None);
             }
             let pause = self.policy.recheck.min(deadline - now);
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = self.shutdown.fired() => return Ok(None),
+                _ = self.shutdown.fired() => {
+                    self.stats.fetch("none_ready");
+                    return Ok(None);
+                }
             }
         }
     }
@@ -309,6 +314,25 @@ impl Dispatch {
         };
         match self.tasks.claim(row.id, app_status).await {
             Ok(true) => {
+                // The lease may have been closed or swept between the lock and the claim; its
+                // clean-up then missed this claim. Hand out only what the live lease still holds.
+                if !matches!(
+                    self.locks
+                        .holder(&lease_str, &task_str, fencing_token)
+                        .await,
+                    Ok(Ok(_))
+                ) {
+                    match self.tasks.unclaim(row.id, app_status).await {
+                        Ok(_) => {
+                            self.release_after_failure(&lease_str, &task_str, fencing_token)
+                                .await
+                        }
+                        Err(e) => {
+                            tracing::error!(task_id = %row.id, error = %e, "could not put back a task claimed by an ended lease")
+                        }
+                    }
+                    return Ok(Attempt::LeaseGone);
+                }
                 tracing::info!(task_id = %row.id, %lease_id, fencing_token, "task handed out");
                 Ok(Attempt::Granted(Grant {
                     task_id: row.id,
@@ -439,10 +463,19 @@ impl Dispatch {
     }
 
     /// ReleaseLocks: releases a task's locks for its holder. Idempotent: `false` when nothing was
-    /// held. A claimed task that never started goes back to the queue.
+    /// held. A claimed task that never started goes back to the queue first, so a failure
+    /// half-way leaves it claimed and locked, and a retry completes the release.
     pub async fn release(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<bool> {
         let lease = lease_id.to_string();
         let task = task_id.to_string();
+        // (A failed check is not fatal: the release below retries, and puts the claim back.)
+        if let Ok(Ok(app_status)) = self.locks.holder(&lease, &task, fencing_token).await {
+            if let Ok(app_status) = app_status.parse::<Uuid>() {
+                if self.tasks.unclaim(task_id, app_status).await? {
+                    tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
+                }
+            }
+        }
         let mut attempt = 0u32;
         let (outcome, app_status) = loop {
             match self.locks.release(&lease, &task, fencing_token).await {
@@ -455,13 +488,11 @@ impl Dispatch {
                 Err(e) => return Err(e.into()),
             }
         };
-        // A claimed task that never started goes back to the queue; also when the locks were
-        // already gone, so a retry after a failure half-way completes the job.
+        // An expired (not yet swept) lease releasing, or a retry after the locks went: the
+        // claim is put back here.
         if matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
-                if self.tasks.unclaim(task_id, app_status).await? {
-                    tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
-                }
+                self.tasks.unclaim(task_id, app_status).await?;
             }
         }
         match outcome {

@@ -11,7 +11,7 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
     /// The lease is unknown or expired.
-    #[error("lease {0} is unknown or expired; open a new lease with OpenLease")]
+    #[error("lease {0} is unknown or expired; open a new lease with OpenLease (pass your app_status_id to keep tasks you are running)")]
     LeaseNotFound(String),
     /// The task does not exist.
     #[error("task {0} does not exist")]

@@ -81,8 +81,13 @@ impl ExternalScaler for Scaler {
         tokio::spawn(async move {
             let mut last = None;
             loop {
-                let active = gauge.borrow_and_update().active;
-                if last != Some(active) {
+                let (known, active) = {
+                    let g = gauge.borrow_and_update();
+                    (g.activity_known, g.active)
+                };
+                // Nothing is pushed before activity was checked once: a default `false` could
+                // make KEDA scale a busy fleet to zero.
+                if known && last != Some(active) {
                     if send
                         .send(Ok(IsActiveResponse { result: active }))
                         .await

@@ -10,7 +10,7 @@
 //! to KEDA within about a second.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
@@ -33,6 +33,11 @@ pub struct Gauge {
     pub live_leases: u64,
     /// Whether any task is incomplete (waiting, running or canceling).
     pub active: bool,
+    /// When this replica last read the shared value (its age keeps growing from here while
+    /// Redis cannot be read).
+    pub observed_locally: Option<Instant>,
+    /// Whether activity was checked at least once (KEDA's push waits for it).
+    pub activity_known: bool,
 }
 
 impl Gauge {
@@ -46,7 +51,13 @@ impl Gauge {
         if self.computed_at_ms == 0 {
             return Duration::ZERO;
         }
-        Duration::from_millis((self.observed_at_ms - self.computed_at_ms).max(0) as u64)
+        let at_last_read =
+            Duration::from_millis((self.observed_at_ms - self.computed_at_ms).max(0) as u64);
+        at_last_read
+            + self
+                .observed_locally
+                .map(|t| t.elapsed())
+                .unwrap_or_default()
     }
 }
 
@@ -112,7 +123,21 @@ impl Lanes {
     /// One refresh: activity, live leases, and the shared lane count (computed here when it is
     /// due and no other replica is computing it).
     pub async fn refresh(&self) -> Result<()> {
-        // Redis first: the age of the served value keeps growing even while Postgres is down.
+        // Activity needs only Postgres, the shared count only Redis: one failing does not stop
+        // the other, and the served value's age keeps growing whichever fails.
+        let activity = self.tasks.any_incomplete().await;
+        if let Ok(active) = activity {
+            self.state.send_modify(|g| {
+                g.active = active;
+                g.activity_known = true;
+            });
+        }
+        let shared = self.refresh_shared().await;
+        activity?;
+        shared
+    }
+
+    async fn refresh_shared(&self) -> Result<()> {
         let (cached, computed_at_ms, now_ms) = self.locks.lanes_cache().await?;
         let live_leases = self.locks.live_lease_count().await?;
         self.state.send_modify(|g| {
@@ -121,10 +146,9 @@ impl Lanes {
                 g.computed_at_ms = computed_at_ms;
             }
             g.observed_at_ms = now_ms;
+            g.observed_locally = Some(Instant::now());
             g.live_leases = live_leases;
         });
-        let active = self.tasks.any_incomplete().await?;
-        self.state.send_modify(|g| g.active = active);
         let due =
             cached.is_none() || now_ms - computed_at_ms >= self.config.interval.as_millis() as i64;
         if due
@@ -133,14 +157,15 @@ impl Lanes {
                 .try_lanes_lock(&self.replica, self.config.interval)
                 .await?
         {
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             let lanes = self.tasks.lanes(self.config.cutoff).await?;
             let stamp = self.locks.store_lanes(lanes).await?;
             tracing::debug!(lanes, took = ?started.elapsed(), "lanes computed");
             self.state.send_modify(|g| {
                 g.lanes = lanes;
                 g.computed_at_ms = stamp;
-                g.observed_at_ms = stamp.max(g.observed_at_ms);
+                g.observed_at_ms = stamp;
+                g.observed_locally = Some(Instant::now());
             });
         }
         Ok(())

@@ -212,7 +212,11 @@ impl Leases {
         reason: &str,
         sweeper: Option<&str>,
     ) -> Result<Option<Closed>> {
-        let Some(ending) = self.locks.expire_now(lease_id).await? else {
+        let Some(ending) = self.locks.expire_now(lease_id, sweeper.is_some()).await? else {
+            if sweeper.is_some() {
+                // An expiry entry without its lease: nothing to clean up but the entry.
+                self.locks.forget_lease(lease_id).await?;
+            }
             return Ok(None);
         };
         let app_status: Uuid = ending.app_status_id.parse().map_err(|_| {

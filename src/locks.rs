@@ -259,25 +259,52 @@ impl Locks {
         self.command(redis::cmd("GET").arg(self.keys.epoch())).await
     }
 
-    /// Sets the epoch when Redis has none (raising the fencing counter to its time floor);
-    /// returns the epoch in force and whether this call set it.
-    pub async fn init_epoch(&self, candidate: &str) -> Result<(String, bool), Error> {
-        let (epoch, created): (String, i64) = self
+    /// Marks the epoch as being rebuilt by `owner` (who must hold the rebuild lock) and raises
+    /// the fencing counter above every token handed out before; false without the lock.
+    pub async fn rebuild_begin(&self, owner: &str, building: &str) -> Result<bool, Error> {
+        let ok: i64 = self
             .run(
                 self.scripts
-                    .init_epoch
+                    .rebuild_begin
+                    .key(self.keys.recovery())
                     .key(self.keys.epoch())
                     .key(self.keys.fence())
-                    .arg(candidate),
+                    .arg(owner)
+                    .arg(building)
+                    .arg(self.known.max_token.load(Ordering::Relaxed)),
             )
             .await?;
-        Ok((epoch, created == 1))
+        Ok(ok == 1)
     }
 
-    /// Overwrites the epoch (the last step of a rebuild).
-    pub async fn publish_epoch(&self, epoch: &str) -> Result<(), Error> {
-        self.command::<()>(redis::cmd("SET").arg(self.keys.epoch()).arg(epoch))
-            .await
+    /// Publishes the rebuilt state's epoch and frees the rebuild lock, only if the epoch is still
+    /// `building`; false when a newer rebuild took over.
+    pub async fn rebuild_end(
+        &self,
+        owner: &str,
+        building: &str,
+        epoch: &str,
+    ) -> Result<bool, Error> {
+        let ok: i64 = self
+            .run(
+                self.scripts
+                    .rebuild_end
+                    .key(self.keys.recovery())
+                    .key(self.keys.epoch())
+                    .arg(owner)
+                    .arg(building)
+                    .arg(epoch),
+            )
+            .await?;
+        Ok(ok == 1)
+    }
+
+    /// Whether some replica holds the rebuild lock.
+    pub async fn rebuild_locked(&self) -> Result<bool, Error> {
+        let exists: i64 = self
+            .command(redis::cmd("EXISTS").arg(self.keys.recovery()))
+            .await?;
+        Ok(exists == 1)
     }
 
     /// Takes the rebuild lock for `owner` (true) unless another replica holds it.
@@ -295,11 +322,12 @@ impl Locks {
         Ok(set.is_some())
     }
 
-    /// Deletes every key of this prefix except the rebuild lock (only a rebuild does this; it
-    /// is the one path that scans the keyspace, and it runs only when the state is already lost).
+    /// Deletes every key of this prefix except the rebuild lock, the epoch and the fencing
+    /// counter (only a rebuild does this, after marking the epoch, so no replica grants
+    /// meanwhile; it is the one path that scans the keyspace).
     pub async fn wipe(&self) -> Result<u64, Error> {
         let mut conn = self.conn().await?;
-        let keep = self.keys.recovery();
+        let keep = [self.keys.recovery(), self.keys.epoch(), self.keys.fence()];
         let mut cursor: u64 = 0;
         let mut deleted = 0;
         loop {
@@ -312,7 +340,7 @@ impl Locks {
                 .arg(1000)
                 .query_async(&mut conn)
                 .await?;
-            let batch: Vec<String> = batch.into_iter().filter(|k| *k != keep).collect();
+            let batch: Vec<String> = batch.into_iter().filter(|k| !keep.contains(k)).collect();
             if !batch.is_empty() {
                 self.stats.redis_call();
                 deleted += redis::cmd("DEL")
@@ -386,8 +414,10 @@ impl Locks {
                     .key(self.keys.recovered(app_status_id))
                     .key(self.keys.leases())
                     .key(self.keys.lease_tasks(lease_id))
+                    .key(self.keys.epoch())
                     .arg(self.keys.tag())
-                    .arg(lease_id),
+                    .arg(lease_id)
+                    .arg(self.epoch()),
             )
             .await?;
         Ok(flat
@@ -589,8 +619,8 @@ impl Locks {
     }
 
     /// Ends a lease's life now (no more grants or heartbeats) and returns what it held; `None`
-    /// when the lease is unknown.
-    pub async fn expire_now(&self, lease_id: &str) -> Result<Option<Ending>, Error> {
+    /// when the lease is unknown. `rotate` moves an already expired lease behind the others.
+    pub async fn expire_now(&self, lease_id: &str, rotate: bool) -> Result<Option<Ending>, Error> {
         let reply: Vec<String> = self
             .run(
                 self.scripts
@@ -598,7 +628,8 @@ impl Locks {
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease_id))
                     .key(self.keys.lease_tasks(lease_id))
-                    .arg(lease_id),
+                    .arg(lease_id)
+                    .arg(if rotate { "rotate" } else { "" }),
             )
             .await?;
         let mut items = reply.into_iter();
@@ -667,6 +698,18 @@ impl Locks {
             Some(Value::Int(0)) => Ok(None),
             _ => Err(protocol("expired", &reply)),
         }
+    }
+
+    /// Drops a lease id from the expiry set when nothing else of it exists (a leftover).
+    pub async fn forget_lease(&self, lease_id: &str) -> Result<(), Error> {
+        self.command::<i64>(redis::cmd("ZREM").arg(self.keys.leases()).arg(lease_id))
+            .await
+            .map(|_| ())
+    }
+
+    /// The highest fencing token this replica has handed out.
+    pub fn max_token(&self) -> u64 {
+        self.known.max_token.load(Ordering::Relaxed)
     }
 
     /// Every task that holds a lock (the reconciler's list; O(locks held)).

@@ -22,7 +22,7 @@ use crate::lanes::Gauge;
 pub const POSTGRES_STATEMENTS_TOTAL: &str = "dispatch_postgres_statements_total";
 /// Redis calls made (script invocations and commands).
 pub const REDIS_CALLS_TOTAL: &str = "dispatch_redis_calls_total";
-/// FetchTask passes by outcome (`claimed`, `none_ready`, `error`).
+/// FetchTask calls by outcome (`claimed`, `none_ready`, `error`).
 pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
 /// Postgres statements per fetch pass.
 pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements";
@@ -56,7 +56,7 @@ pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
     describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
-    describe_counter!(FETCH_TOTAL, "FetchTask passes by outcome.");
+    describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
     describe_histogram!(
         FETCH_POSTGRES_STATEMENTS,
         "Postgres statements per fetch pass."
@@ -237,10 +237,14 @@ impl Stats {
         metrics::counter!(REDIS_CALLS_TOTAL).increment(1);
     }
 
-    /// Counts one fetch pass with its outcome.
+    /// Counts one FetchTask call by its outcome.
     pub fn fetch(&self, outcome: &'static str) {
-        self.fetches.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_TOTAL, "outcome" => outcome).increment(1);
+    }
+
+    /// Counts one pass over the queue (a waiting FetchTask makes several).
+    pub fn fetch_pass(&self) {
+        self.fetches.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts released task locks on a path.

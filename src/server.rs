@@ -167,7 +167,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         replica,
     });
     let lanes = Arc::new(Lanes::new(
-        bg_tasks_for_lanes(&sweeper),
+        sweeper.tasks.clone(),
         sweeper.locks.clone(),
         LaneConfig {
             interval: args.lanes.interval,
@@ -260,10 +260,6 @@ async fn run_background(sweeper: Arc<Sweeper>, shutdown: Shutdown) {
             tracing::warn!(error = %e, "background turn failed; retrying next interval");
         }
     }
-}
-
-fn bg_tasks_for_lanes(sweeper: &Sweeper) -> Tasks {
-    sweeper.tasks.clone()
 }
 
 async fn serve(

@@ -160,8 +160,6 @@ pub struct ClaimedTask {
     pub worker_name: String,
     /// The worker row's ttl in ms.
     pub worker_ttl_ms: i64,
-    /// Whether the worker's last heartbeat is within its ttl.
-    pub worker_fresh: bool,
     /// The worker's component versions.
     pub worker_versions: BTreeMap<String, String>,
 }
@@ -187,6 +185,12 @@ impl Tasks {
             .map_err(|e: tokio_postgres::Error| Error::Config(e.to_string()))?;
         pg.connect_timeout(timeout);
         pg.application_name("dispatch-broker");
+        // The server gives up on a statement shortly before the broker stops waiting for it, so
+        // a statement the broker reports as failed has (almost always) not committed later.
+        let server_limit = timeout
+            .saturating_sub(timeout / 5)
+            .max(Duration::from_millis(50));
+        pg.options(format!("-c statement_timeout={}", server_limit.as_millis()));
         let manager = Manager::from_config(
             pg,
             NoTls,
@@ -508,14 +512,13 @@ impl Tasks {
         rows.iter()
             .map(|r| {
                 let record: Vec<String> = r.try_get(1)?;
-                let versions: Option<String> = r.try_get(6)?;
+                let versions: Option<String> = r.try_get(5)?;
                 Ok(ClaimedTask {
                     task_id: r.try_get(0)?,
                     resources: Resources::from_record(&record),
                     app_status_id: r.try_get(2)?,
                     worker_name: r.try_get(3)?,
                     worker_ttl_ms: r.try_get(4)?,
-                    worker_fresh: r.try_get(5)?,
                     worker_versions: versions
                         .and_then(|v| serde_json::from_str(&v).ok())
                         .unwrap_or_default(),

@@ -92,8 +92,9 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
         pg_small <= 2 && pg_large <= 2,
         "a fetch took more than 2 statements"
     );
+    // Lease check, acquire, and the check that the lease still holds the claimed task.
     assert!(
-        redis_small <= 2 && redis_large <= 2,
-        "a fetch took more than 2 redis calls"
+        redis_small <= 3 && redis_large <= 3,
+        "a fetch took more than 3 redis calls"
     );
 }

@@ -11,8 +11,8 @@ use dispatch_broker::proto::*;
 use support::{eventually, id, kill_waiting_broker_sessions, Env};
 use tonic::Code;
 
-const TTL: Duration = Duration::from_millis(600);
-const SWEEP: Duration = Duration::from_millis(200);
+const TTL: Duration = Duration::from_secs(2);
+const SWEEP: Duration = Duration::from_millis(250);
 
 async fn sweeping_env() -> Env {
     Env::with(|a| a.sweep_interval = SWEEP).await
@@ -276,8 +276,9 @@ async fn path5_cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_
     env.shutdown().await;
 }
 
-/// Path 6: ReleaseLocks while Redis is briefly down (paused): the call succeeds after a retry or
-/// fails UNAVAILABLE; either way, once Redis is back, no lock remains.
+/// Path 6: ReleaseLocks while Redis is briefly down (paused): the call rides out the pause with
+/// its retries and succeeds, the claimed task goes back to the queue, and no lock remains. A
+/// release that still fails answers UNAVAILABLE, and the lock goes with the lease.
 #[tokio::test]
 async fn path6_release_while_redis_is_briefly_down_leaves_no_lock() {
     let mut env = Env::with(|a| {
@@ -285,37 +286,52 @@ async fn path6_release_while_redis_is_briefly_down_leaves_no_lock() {
         a.backend_timeout = Duration::from_millis(300);
     })
     .await;
-    env.task(&["a"]).await;
+    let task = env.task(&["a"]).await;
     let lease = env.open("w").await;
     let t = env.fetch(&lease).await.unwrap();
-    env.start(&lease, &t).await;
-    env.set_state(id(&t), "completed").await;
     env.redis.pause();
-    let resume = {
-        let pid_owner = std::time::Instant::now();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            pid_owner
-        })
-    };
-    let released = env.release(&lease, &t).await;
-    resume.await.unwrap();
-    env.redis.resume();
-    match &released {
-        Ok(_) => {}
-        Err(status) => {
-            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-            assert!(status.message().contains("redis"), "{status:?}");
+    let mut client = env.client.clone();
+    let release = tokio::spawn({
+        let t = t.clone();
+        let lease = lease.clone();
+        async move {
+            client
+                .release_locks(ReleaseLocksRequest {
+                    lease_id: lease,
+                    task_id: t.task_id,
+                    fencing_token: t.fencing_token,
+                })
+                .await
         }
-    }
-    let env_ref = &env;
-    eventually(Duration::from_secs(10), || async {
-        env_ref.locked_tasks().await.is_empty()
-    })
-    .await
-    .expect("no lock remains once redis is back");
+    });
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    env.redis.resume();
+    let released = release.await.unwrap();
     println!("release during a redis pause answered {released:?}");
+    assert!(
+        released
+            .expect("the retries ride out the pause")
+            .into_inner()
+            .released
+    );
     env.assert_locks(&[]).await;
+    assert_eq!(env.app_lock(task).await, None, "back in the queue");
+
+    // Redis down for longer than the retries: UNAVAILABLE naming Redis; the lock goes with the
+    // lease (here: closed once Redis is back).
+    let t = env.fetch(&lease).await.unwrap();
+    env.redis.pause();
+    let failed = env.release(&lease, &t).await;
+    env.redis.resume();
+    let status = failed.expect_err("redis stayed down");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("redis"), "{status:?}");
+    env.client
+        .close_lease(CloseLeaseRequest { lease_id: lease })
+        .await
+        .unwrap();
+    env.assert_locks(&[]).await;
+    assert_eq!(env.state(task).await, "waiting");
     env.shutdown().await;
 }
 
@@ -489,9 +505,7 @@ async fn two_replicas_sweeping_at_once_never_double_process_a_lease() {
     const LEASES: usize = 12;
     for n in 0..LEASES {
         env.task(&[&format!("r{n}")]).await;
-        let lease = env
-            .open_with(&format!("w{n}"), &[], Some(Duration::from_millis(300)))
-            .await;
+        let lease = env.open_with(&format!("w{n}"), &[], Some(TTL)).await;
         let t = env.fetch(&lease).await.unwrap();
         env.start(&lease, &t).await;
     }

@@ -138,7 +138,12 @@ async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
             "--redis-url",
             &env.redis.url(),
         ])
-        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

@@ -7,9 +7,11 @@
 //! the RPC answer UNAVAILABLE ("being rebuilt") and wakes the background loop, which calls
 //! [`Recovery::check`]. One replica at a time rebuilds (a Redis lock): it wipes the prefix, sets a
 //! temporary epoch (so no other replica grants meanwhile) and a fencing floor above every token
-//! handed out before, opens one lease per worker row that has claimed tasks (already expired when
-//! the row's last heartbeat is older than its ttl, so the sweeper fails its running tasks as
-//! missing), locks each task under it, and finally publishes a new epoch. A live worker whose
+//! handed out before, opens one lease per worker row that has claimed tasks (with a full TTL: a
+//! worker's heartbeats may have failed only because Redis was gone; a dead one is swept a TTL
+//! later), locks each task under it, and finally publishes a new epoch, only if no newer rebuild
+//! took over. A rebuild that dies half-way leaves its epoch marked; once its lock expires, the
+//! next check starts over. A live worker whose
 //! heartbeat then gets NOT_FOUND reopens with its `app_status_id` and takes its locks back
 //! (`adopt.lua`).
 
@@ -26,6 +28,8 @@ use crate::metrics::Stats;
 use crate::tasks::Tasks;
 
 const REBUILDING: &str = "rebuilding:";
+/// How long a rebuild may take before another replica may take over.
+const REBUILD_LOCK_TTL: Duration = Duration::from_secs(60);
 
 /// Watches the lock state and rebuilds it when lost.
 #[derive(Clone)]
@@ -66,7 +70,15 @@ impl Recovery {
         let known = self.locks.epoch();
         match self.locks.current_epoch().await? {
             Some(current) if current.starts_with(REBUILDING) => {
-                Err(Error::Redis(locks::Error::StateLost))
+                if self.locks.rebuild_locked().await? {
+                    Err(Error::Redis(locks::Error::StateLost))
+                } else {
+                    // The replica that was rebuilding died or failed half-way: start over.
+                    tracing::error!(
+                        "a rebuild of lock state was left unfinished; rebuilding again"
+                    );
+                    self.rebuild().await
+                }
             }
             Some(current) if current == known && !known.is_empty() => {
                 if suspect && self.counter_regressed().await? {
@@ -110,16 +122,20 @@ impl Recovery {
     /// Rebuilds the lock state from Postgres (see the module docs).
     pub async fn rebuild(&self) -> Result<()> {
         let _one_at_a_time = self.busy.lock().await;
+        let lost = || Error::Redis(locks::Error::StateLost);
         if !self
             .locks
-            .try_recovery_lock(&self.replica, Duration::from_secs(60))
+            .try_recovery_lock(&self.replica, REBUILD_LOCK_TTL)
             .await?
         {
-            return Err(Error::Redis(locks::Error::StateLost));
+            return Err(lost());
         }
+        // From here on no replica grants anything: the epoch says "rebuilding".
         let building = format!("{REBUILDING}{}", Uuid::new_v4());
+        if !self.locks.rebuild_begin(&self.replica, &building).await? {
+            return Err(lost());
+        }
         self.locks.wipe().await?;
-        self.locks.init_epoch(&building).await?;
         let claimed = self.tasks.claimed_tasks().await?;
         let mut leases: HashMap<Uuid, String> = HashMap::new();
         let mut locked = 0usize;
@@ -128,11 +144,10 @@ impl Recovery {
                 Some(id) => id.clone(),
                 None => {
                     let id = Uuid::new_v4().to_string();
-                    let ttl = if task.worker_fresh {
-                        Duration::from_millis(task.worker_ttl_ms.max(1) as u64)
-                    } else {
-                        Duration::from_millis(1)
-                    };
+                    // A full TTL from now for every worker, fresh or not: its heartbeats may have
+                    // failed only because Redis was gone. A worker that is really dead is swept
+                    // one TTL later, as usual.
+                    let ttl = Duration::from_millis(task.worker_ttl_ms.max(1000) as u64);
                     let app_status = task.app_status_id.to_string();
                     self.locks
                         .open_lease_in(
@@ -170,7 +185,13 @@ impl Recovery {
             }
         }
         let epoch = Uuid::new_v4().to_string();
-        self.locks.publish_epoch(&epoch).await?;
+        if !self
+            .locks
+            .rebuild_end(&self.replica, &building, &epoch)
+            .await?
+        {
+            return Err(lost());
+        }
         self.locks.set_epoch(&epoch);
         self.stats.rebuild();
         tracing::warn!(%epoch, leases = leases.len(), locks = locked, "lock state rebuilt from postgres");

@@ -1,6 +1,6 @@
 //! The background loop of every replica: checks the lock state (rebuilding it when lost), sweeps
 //! expired leases and reconciles locks of finished tasks. At most one replica sweeps at a time
-//! (the sweeper lock in Redis, held with a TTL of three intervals); the others only check.
+//! (the sweeper lock in Redis, held with a TTL of two intervals); the others only check.
 //!
 //! Sweeping a lease is `Leases::end` with Pulp's reason "Worker has gone missing.": its claimed
 //! tasks go back to the queue, its running tasks fail, its locks are released through its
@@ -49,7 +49,7 @@ impl Sweeper {
     /// One turn: check the lock state, sweep, reconcile.
     pub async fn turn(&self) -> Result<()> {
         self.recovery.check().await?;
-        let lock_ttl = self.interval * 3;
+        let lock_ttl = self.interval * 2;
         let Some(expired) = self
             .locks
             .expired_leases(&self.replica, lock_ttl, SWEEP_BATCH)

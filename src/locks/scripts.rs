@@ -25,13 +25,14 @@ pub(super) struct Scripts {
     pub force_release: Script,
     pub close_lease: Script,
     pub holder: Script,
-    pub init_epoch: Script,
     pub expired: Script,
     pub expire_now: Script,
     pub adopt: Script,
     pub abort: Script,
     pub lanes_cache: Script,
     pub store_lanes: Script,
+    pub rebuild_begin: Script,
+    pub rebuild_end: Script,
 }
 
 impl Scripts {
@@ -45,17 +46,18 @@ impl Scripts {
             force_release: script!("force_release.lua"),
             close_lease: script!("close_lease.lua"),
             holder: script!("holder.lua"),
-            init_epoch: script!("init_epoch.lua"),
             expired: script!("expired.lua"),
             expire_now: script!("expire_now.lua"),
             adopt: script!("adopt.lua"),
             abort: script!("abort.lua"),
             lanes_cache: script!("lanes_cache.lua"),
             store_lanes: script!("store_lanes.lua"),
+            rebuild_begin: script!("rebuild_begin.lua"),
+            rebuild_end: script!("rebuild_end.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 15] {
+    pub fn all(&self) -> [&Script; 16] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -65,13 +67,14 @@ impl Scripts {
             &self.force_release,
             &self.close_lease,
             &self.holder,
-            &self.init_epoch,
             &self.expired,
             &self.expire_now,
             &self.adopt,
             &self.abort,
             &self.lanes_cache,
             &self.store_lanes,
+            &self.rebuild_begin,
+            &self.rebuild_end,
         ]
     }
 }

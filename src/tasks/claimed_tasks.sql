@@ -1,10 +1,8 @@
 -- claimed_tasks.sql: every claimed incomplete task with its worker row: what a rebuild of lost
 -- lock state must lock again.
--- Returns: task pulp_id, record, app_lock_id, worker name, worker ttl (ms), whether the worker's
---          last heartbeat is within its ttl, worker versions (JSON text).
+-- Returns: task pulp_id, record, app_lock_id, worker name, worker ttl (ms), worker versions (JSON).
 SELECT t.pulp_id, coalesce(t.reserved_resources_record, '{}'::text[]), t.app_lock_id, a.name,
        (extract(epoch FROM a.ttl) * 1000)::bigint,
-       a.last_heartbeat >= now() - a.ttl,
        hstore_to_json(a.versions)::text
 FROM core_task t
 JOIN core_appstatus a ON a.pulp_id = t.app_lock_id

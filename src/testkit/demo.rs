@@ -117,6 +117,8 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         crate::shutdown::os_signal().await;
     }
     broker.shutdown().await?;
+    drop(tasks);
+    drop(busy);
     drop(redis);
     drop(pg);
     Ok(())

@@ -1,0 +1,156 @@
+//! FetchTask latency in the head-of-line incident: one repository's queue of N blocked tasks
+//! (its oldest running) with 200 tasks of other domains behind it; 10 leases fetch the other
+//! domains' tasks. Reports p50/p99 latency and the per-fetch backend calls at each N, against
+//! N = 1,000 as the baseline in the same run.
+//!
+//! Run: `cargo bench --bench fetch` (sizes as arguments to choose others).
+
+use std::time::{Duration, Instant};
+
+use dispatch_broker::config::ServeArgs;
+use dispatch_broker::proto::broker_client::BrokerClient;
+use dispatch_broker::proto::*;
+use dispatch_broker::testkit::{Postgres, Redis};
+
+const OTHERS: i32 = 200;
+const LEASES: usize = 10;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+#[tokio::main]
+async fn main() {
+    let sizes: Vec<i32> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![1_000, 17_000, 100_000]
+    } else {
+        sizes
+    };
+    let (pg, redis) =
+        tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+            .await
+            .unwrap();
+    println!("| blocked tasks | fetch p50 | fetch p99 | postgres statements / fetch | redis calls / fetch | p50 vs 1,000 |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let mut baseline = None;
+    for (n, size) in sizes.into_iter().enumerate() {
+        let url = pg.create_database(&format!("fetch{n}")).unwrap();
+        pg.psql(
+            &format!("fetch{n}"),
+            include_str!("../src/tasks/migrate.sql"),
+        )
+        .unwrap();
+        redis_flush(&redis);
+        let mut args = ServeArgs::with_urls(&url, &redis.url());
+        args.lanes.interval = Duration::from_secs(3600);
+        let broker = dispatch_broker::server::start(&args).await.unwrap();
+        let mut client = BrokerClient::connect(format!("http://{}", broker.addr))
+            .await
+            .unwrap();
+        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        db.batch_execute(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) VALUES \
+             (gen_random_uuid(), 'head', 'waiting', ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'])",
+        )
+        .await
+        .unwrap();
+        let busy = open(&mut client, "busy").await;
+        let head = client
+            .fetch_task(FetchTaskRequest {
+                lease_id: busy.clone(),
+                wait: None,
+                skip_task_ids: vec![],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .task
+            .unwrap();
+        client
+            .start_task(StartTaskRequest {
+                lease_id: busy,
+                task_id: head.task_id,
+                fencing_token: head.fencing_token,
+            })
+            .await
+            .unwrap();
+        db.batch_execute(&format!(
+            "BEGIN; SET LOCAL session_replication_role = replica; \
+             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), clock_timestamp(), 'blocked', 'waiting', \
+                    ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'] FROM generate_series(1, {size}); \
+             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), clock_timestamp(), 'other', 'waiting', \
+                    ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D2'] FROM generate_series(1, {OTHERS}) AS i; \
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
+        db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
+        let mut leases = Vec::new();
+        for w in 0..LEASES {
+            leases.push(open(&mut client, &format!("w{w}")).await);
+        }
+        let before = broker.stats.snapshot();
+        let mut times = Vec::new();
+        for i in 0..OTHERS as usize {
+            let start = Instant::now();
+            let task = client
+                .fetch_task(FetchTaskRequest {
+                    lease_id: leases[i % LEASES].clone(),
+                    wait: None,
+                    skip_task_ids: vec![],
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .task
+                .expect("another domain's task");
+            times.push(start.elapsed());
+            assert_eq!(task.name, "other");
+        }
+        let cost = broker.stats.snapshot() - before;
+        times.sort();
+        let p50 = percentile(&times, 0.5);
+        let base = *baseline.get_or_insert(p50);
+        println!(
+            "| {size} | {:.2} ms | {:.2} ms | {:.1} | {:.1} | {:.2}x |",
+            p50.as_secs_f64() * 1e3,
+            percentile(&times, 0.99).as_secs_f64() * 1e3,
+            cost.postgres_statements as f64 / OTHERS as f64,
+            cost.redis_calls as f64 / OTHERS as f64,
+            p50.as_secs_f64() / base.as_secs_f64(),
+        );
+        broker.shutdown().await.unwrap();
+    }
+}
+
+fn redis_flush(redis: &Redis) {
+    let _ = std::process::Command::new("redis-cli")
+        .args(["-u", &redis.url(), "FLUSHALL"])
+        .output();
+}
+
+async fn open(client: &mut BrokerClient<tonic::transport::Channel>, name: &str) -> String {
+    client
+        .open_lease(OpenLeaseRequest {
+            worker_name: name.into(),
+            versions: Default::default(),
+            ttl: Some(prost_types::Duration {
+                seconds: 3600,
+                nanos: 0,
+            }),
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id
+}
