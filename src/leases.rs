@@ -233,8 +233,12 @@ impl Leases {
             .tasks
             .end_lease_tasks(app_status, &task_ids, reason, ending.owns_app_status)
             .await?;
-        let Some(Some(released)) = self.locks.close_lease(lease_id, sweeper).await? else {
-            return Ok(None);
+        let released = match self.locks.close_lease(lease_id, sweeper).await? {
+            Some(Some(released)) => released,
+            // The sweeper finished this lease while its worker's CloseLease was under way (the
+            // lease was expired by then): it is closed all the same.
+            None if sweeper.is_none() => 0,
+            _ => return Ok(None),
         };
         let path = if sweeper.is_some() { "sweep" } else { "close" };
         self.stats.locks_released(path, u64::from(released));

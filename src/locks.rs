@@ -211,20 +211,43 @@ impl Locks {
     ) -> Result<T, Error> {
         self.stats.redis_call();
         let mut conn = self.conn().await?;
-        tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn))
-            .await
-            .map_err(|_| Error::Timeout(self.timeout))?
-            .map_err(Error::from)
+        let outcome = tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn)).await;
+        self.settle(conn, outcome)
     }
 
     /// Runs one plain command with the timeout, counting it.
     async fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, Error> {
         self.stats.redis_call();
         let mut conn = self.conn().await?;
-        tokio::time::timeout(self.timeout, cmd.query_async(&mut conn))
-            .await
-            .map_err(|_| Error::Timeout(self.timeout))?
-            .map_err(Error::from)
+        let outcome = tokio::time::timeout(self.timeout, cmd.query_async(&mut conn)).await;
+        self.settle(conn, outcome)
+    }
+
+    /// Turns a call's outcome into a result. A connection whose call timed out or broke is
+    /// dropped instead of going back to the pool: its late replies must never be read as the
+    /// answer to another call.
+    fn settle<T>(
+        &self,
+        conn: deadpool_redis::Connection,
+        outcome: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Result<T, Error> {
+        match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                if e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_unrecoverable_error()
+                {
+                    drop(deadpool_redis::Connection::take(conn));
+                }
+                Err(Error::Command(e))
+            }
+            Err(_) => {
+                drop(deadpool_redis::Connection::take(conn));
+                Err(Error::Timeout(self.timeout))
+            }
+        }
     }
 
     /// The epoch this replica works in.
@@ -747,6 +770,19 @@ impl Locks {
             .await
     }
 
+    /// Which of these tasks hold a lock.
+    pub async fn are_locked(&self, task_ids: &[String]) -> Result<Vec<bool>, Error> {
+        if task_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.command(
+            redis::cmd("SMISMEMBER")
+                .arg(self.keys.locked())
+                .arg(task_ids),
+        )
+        .await
+    }
+
     /// Live leases (not yet expired by Redis server time).
     pub async fn live_lease_count(&self) -> Result<u64, Error> {
         let reply: Vec<Value> = self.command(&redis::cmd("TIME")).await?;
@@ -774,14 +810,17 @@ impl Locks {
             .await?;
         let mut locks = Vec::with_capacity(keys.len());
         for key in keys {
-            let (lease, token): (String, u64) = redis::cmd("HMGET")
+            let (lease, token): (Option<String>, Option<u64>) = redis::cmd("HMGET")
                 .arg(&key)
                 .arg("lease")
                 .arg("token")
                 .query_async(&mut conn)
                 .await?;
-            let task = key.rsplit(':').next().unwrap_or_default().to_owned();
-            locks.push((task, lease, token));
+            // Released between the listing and this read: not held any more.
+            if let (Some(lease), Some(token)) = (lease, token) {
+                let task = key.rsplit(':').next().unwrap_or_default().to_owned();
+                locks.push((task, lease, token));
+            }
         }
         locks.sort();
         Ok(locks)

@@ -165,6 +165,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         stats: Arc::clone(&background_stats),
         interval: args.sweep_interval,
         replica,
+        claim_grace: args.sweep_interval * 2 + args.backend_timeout * 2,
+        unclaimed_last_turn: Default::default(),
     });
     let lanes = Arc::new(Lanes::new(
         sweeper.tasks.clone(),

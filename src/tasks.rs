@@ -39,17 +39,19 @@ pub mod sql {
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
     pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
-    pub const FINISHED_AMONG: &str = include_str!("tasks/finished_among.sql");
+    pub const LOCK_TARGETS: &str = include_str!("tasks/lock_targets.sql");
+    pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
+        LOCK_TARGETS,
+        CLAIMED_SINCE,
         LANES,
         ANY_INCOMPLETE,
         END_TASKS,
-        FINISHED_AMONG,
         CLAIMED_TASKS,
         CANDIDATES,
         TASK,
@@ -464,11 +466,24 @@ impl Tasks {
         Ok(())
     }
 
-    /// Which of these tasks are final or gone.
-    pub async fn finished_among(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, Error> {
-        let rows = self.query(sql::FINISHED_AMONG, &[&ids]).await?;
+    /// Among locked tasks, those whose lock serves no one: `(id, true)` when the task is final
+    /// or gone, `(id, false)` when it is waiting and unclaimed.
+    pub async fn lock_targets(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, bool)>, Error> {
+        let rows = self.query(sql::LOCK_TARGETS, &[&ids]).await?;
         rows.iter()
-            .map(|r| r.try_get(0).map_err(Error::from))
+            .map(|r| {
+                let kind: String = r.try_get(1)?;
+                Ok((r.try_get(0)?, kind == "final"))
+            })
+            .collect()
+    }
+
+    /// Claimed incomplete tasks untouched for `quiet`: `(id, state, app_lock_id)`.
+    pub async fn claimed_since(&self, quiet: Duration) -> Result<Vec<(Uuid, String, Uuid)>, Error> {
+        let secs = quiet.as_secs_f64();
+        let rows = self.query(sql::CLAIMED_SINCE, &[&secs]).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
             .collect()
     }
 

@@ -540,3 +540,68 @@ async fn two_replicas_sweeping_at_once_never_double_process_a_lease() {
     second.shutdown().await.unwrap();
     env.shutdown().await;
 }
+
+async fn reconciling_env() -> Env {
+    Env::with(|a| {
+        a.sweep_interval = SWEEP;
+        a.backend_timeout = Duration::from_millis(500);
+    })
+    .await
+}
+
+/// A lock left on a task that was never claimed (a grant that failed half-way, with the broker
+/// unable to take it back at the time) is released by the reconciler although its lease lives.
+#[tokio::test]
+async fn a_lock_left_on_an_unclaimed_task_is_reconciled() {
+    let mut env = reconciling_env().await;
+    let task = env.task(&["a", "shared:d"]).await;
+    let lease = env.open("w").await;
+    let resources = dispatch_broker::ready::Resources::from_record(&["a", "shared:d"]);
+    let granted = env
+        .broker()
+        .locks
+        .acquire(&lease, &task.to_string(), &resources)
+        .await
+        .unwrap();
+    assert!(matches!(
+        granted,
+        dispatch_broker::locks::Acquire::Granted { .. }
+    ));
+    let env_ref = &env;
+    eventually(Duration::from_secs(15), || async {
+        env_ref.locked_tasks().await.is_empty()
+    })
+    .await
+    .expect("the stray lock is released");
+    assert_eq!(id(&env.fetch(&lease).await.unwrap()), task);
+    env.shutdown().await;
+}
+
+/// A claim left without its lock (the lock was lost) goes back to the queue when the task had
+/// not started; a running task without its lock makes the broker rebuild the lock state, which
+/// locks it again.
+#[tokio::test]
+async fn claims_without_locks_are_requeued_or_locked_again() {
+    let mut env = reconciling_env().await;
+    let waiting = env.task(&["a"]).await;
+    let running = env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    let t1 = env.fetch(&lease).await.unwrap();
+    let t2 = env.fetch(&lease).await.unwrap();
+    assert_eq!((id(&t1), id(&t2)), (waiting, running));
+    env.start(&lease, &t2).await;
+    let rebuilds = env.broker().background_stats.snapshot().rebuilds;
+    for t in [&t1, &t2] {
+        env.broker().locks.force_release(&t.task_id).await.unwrap();
+    }
+    let env_ref = &env;
+    eventually(Duration::from_secs(20), || async {
+        env_ref.app_lock(waiting).await.is_none()
+            && env_ref.broker().background_stats.snapshot().rebuilds > rebuilds
+            && env_ref.locked_tasks().await.contains(&running.to_string())
+    })
+    .await
+    .expect("the waiting claim was requeued and the running task locked again");
+    assert_eq!(env.state(running).await, "running");
+    env.shutdown().await;
+}

@@ -8,8 +8,14 @@
 //! locks are gone no later than TTL + one interval after its last heartbeat (invariant 1).
 //!
 //! Reconciling reads the set of locked tasks (O(locks held)) and releases every lock whose task
-//! is final or gone, whoever holds it (invariant 2).
+//! is final or gone, whoever holds it (invariant 2), and every lock whose task has stayed waiting
+//! and unclaimed for two turns (a grant that failed half-way). It also looks the other way: a
+//! claimed incomplete task untouched for a while that holds no lock goes back to the queue when
+//! it had not started, and makes the lock state be rebuilt from Postgres when it runs (Redis lost
+//! writes), so no claim is left without a lock (O(claimed tasks)).
 
+use std::collections::HashSet;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use uuid::Uuid;
@@ -43,6 +49,10 @@ pub struct Sweeper {
     pub interval: Duration,
     /// This replica's id, as holder of the sweeper lock.
     pub replica: String,
+    /// How long a claim must be untouched before a missing lock counts as lost.
+    pub claim_grace: Duration,
+    /// Locked tasks seen waiting and unclaimed in the previous turn.
+    pub unclaimed_last_turn: Mutex<HashSet<Uuid>>,
 }
 
 impl Sweeper {
@@ -76,7 +86,7 @@ impl Sweeper {
         self.reconcile().await
     }
 
-    /// Releases the locks of tasks that are final or gone.
+    /// Releases the locks that serve no one (see the module docs), then checks claims.
     async fn reconcile(&self) -> Result<()> {
         let locked: Vec<Uuid> = self
             .locks
@@ -85,12 +95,61 @@ impl Sweeper {
             .iter()
             .filter_map(|id| id.parse().ok())
             .collect();
+        let previous = self
+            .unclaimed_last_turn
+            .lock()
+            .map(|mut set| std::mem::take(&mut *set))
+            .unwrap_or_default();
+        let mut unclaimed_now = HashSet::new();
         for chunk in locked.chunks(RECONCILE_BATCH) {
-            for task in self.tasks.finished_among(chunk).await? {
+            for (task, finished) in self.tasks.lock_targets(chunk).await? {
+                let release = finished || previous.contains(&task);
+                if !finished {
+                    unclaimed_now.insert(task);
+                }
+                if !release {
+                    continue;
+                }
                 if let Some(lease) = self.locks.force_release(&task.to_string()).await? {
                     self.stats.lock_reconciled();
-                    tracing::warn!(task_id = %task, lease_id = %lease, "released the locks of a finished task");
+                    let why = if finished {
+                        "the task is finished"
+                    } else {
+                        "the task was never claimed"
+                    };
+                    tracing::warn!(task_id = %task, lease_id = %lease, why, "released a lock that served no one");
                 }
+            }
+        }
+        if let Ok(mut set) = self.unclaimed_last_turn.lock() {
+            *set = unclaimed_now.difference(&previous).copied().collect();
+        }
+        self.claims_without_locks().await
+    }
+
+    /// Finds claimed incomplete tasks without a lock (see the module docs).
+    async fn claims_without_locks(&self) -> Result<()> {
+        let claimed = self.tasks.claimed_since(self.claim_grace).await?;
+        for chunk in claimed.chunks(RECONCILE_BATCH) {
+            let ids: Vec<String> = chunk.iter().map(|(id, _, _)| id.to_string()).collect();
+            let locked = self.locks.are_locked(&ids).await?;
+            let mut lost_running = false;
+            for ((task, state, app_status), has_lock) in chunk.iter().zip(locked) {
+                if has_lock {
+                    continue;
+                }
+                if state == "waiting" {
+                    if self.tasks.unclaim(*task, *app_status).await? {
+                        self.stats.lock_reconciled();
+                        tracing::warn!(task_id = %task, "a claimed task had no lock; back in the queue");
+                    }
+                } else {
+                    tracing::error!(task_id = %task, %state, "a running task has no lock: redis lost writes");
+                    lost_running = true;
+                }
+            }
+            if lost_running {
+                return self.recovery.rebuild().await;
             }
         }
         Ok(())

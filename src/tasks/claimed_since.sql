@@ -1,0 +1,9 @@
+-- claimed_since.sql: claimed incomplete tasks not touched for a while, to find claims without a
+-- lock (left by a failure half-way, or by Redis losing writes). Uses the app_lock_id index.
+-- $1 double precision  seconds without an update.
+-- Returns: pulp_id, state, app_lock_id.
+SELECT pulp_id, state, app_lock_id
+FROM core_task
+WHERE app_lock_id IS NOT NULL
+  AND state IN ('waiting', 'running', 'canceling')
+  AND coalesce(pulp_last_updated, pulp_created) < now() - make_interval(secs => $1)
