@@ -160,7 +160,7 @@ async fn path2_and_4_a_dead_workers_locks_are_swept_and_its_tasks_dealt_with() {
 /// the task's row): the call fails, nothing is half-done, and a retry cancels and releases.
 #[tokio::test]
 async fn path3_cancel_failing_half_way_changes_nothing_and_a_retry_completes_it() {
-    let mut env = Env::new().await;
+    let mut env = Env::with(|a| a.backend_timeout = Duration::from_millis(500)).await;
     let task = env.task(&["a"]).await;
     let lease = env.open("w").await;
     let t = env.fetch(&lease).await.unwrap();
@@ -196,6 +196,24 @@ async fn path3_cancel_failing_half_way_changes_nothing_and_a_retry_completes_it(
     env.assert_locks(&[&t]).await;
     let retry = env.cancel(task).await.unwrap();
     assert_eq!(retry.state, "canceled");
+    env.assert_locks(&[]).await;
+
+    // Half-way the other way: Postgres commits the cancel, then the lock release cannot reach
+    // Redis. The call fails UNAVAILABLE; a retry (the task is final now) releases the lock.
+    let second = env.task(&["b"]).await;
+    let t2 = env.fetch(&lease).await.unwrap();
+    assert_eq!(id(&t2), second);
+    env.redis.pause();
+    let failed = env.cancel(second).await;
+    env.redis.resume();
+    let status = failed.expect_err("redis was paused");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(env.state(second).await, "canceled");
+    let retry = env.cancel(second).await.unwrap();
+    assert_eq!(
+        (retry.state.as_str(), retry.holder_notified),
+        ("canceled", false)
+    );
     env.assert_locks(&[]).await;
     env.shutdown().await;
 }
@@ -487,7 +505,9 @@ async fn redis_restarted_empty_rebuilds_running_locks_before_dispatch_resumes() 
     );
     let done = env.finish(&reopened.lease_id, &adopted, "completed").await;
     assert!(done.released);
-    assert_eq!(id(&env.fetch(&other).await.unwrap()), behind);
+    let last = env.fetch(&other).await.unwrap();
+    assert_eq!(id(&last), behind);
+    env.assert_locks(&[&got, &last]).await;
     assert_eq!(
         env.broker().background_stats.snapshot().rebuilds,
         rebuilds_before + 1
@@ -573,7 +593,9 @@ async fn a_lock_left_on_an_unclaimed_task_is_reconciled() {
     })
     .await
     .expect("the stray lock is released");
-    assert_eq!(id(&env.fetch(&lease).await.unwrap()), task);
+    let again = env.fetch(&lease).await.unwrap();
+    assert_eq!(id(&again), task);
+    env.assert_locks(&[&again]).await;
     env.shutdown().await;
 }
 
@@ -603,5 +625,6 @@ async fn claims_without_locks_are_requeued_or_locked_again() {
     .await
     .expect("the waiting claim was requeued and the running task locked again");
     assert_eq!(env.state(running).await, "running");
+    env.assert_locks(&[&t2]).await;
     env.shutdown().await;
 }
