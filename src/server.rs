@@ -222,7 +222,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     let background = tokio::spawn({
         let sweeper = Arc::clone(&sweeper);
         let shutdown = shutdown.clone();
-        async move { run_background(sweeper, shutdown).await }
+        let health = health_reporter.clone();
+        async move { run_background(sweeper, health, shutdown).await }
     });
     let server = tokio::spawn(serve(
         listener,
@@ -249,17 +250,43 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     })
 }
 
-async fn run_background(sweeper: Arc<Sweeper>, shutdown: Shutdown) {
+/// The background loop. It also keeps gRPC health current: the overall status ("", what a
+/// readiness probe asks) is NOT_SERVING while the lock state is lost or being rebuilt or a backend
+/// fails the turn; `dispatch.v1.Broker` (for liveness probes) stays SERVING while the process runs.
+async fn run_background(
+    sweeper: Arc<Sweeper>,
+    health: tonic_health::server::HealthReporter,
+    shutdown: Shutdown,
+) {
+    use tonic_health::ServingStatus;
     let mut tick = tokio::time::interval(sweeper.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut serving = true;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = sweeper.locks.lost() => sweeper.recovery.suspect(),
-            _ = shutdown.fired() => return,
+            _ = shutdown.fired() => {
+                health.set_service_status("", ServingStatus::NotServing).await;
+                return;
+            }
         }
-        if let Err(e) = sweeper.turn().await {
-            tracing::warn!(error = %e, "background turn failed; retrying next interval");
+        let healthy = match sweeper.turn().await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "background turn failed; retrying next interval");
+                false
+            }
+        };
+        if healthy != serving {
+            let status = if healthy {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            tracing::info!(?status, "readiness changed");
+            health.set_service_status("", status).await;
+            serving = healthy;
         }
     }
 }

@@ -68,7 +68,11 @@ async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recove
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
-    let mut env = Env::with(|a| a.backend_timeout = Duration::from_millis(500)).await;
+    let mut env = Env::with(|a| {
+        a.backend_timeout = Duration::from_millis(500);
+        a.sweep_interval = Duration::from_millis(200);
+    })
+    .await;
     env.task(&["a"]).await;
     let lease = env.open("w").await;
     env.redis.kill();
@@ -101,6 +105,38 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    // Readiness (gRPC health, service "") turns NOT_SERVING; liveness (the Broker service) not.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", env.broker().addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status_of = |service: &'static str| {
+        let mut health = health.clone();
+        async move {
+            health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+        }
+    };
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let mut became_unready = false;
+    for _ in 0..100 {
+        if status_of("").await == not_serving {
+            became_unready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(became_unready, "readiness follows the backends");
+    assert_eq!(status_of("dispatch.v1.Broker").await, serving);
     // Redis comes back empty: the state is rebuilt and new leases work.
     env.redis.restart().unwrap();
     let env_ref = &mut env;
@@ -123,6 +159,15 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
     }
     let lease = reopened.expect("the broker recovered");
     assert!(env.fetch(&lease).await.is_some());
+    let mut ready_again = false;
+    for _ in 0..100 {
+        if status_of("").await == serving {
+            ready_again = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready_again, "ready again once redis is back");
     env.shutdown().await;
 }
 
