@@ -17,4 +17,24 @@ local lease = redis.call('HMGET', KEYS[3], 'app_status', 'versions', 'worker')
 if not expires or not lease[1] or tonumber(expires) <= now_ms() then
   return {0}
 end
-return {1, tonumber(expires), lease[1], lease[2], lease[3]}
+local seq = tonumber(redis.call('GET', KEYS[5]) or '0')
+local reply = {1, tonumber(expires), lease[1], lease[2], lease[3], seq}
+if ARGV[3] == '' then
+  reply[#reply + 1] = 'stale'
+  return reply
+end
+local since = tonumber(ARGV[3])
+if since < tonumber(redis.call('GET', KEYS[6]) or '0') then
+  reply[#reply + 1] = 'stale'
+  return reply
+end
+local changed = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf', 'LIMIT', 0, 1000)
+if #changed >= 1000 then
+  reply[#reply + 1] = 'stale'
+  return reply
+end
+reply[#reply + 1] = (#changed == 0) and 'fresh' or 'changed'
+for _, name in ipairs(changed) do
+  reply[#reply + 1] = name
+end
+return reply

@@ -9,6 +9,11 @@
 --   PREFIX:locked                   set of every task id that holds a lock (the reconciler's list)
 --   PREFIX:epoch                    the identity of the current lock state; a script that grants
 --                                   refuses when it is not what the caller expects (lost state)
+--   PREFIX:changes                  sorted set resource name -> sequence number of its last
+--                                   release (or other change that may make waiting tasks ready);
+--                                   "*" stands for "anything may have changed"
+--   PREFIX:changeseq                the sequence counter of PREFIX:changes
+--   PREFIX:changefloor              changes at or below this sequence were trimmed away
 -- PREFIX carries the hash tag ("{dispatch}"), so every key a script builds hashes to the same
 -- Redis Cluster slot as the keys it was given.
 --
@@ -31,6 +36,25 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Records that waiting tasks needing these names may have become ready (a scan hint that
+-- relied on them being reserved is stale). Keeps the newest 10,000 names.
+local function note_changes(prefix, names)
+  if #names == 0 then
+    return
+  end
+  local seq = redis.call('INCR', prefix .. ':changeseq')
+  local changes = prefix .. ':changes'
+  for _, name in ipairs(names) do
+    redis.call('ZADD', changes, seq, name)
+  end
+  local excess = redis.call('ZCARD', changes) - 10000
+  if excess > 0 then
+    local dropped = redis.call('ZRANGE', changes, 0, excess - 1, 'WITHSCORES')
+    redis.call('SET', prefix .. ':changefloor', dropped[#dropped])
+    redis.call('ZREMRANGEBYRANK', changes, 0, excess - 1)
+  end
+end
+
 -- Deletes the lock of one task: its resource entries, its registry entry and the task lock itself.
 -- Only touches resource keys that still name this task, so it can never free another task's lock.
 local function release_task(prefix, task_id)
@@ -39,15 +63,19 @@ local function release_task(prefix, task_id)
   if not lock[1] then
     return false
   end
+  local changed = {}
   for _, name in ipairs(split_names(lock[2])) do
     local key = prefix .. ':x:' .. name
     if redis.call('GET', key) == task_id then
       redis.call('DEL', key)
     end
+    changed[#changed + 1] = name
   end
   for _, name in ipairs(split_names(lock[3])) do
     redis.call('SREM', prefix .. ':s:' .. name, task_id)
+    changed[#changed + 1] = name
   end
+  note_changes(prefix, changed)
   redis.call('SREM', prefix .. ':lease:' .. lock[1] .. ':tasks', task_id)
   redis.call('SREM', prefix .. ':locked', task_id)
   redis.call('DEL', task_key)

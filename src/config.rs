@@ -167,6 +167,12 @@ pub struct FetchArgs {
     /// How often a waiting FetchTask looks at the queue again.
     #[arg(long = "fetch-recheck", env = "DISPATCH_FETCH_RECHECK", default_value = "200ms", value_parser = parse_duration)]
     pub recheck: Duration,
+    /// How long a scan hint (where the last pass stopped meeting only blocked tasks) is trusted
+    /// without re-reading the queue from its head; it is dropped at once when a resource it
+    /// relies on changes through the broker. Bounds how late a change made outside the broker
+    /// is seen. 0 disables hints.
+    #[arg(long = "fetch-hint-max-age", env = "DISPATCH_FETCH_HINT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
+    pub hint_max_age: Duration,
     /// Candidate rows read in the first page of a fetch; later pages double.
     #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 32)]
     pub page: i64,

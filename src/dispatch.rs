@@ -8,8 +8,8 @@
 //! runs in its own tokio task, so a client that hangs up mid-way cannot leave it half-done.
 
 use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -65,11 +65,37 @@ pub struct FetchPolicy {
     pub recheck: Duration,
     /// The longest `wait` honoured.
     pub max_wait: Duration,
+    /// How long a scan hint may be trusted without being re-checked from the start of the queue
+    /// (zero: never use hints).
+    pub hint_max_age: Duration,
+}
+
+/// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
+/// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
+/// same reservations, instead of walking the blocked head again. It is dropped as soon as any
+/// resource it relies on changes (a lock on it released, a task needing it canceled, a claim
+/// put back: `lua/lib.lua` records those), and after `hint_max_age` (changes made outside the
+/// broker). A stale hint can only delay a task by that age, never hand out one that is not
+/// ready: every candidate still gets the exact look-up.
+#[derive(Debug, Clone)]
+struct ScanHint {
+    /// The lock state (epoch) the hint was taken in: a rebuild drops every hint.
+    epoch: String,
+    /// The change sequence the hint was taken at.
+    seq: u64,
+    taken: Instant,
+    after: (DateTime<Utc>, Uuid),
+    excluded: Vec<String>,
+    reserved: Reservations,
+    /// Names of claimed or running tasks that hid older waiting tasks from the scan.
+    hiding: HashSet<String>,
 }
 
 enum Attempt {
     Granted(Grant),
-    /// Not granted (held locks, or already locked); the task still reserves its resources.
+    /// Its resources are held by locks; not ready, and it still reserves its resources.
+    Blocked,
+    /// Not granted (already locked, or cannot be locked); it still reserves its resources.
     NotGranted,
     /// The claim found the task no longer waiting and unclaimed (canceled, finished or claimed
     /// meanwhile). Whether it still reserves anything is for the next look-up to say; the exact
@@ -86,6 +112,7 @@ pub struct Dispatch {
     stats: Arc<Stats>,
     policy: FetchPolicy,
     shutdown: Shutdown,
+    hint: Arc<Mutex<Option<ScanHint>>>,
 }
 
 impl Dispatch {
@@ -103,6 +130,7 @@ impl Dispatch {
             stats,
             policy,
             shutdown,
+            hint: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -154,36 +182,123 @@ impl Dispatch {
 
     /// One pass over the queue for one lease.
     async fn fetch_once(&self, lease_id: Uuid, skip: &HashSet<Uuid>) -> Result<Option<Grant>> {
-        let lease = self.live_lease(lease_id).await?;
+        let held = self.hint.lock().ok().and_then(|h| h.clone());
+        let (lease, changes) = self
+            .locks
+            .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
+            .await?
+            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        let epoch = self.locks.epoch();
+        let usable = held.filter(|h| {
+            h.epoch == epoch
+                && h.seq <= changes.seq
+                && h.taken.elapsed() < self.policy.hint_max_age
+                && changes.changed.as_ref().is_some_and(|names| {
+                    !names
+                        .iter()
+                        .any(|n| n == "*" || h.reserved.touches(n) || h.hiding.contains(n))
+                })
+        });
         let mut reserved = Reservations::default();
         let mut excluded: Vec<String> = Vec::new();
         let mut after = None;
+        let mut hint_taken = Instant::now();
+        let mut hiding = None;
+        if let Some(h) = usable {
+            reserved = h.reserved;
+            excluded = h.excluded;
+            after = Some(h.after);
+            hint_taken = h.taken;
+            hiding = Some((h.after, h.hiding));
+        }
+        // Everything before `after` is not ready by the rule, as long as `safe` holds.
+        let mut safe = true;
+        let mut hint: Option<ScanHint> = None;
+        let snapshot = |after: Option<(DateTime<Utc>, Uuid)>,
+                        excluded: &Vec<String>,
+                        reserved: &Reservations| {
+            after.map(|after| ScanHint {
+                epoch: epoch.clone(),
+                seq: changes.seq,
+                taken: hint_taken,
+                after,
+                excluded: excluded.clone(),
+                reserved: reserved.clone(),
+                hiding: HashSet::new(),
+            })
+        };
         let mut page = self.policy.first_page;
-        loop {
+        let outcome = loop {
             let rows = self.tasks.candidates(&excluded, after, page).await?;
             let last_page = (rows.len() as i64) < page;
+            let mut granted = None;
             for mut row in rows {
-                after = Some((row.created, row.id));
                 row.candidate.skipped = skip.contains(&row.id);
-                if ready::judge(&row.candidate, &reserved, &lease.versions) == Verdict::Ready {
-                    match self.lock_and_claim(lease_id, &lease, &row).await? {
-                        Attempt::Granted(grant) => return Ok(Some(grant)),
+                let verdict = ready::judge(&row.candidate, &reserved, &lease.versions);
+                let stays_safe = match verdict {
+                    Verdict::BlockedByOlder | Verdict::BlockedByReserved => true,
+                    Verdict::Skipped | Verdict::Incompatible => false,
+                    Verdict::Ready => match self.lock_and_claim(lease_id, &lease, &row).await? {
+                        Attempt::Granted(grant) => {
+                            granted = Some(grant);
+                            true
+                        }
+                        Attempt::Blocked => true,
                         Attempt::LeaseGone => {
                             return Err(Error::LeaseNotFound(lease_id.to_string()))
                         }
-                        Attempt::Lost => continue,
-                        Attempt::NotGranted => {}
-                    }
+                        Attempt::Lost => {
+                            if safe {
+                                hint = snapshot(after, &excluded, &reserved);
+                                safe = false;
+                            }
+                            after = Some((row.created, row.id));
+                            continue;
+                        }
+                        Attempt::NotGranted => false,
+                    },
+                };
+                if safe && !stays_safe {
+                    hint = snapshot(after, &excluded, &reserved);
+                    safe = false;
                 }
-                // Not handed out: it still reserves its resources for every newer task.
+                after = Some((row.created, row.id));
+                // Not handed out (or handed out and claimed now): it reserves its resources
+                // for every newer task.
                 reserved.reserve(&row.candidate.resources);
                 excluded.extend(row.candidate.resources.conflict_keys());
+                if granted.is_some() {
+                    break;
+                }
             }
-            if last_page {
-                return Ok(None);
+            if granted.is_some() || last_page {
+                break granted;
             }
             page = (page * 2).min(self.policy.max_page);
+        };
+        if safe {
+            hint = snapshot(after, &excluded, &reserved);
         }
+        if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
+            // What hides older tasks from the scan at the hint's position: looked up again
+            // whenever the position moved (one statement), kept when it did not. A failed
+            // look-up only costs the hint.
+            let now_hiding = match hiding {
+                Some((start, known)) if start == hint.after => Ok(known),
+                _ => self
+                    .tasks
+                    .hiding(hint.after)
+                    .await
+                    .map(|names| names.into_iter().collect()),
+            };
+            if let Ok(names) = now_hiding {
+                hint.hiding = names;
+                if let Ok(mut slot) = self.hint.lock() {
+                    *slot = Some(hint);
+                }
+            }
+        }
+        Ok(outcome)
     }
 
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
@@ -217,6 +332,7 @@ impl Dispatch {
         tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
         match self.tasks.unclaim(grant.task_id, grant.app_status_id).await {
             Ok(_) => {
+                self.note_requeue().await;
                 self.release_after_failure(
                     &grant.lease_id.to_string(),
                     &grant.task_id.to_string(),
@@ -251,7 +367,7 @@ impl Dispatch {
         match self.lock_and_claim(lease_id, &lease, &task.row).await? {
             Attempt::Granted(grant) => Ok(Some(grant)),
             Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
-            Attempt::NotGranted | Attempt::Lost => Ok(None),
+            Attempt::NotGranted | Attempt::Blocked | Attempt::Lost => Ok(None),
         }
     }
 
@@ -309,7 +425,7 @@ impl Dispatch {
             Acquire::TaskHeld => return Ok(Attempt::NotGranted),
             Acquire::Blocked(names) => {
                 tracing::debug!(task_id = %row.id, ?names, "resources held; not ready");
-                return Ok(Attempt::NotGranted);
+                return Ok(Attempt::Blocked);
             }
         };
         match self.tasks.claim(row.id, app_status).await {
@@ -391,6 +507,13 @@ impl Dispatch {
         tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
     }
 
+    /// Records that a claimed task went back to the queue (scan hints may have passed it).
+    async fn note_requeue(&self) {
+        if let Err(e) = self.locks.note_changes(&["*"]).await {
+            tracing::warn!(error = %e, "could not record a requeue; scan hints expire on their own");
+        }
+    }
+
     /// StartTask: marks a claimed task running, for its holder only.
     pub async fn start(
         &self,
@@ -437,6 +560,11 @@ impl Dispatch {
             .release(&lease_id.to_string(), &task_id.to_string(), fencing_token)
             .await?;
         let released = released == Release::Released;
+        if !released {
+            // Final now, with no lock to release (and so none recorded): tasks behind it may be
+            // ready.
+            self.locks.note_changes(&["*"]).await?;
+        }
         if released {
             self.stats.locks_released("finish", 1);
         }
@@ -472,6 +600,7 @@ impl Dispatch {
         if let Ok(Ok(app_status)) = self.locks.holder(&lease, &task, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 if self.tasks.unclaim(task_id, app_status).await? {
+                    self.note_requeue().await;
                     tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
                 }
             }
@@ -492,7 +621,9 @@ impl Dispatch {
         // claim is put back here.
         if matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
-                self.tasks.unclaim(task_id, app_status).await?;
+                if self.tasks.unclaim(task_id, app_status).await? {
+                    self.note_requeue().await;
+                }
             }
         }
         match outcome {
@@ -528,9 +659,15 @@ impl Dispatch {
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
         if FINAL_STATES.contains(&cancel.after.as_str()) {
-            if let Some(holder) = self.locks.force_release(&task_id.to_string()).await? {
-                self.stats.locks_released("cancel", 1);
-                tracing::info!(%task_id, lease_id = %holder, "locks of a canceled task released");
+            match self.locks.force_release(&task_id.to_string()).await? {
+                Some(holder) => {
+                    self.stats.locks_released("cancel", 1);
+                    tracing::info!(%task_id, lease_id = %holder, "locks of a canceled task released");
+                }
+                // A waiting task that held no lock reserved its resources all the same: tasks
+                // behind it may be ready now.
+                None if cancel.before == "waiting" => self.locks.note_changes(&["*"]).await?,
+                None => {}
             }
             return Ok((cancel.after, false));
         }

@@ -233,6 +233,10 @@ impl Leases {
             .tasks
             .end_lease_tasks(app_status, &task_ids, reason, ending.owns_app_status)
             .await?;
+        if ended.requeued > 0 {
+            // Claims went back to the queue: scan hints may have passed them.
+            self.locks.note_changes(&["*"]).await?;
+        }
         let released = match self.locks.close_lease(lease_id, sweeper).await? {
             Some(Some(released)) => released,
             // The sweeper finished this lease while its worker's CloseLease was under way (the

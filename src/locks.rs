@@ -79,6 +79,16 @@ pub struct NewLease<'a> {
     pub versions: &'a BTreeMap<String, String>,
 }
 
+/// What changed since a scan hint was taken.
+#[derive(Debug, Clone)]
+pub struct Changes {
+    /// The change sequence now.
+    pub seq: u64,
+    /// Resource names changed since the hint (`"*"`: anything); `None` when that cannot be told
+    /// (no hint, or too much changed).
+    pub changed: Option<Vec<String>>,
+}
+
 /// A lease whose life was just ended, and what must be cleaned up after it.
 #[derive(Debug, Clone)]
 pub struct Ending {
@@ -480,6 +490,18 @@ impl Locks {
 
     /// Reads a live lease; `None` when it is unknown or expired.
     pub async fn lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, Error> {
+        Ok(self
+            .lease_and_changes(lease_id, None)
+            .await?
+            .map(|(lease, _)| lease))
+    }
+
+    /// Reads a live lease together with what changed since a scan hint's change sequence.
+    pub async fn lease_and_changes(
+        &self,
+        lease_id: &str,
+        since: Option<u64>,
+    ) -> Result<Option<(LeaseRecord, Changes)>, Error> {
         let reply: Vec<Value> = self
             .run(
                 self.scripts
@@ -487,23 +509,50 @@ impl Locks {
                     .key(self.keys.epoch())
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease_id))
+                    .key(self.keys.changes())
+                    .key(self.keys.change_seq())
+                    .key(self.keys.change_floor())
                     .arg(self.epoch())
-                    .arg(lease_id),
+                    .arg(lease_id)
+                    .arg(since.map(|s| s.to_string()).unwrap_or_default()),
             )
             .await?;
         match reply.first() {
-            Some(Value::Int(1)) => Ok(Some(LeaseRecord {
-                expires_at_ms: int(reply.get(1)).ok_or_else(|| protocol("lease_info", &reply))?,
-                app_status_id: text(reply.get(2)).unwrap_or_default(),
-                versions: text(reply.get(3))
-                    .and_then(|v| serde_json::from_str(&v).ok())
-                    .unwrap_or_default(),
-                worker_name: text(reply.get(4)).unwrap_or_default(),
-            })),
+            Some(Value::Int(1)) => {
+                let lease = LeaseRecord {
+                    expires_at_ms: int(reply.get(1))
+                        .ok_or_else(|| protocol("lease_info", &reply))?,
+                    app_status_id: text(reply.get(2)).unwrap_or_default(),
+                    versions: text(reply.get(3))
+                        .and_then(|v| serde_json::from_str(&v).ok())
+                        .unwrap_or_default(),
+                    worker_name: text(reply.get(4)).unwrap_or_default(),
+                };
+                let seq = int(reply.get(5)).unwrap_or(0).max(0) as u64;
+                let changed = match text(reply.get(6)).as_deref() {
+                    Some("fresh") => Some(Vec::new()),
+                    Some("changed") => {
+                        Some(reply[7..].iter().filter_map(|v| text(Some(v))).collect())
+                    }
+                    _ => None,
+                };
+                Ok(Some((lease, Changes { seq, changed })))
+            }
             Some(Value::Int(0)) => Ok(None),
             Some(Value::Int(-2)) => Err(self.state_lost()),
             _ => Err(protocol("lease_info", &reply)),
         }
+    }
+
+    /// Records that waiting tasks needing `names` may have become ready without a lock release
+    /// ("*": anything may have changed).
+    pub async fn note_changes(&self, names: &[&str]) -> Result<(), Error> {
+        let mut invocation = self.scripts.note_changes.prepare_invoke();
+        invocation.key(self.keys.changes()).arg(self.keys.tag());
+        for name in names {
+            invocation.arg(*name);
+        }
+        self.run::<i64>(&invocation).await.map(|_| ())
     }
 
     /// Locks every resource of a task for a lease in one atomic step, or nothing.

@@ -88,6 +88,11 @@ impl Reservations {
             || resources.shared.iter().any(|r| self.exclusive.contains(r))
     }
 
+    /// True when `name` is reserved in any mode.
+    pub fn touches(&self, name: &str) -> bool {
+        self.exclusive.contains(name) || self.shared.contains(name)
+    }
+
     /// Reserves `resources` for everything that comes later.
     pub fn reserve(&mut self, resources: &Resources) {
         self.exclusive.extend(resources.exclusive.iter().cloned());

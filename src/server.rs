@@ -145,6 +145,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             max_page: 1024.max(args.fetch.page),
             recheck: args.fetch.recheck,
             max_wait: args.fetch.max_wait,
+            hint_max_age: args.fetch.hint_max_age,
         },
         shutdown.clone(),
     );

@@ -43,10 +43,12 @@ pub mod sql {
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
+    pub const HIDING: &str = include_str!("tasks/hiding.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
+        HIDING,
         LOCK_TARGETS,
         CLAIMED_SINCE,
         LANES,
@@ -513,6 +515,15 @@ impl Tasks {
         }
         self.timed(tx.commit()).await?;
         Ok(counter.lanes())
+    }
+
+    /// Names of claimed or running tasks that hide a waiting task older than `position` from
+    /// the candidate scan.
+    pub async fn hiding(&self, position: (DateTime<Utc>, Uuid)) -> Result<Vec<String>, Error> {
+        let rows = self.query(sql::HIDING, &[&position.0, &position.1]).await?;
+        rows.iter()
+            .map(|r| r.try_get(0).map_err(Error::from))
+            .collect()
     }
 
     /// Whether any task is incomplete.

@@ -88,9 +88,10 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
         rs, rl,
         "redis calls per fetch changed with the blocked queue"
     );
+    // The candidate page, the claim, and the scan hint's look-up of what hides older tasks.
     assert!(
-        pg_small <= 2 && pg_large <= 2,
-        "a fetch took more than 2 statements"
+        pg_small <= 3 && pg_large <= 3,
+        "a fetch took more than 3 statements"
     );
     // Lease check, acquire, and the check that the lease still holds the claimed task.
     assert!(

@@ -93,6 +93,22 @@ impl Keys {
         format!("{}:lanes:lock", self.tag)
     }
 
+    /// Resource name -> sequence of its last change (release, cancel, requeue): what scan hints
+    /// check before they are trusted.
+    pub fn changes(&self) -> String {
+        format!("{}:changes", self.tag)
+    }
+
+    /// The sequence counter of [`Keys::changes`].
+    pub fn change_seq(&self) -> String {
+        format!("{}:changeseq", self.tag)
+    }
+
+    /// Changes at or below this sequence were trimmed from [`Keys::changes`].
+    pub fn change_floor(&self) -> String {
+        format!("{}:changefloor", self.tag)
+    }
+
     /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
     /// itself never scans the keyspace).
     pub fn all_pattern(&self) -> String {

@@ -33,6 +33,7 @@ pub(super) struct Scripts {
     pub store_lanes: Script,
     pub rebuild_begin: Script,
     pub rebuild_end: Script,
+    pub note_changes: Script,
 }
 
 impl Scripts {
@@ -54,10 +55,11 @@ impl Scripts {
             store_lanes: script!("store_lanes.lua"),
             rebuild_begin: script!("rebuild_begin.lua"),
             rebuild_end: script!("rebuild_end.lua"),
+            note_changes: script!("note_changes.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 16] {
+    pub fn all(&self) -> [&Script; 17] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -75,6 +77,7 @@ impl Scripts {
             &self.store_lanes,
             &self.rebuild_begin,
             &self.rebuild_end,
+            &self.note_changes,
         ]
     }
 }
