@@ -22,7 +22,10 @@ use crate::ready::{Candidate, Resources};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
-    pub const CANDIDATES: &str = include_str!("tasks/candidates.sql");
+    pub const CANDIDATES: &str = concat!(
+        include_str!("tasks/held.sql"),
+        include_str!("tasks/candidates.sql")
+    );
     pub const TASK: &str = include_str!("tasks/task.sql");
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
     pub const UNCLAIM: &str = include_str!("tasks/unclaim.sql");
@@ -43,7 +46,10 @@ pub mod sql {
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
-    pub const HIDING: &str = include_str!("tasks/hiding.sql");
+    pub const HIDING: &str = concat!(
+        include_str!("tasks/held.sql"),
+        include_str!("tasks/hiding.sql")
+    );
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).

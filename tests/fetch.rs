@@ -248,29 +248,8 @@ async fn a_task_canceled_between_lock_and_claim_is_not_handed_out_and_keeps_no_l
     let mut env = Env::new().await;
     let task = env.task(&["a", "shared:d"]).await;
     let lease = env.open("w").await;
-    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let tx = blocker.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
-        &[&task],
-    )
-    .await
-    .unwrap();
-    let mut client = env.client.clone();
-    let lease2 = lease.clone();
-    let fetch = tokio::spawn(async move {
-        client
-            .fetch_task(dispatch_broker::proto::FetchTaskRequest {
-                lease_id: lease2,
-                wait: None,
-                skip_task_ids: vec![],
-            })
-            .await
-            .map(|r| r.into_inner().task)
-    });
+    let blocker = support::RowLock::take(&env.db_url, task).await;
+    let fetch = env.spawn_fetch(&lease);
     // Wait until the broker holds the locks and is blocked in its claim.
     let mut locked = false;
     for _ in 0..200 {
@@ -281,13 +260,13 @@ async fn a_task_canceled_between_lock_and_claim_is_not_handed_out_and_keeps_no_l
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     assert!(locked, "the fetch took the task's locks");
-    tx.execute(
-        "UPDATE core_task SET state = 'canceled', finished_at = now() WHERE pulp_id = $1",
-        &[&task],
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    blocker
+        .execute(
+            "UPDATE core_task SET state = 'canceled', finished_at = now() WHERE pulp_id = $1",
+            task,
+        )
+        .await;
+    blocker.commit().await;
     let got = fetch.await.unwrap().expect("fetch succeeds");
     assert!(got.is_none(), "a canceled task was handed out");
     env.assert_locks(&[]).await;

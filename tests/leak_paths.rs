@@ -33,28 +33,8 @@ async fn path1_a_failure_after_acquiring_leaves_no_lock() {
     let mut env = Env::new().await;
     let task = env.task(&["a", "shared:d"]).await;
     let lease = env.open("w").await;
-    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let tx = blocker.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
-        &[&task],
-    )
-    .await
-    .unwrap();
-    let mut client = env.client.clone();
-    let lease2 = lease.clone();
-    let fetch = tokio::spawn(async move {
-        client
-            .fetch_task(FetchTaskRequest {
-                lease_id: lease2,
-                wait: None,
-                skip_task_ids: vec![],
-            })
-            .await
-    });
+    let blocker = support::RowLock::take(&env.db_url, task).await;
+    let fetch = env.spawn_fetch(&lease);
     let env_ref = &env;
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -75,7 +55,7 @@ async fn path1_a_failure_after_acquiring_leaves_no_lock() {
     let status = fetch.await.unwrap().expect_err("the fetch fails");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("postgres"), "{status:?}");
-    tx.rollback().await.unwrap();
+    blocker.rollback().await;
     env.assert_locks(&[]).await;
     assert_eq!(env.app_lock(task).await, None);
     assert_eq!(
@@ -164,17 +144,7 @@ async fn path3_cancel_failing_half_way_changes_nothing_and_a_retry_completes_it(
     let task = env.task(&["a"]).await;
     let lease = env.open("w").await;
     let t = env.fetch(&lease).await.unwrap();
-    let (mut blocker, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let tx = blocker.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
-        &[&task],
-    )
-    .await
-    .unwrap();
+    let blocker = support::RowLock::take(&env.db_url, task).await;
     let mut client = env.client.clone();
     let cancel = tokio::spawn(async move {
         client
@@ -191,7 +161,7 @@ async fn path3_cancel_failing_half_way_changes_nothing_and_a_retry_completes_it(
     .expect("the cancel's session was terminated");
     let status = cancel.await.unwrap().expect_err("the cancel fails");
     assert_eq!(status.code(), Code::Unavailable);
-    tx.rollback().await.unwrap();
+    blocker.rollback().await;
     assert_eq!(env.state(task).await, "waiting", "nothing half-done");
     env.assert_locks(&[&t]).await;
     let retry = env.cancel(task).await.unwrap();

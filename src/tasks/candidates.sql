@@ -14,16 +14,7 @@
 -- shortcut: `older_conflicts` (the positive overlap with C(T), counted so that the planner uses
 -- the partial GIN index `pulp_task_resources_index`) is the decision, and it sees hidden tasks.
 -- Never writes.
-WITH held AS (
-    SELECT DISTINCT entry
-    FROM (
-        SELECT reserved_resources_record AS record FROM core_task
-        WHERE app_lock_id IS NOT NULL
-          AND state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-        UNION ALL
-        SELECT reserved_resources_record FROM core_task WHERE state IN ('running', 'canceling')
-    ) AS h, unnest(h.record) AS entry
-),
+, -- (after held.sql's `held` CTE, which tasks.rs puts in front)
 excluded AS (
     SELECT coalesce(array_agg(DISTINCT k), '{}'::text[]) AS keys
     FROM (

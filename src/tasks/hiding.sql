@@ -6,16 +6,7 @@
 -- Returns: name (without the shared: prefix).
 -- Never writes. Each look-up is a positive overlap, counted so that the planner uses the GIN
 -- index (an EXISTS would make it scan the table).
-WITH held AS (
-    SELECT DISTINCT entry
-    FROM (
-        SELECT reserved_resources_record AS record FROM core_task
-        WHERE app_lock_id IS NOT NULL
-          AND state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-        UNION ALL
-        SELECT reserved_resources_record FROM core_task WHERE state IN ('running', 'canceling')
-    ) AS h, unnest(h.record) AS entry
-),
+, -- (after held.sql's `held` CTE, which tasks.rs puts in front)
 named AS (
     SELECT CASE WHEN entry LIKE 'shared:%' THEN substr(entry, 8) ELSE entry END AS name,
            CASE WHEN entry LIKE 'shared:%' THEN ARRAY[substr(entry, 8)]

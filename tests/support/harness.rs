@@ -347,6 +347,70 @@ impl Env {
     }
 }
 
+/// A transaction of the test's own that holds a task's row lock, so that the broker's next
+/// statement on that row waits: the way tests stop a broker call half-way.
+pub struct RowLock {
+    client: tokio_postgres::Client,
+}
+
+impl RowLock {
+    /// Locks `task`'s row until [`RowLock::commit`] or [`RowLock::rollback`].
+    pub async fn take(db_url: &str, task: Uuid) -> RowLock {
+        let (client, conn) = tokio_postgres::connect(db_url, tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(conn);
+        client.batch_execute("BEGIN").await.expect("begin");
+        client
+            .execute(
+                "SELECT 1 FROM core_task WHERE pulp_id = $1 FOR UPDATE",
+                &[&task],
+            )
+            .await
+            .expect("lock the row");
+        RowLock { client }
+    }
+
+    /// Runs a statement inside the transaction.
+    pub async fn execute(&self, sql: &str, task: Uuid) {
+        self.client.execute(sql, &[&task]).await.expect("statement");
+    }
+
+    /// Ends the transaction, keeping what it did.
+    pub async fn commit(self) {
+        self.client.batch_execute("COMMIT").await.expect("commit");
+    }
+
+    /// Ends the transaction, undoing what it did.
+    pub async fn rollback(self) {
+        self.client
+            .batch_execute("ROLLBACK")
+            .await
+            .expect("rollback");
+    }
+}
+
+impl Env {
+    /// Starts a FetchTask for `lease` in the background.
+    pub fn spawn_fetch(
+        &self,
+        lease: &str,
+    ) -> tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>> {
+        let mut client = self.client.clone();
+        let lease = lease.to_owned();
+        tokio::spawn(async move {
+            client
+                .fetch_task(FetchTaskRequest {
+                    lease_id: lease,
+                    wait: None,
+                    skip_task_ids: vec![],
+                })
+                .await
+                .map(|r| r.into_inner().task)
+        })
+    }
+}
+
 /// Polls `check` until it holds, for at most `limit`; returns whether it did and how long it took.
 pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> Option<Duration>
 where
