@@ -7,7 +7,6 @@
 //! Run: `cargo bench --bench lanes` (add sizes as arguments to choose others). Prints a Markdown
 //! table: median of 3 runs, and the process's peak resident memory growth during each run.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,41 +40,7 @@ async fn measure<T>(f: impl std::future::Future<Output = T>) -> (T, Duration, u6
 }
 
 async fn reference(db: &tokio_postgres::Client) -> u64 {
-    let rows = db
-        .query(
-            "SELECT coalesce(reserved_resources_record, '{}') FROM core_task \
-             WHERE state IN ('waiting', 'running') AND pulp_created < now() \
-             ORDER BY pulp_created, pulp_id",
-            &[],
-        )
-        .await
-        .unwrap();
-    let records: Vec<Vec<String>> = rows.iter().map(|r| r.get(0)).collect();
-    drop(rows);
-    let mut taken_exclusive: HashSet<&str> = HashSet::new();
-    let mut taken_shared: HashSet<&str> = HashSet::new();
-    let mut lanes = 0;
-    for record in &records {
-        let exclusive: Vec<&str> = record
-            .iter()
-            .filter(|r| !r.starts_with("shared:"))
-            .map(String::as_str)
-            .collect();
-        let shared: Vec<&str> = record
-            .iter()
-            .filter_map(|r| r.strip_prefix("shared:"))
-            .collect();
-        if !(exclusive
-            .iter()
-            .any(|r| taken_exclusive.contains(r) || taken_shared.contains(r))
-            || shared.iter().any(|r| taken_exclusive.contains(r)))
-        {
-            lanes += 1;
-        }
-        taken_exclusive.extend(exclusive);
-        taken_shared.extend(shared);
-    }
-    lanes
+    dispatch_broker::testkit::reference_lanes(db).await.unwrap()
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

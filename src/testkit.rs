@@ -15,6 +15,48 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+/// Pulp's `count_waiting_tasks_for_metric`, the straightforward way: every waiting or running
+/// task (older than the cut-off) loaded at once, in `(pulp_created, pulp_id)` order, and counted
+/// when no earlier task has taken its resources (two sets, as Pulp does). The oracle the lane
+/// gauge is tested and benchmarked against; deliberately not the broker's `ready` code.
+pub async fn reference_lanes(db: &tokio_postgres::Client) -> Result<u64, tokio_postgres::Error> {
+    use std::collections::HashSet;
+    let rows = db
+        .query(
+            "SELECT coalesce(reserved_resources_record, '{}') FROM core_task \
+             WHERE state IN ('waiting', 'running') AND pulp_created < now() \
+             ORDER BY pulp_created, pulp_id",
+            &[],
+        )
+        .await?;
+    let records: Vec<Vec<String>> = rows.iter().map(|r| r.get(0)).collect();
+    drop(rows);
+    let mut taken_exclusive: HashSet<&str> = HashSet::new();
+    let mut taken_shared: HashSet<&str> = HashSet::new();
+    let mut lanes = 0;
+    for record in &records {
+        let exclusive: Vec<&str> = record
+            .iter()
+            .filter(|r| !r.starts_with("shared:"))
+            .map(String::as_str)
+            .collect();
+        let shared: Vec<&str> = record
+            .iter()
+            .filter_map(|r| r.strip_prefix("shared:"))
+            .collect();
+        let blocked = exclusive
+            .iter()
+            .any(|r| taken_exclusive.contains(r) || taken_shared.contains(r))
+            || shared.iter().any(|r| taken_exclusive.contains(r));
+        if !blocked {
+            lanes += 1;
+        }
+        taken_exclusive.extend(exclusive);
+        taken_shared.extend(shared);
+    }
+    Ok(lanes)
+}
+
 /// What to install when a server binary is missing.
 const INSTALL_HINT: &str =
     "install PostgreSQL and Redis servers: `apt-get install -y postgresql redis-server`";

@@ -4,7 +4,6 @@
 #[path = "support/harness.rs"]
 mod support;
 
-use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,43 +16,9 @@ use proptest::prelude::*;
 use support::{eventually, own_postgres, Env};
 use tonic::Code;
 
-/// Pulp's `count_waiting_tasks_for_metric`, straightforwardly: load every waiting or running
-/// task in creation order, and count those whose resources no earlier task has taken.
+/// Pulp's algorithm, loaded all at once (`testkit::reference_lanes`).
 async fn pulp_reference(db: &tokio_postgres::Client) -> u64 {
-    let rows = db
-        .query(
-            "SELECT coalesce(reserved_resources_record, '{}') FROM core_task \
-             WHERE state IN ('waiting', 'running') AND pulp_created < now() \
-             ORDER BY pulp_created, pulp_id",
-            &[],
-        )
-        .await
-        .unwrap();
-    let mut taken_exclusive: HashSet<String> = HashSet::new();
-    let mut taken_shared: HashSet<String> = HashSet::new();
-    let mut lanes = 0;
-    for row in rows {
-        let record: Vec<String> = row.get(0);
-        let exclusive: Vec<&str> = record
-            .iter()
-            .filter(|r| !r.starts_with("shared:"))
-            .map(String::as_str)
-            .collect();
-        let shared: Vec<&str> = record
-            .iter()
-            .filter_map(|r| r.strip_prefix("shared:"))
-            .collect();
-        let blocked = exclusive
-            .iter()
-            .any(|r| taken_exclusive.contains(*r) || taken_shared.contains(*r))
-            || shared.iter().any(|r| taken_exclusive.contains(*r));
-        if !blocked {
-            lanes += 1;
-        }
-        taken_exclusive.extend(exclusive.iter().map(|s| s.to_string()));
-        taken_shared.extend(shared.iter().map(|s| s.to_string()));
-    }
-    lanes
+    dispatch_broker::testkit::reference_lanes(db).await.unwrap()
 }
 
 #[derive(Debug, Clone)]
