@@ -228,8 +228,10 @@ impl Dispatch {
             })
         };
         let mut page = self.policy.first_page;
+        let mut held_seen: HashSet<String> = HashSet::new();
         let outcome = loop {
-            let rows = self.tasks.candidates(&excluded, after, page).await?;
+            let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
+            held_seen.extend(held_now);
             let last_page = (rows.len() as i64) < page;
             let mut granted = None;
             for mut row in rows {
@@ -285,11 +287,13 @@ impl Dispatch {
             // look-up only costs the hint.
             let now_hiding = match hiding {
                 Some((start, known)) if start == hint.after => Ok(known),
-                _ => self
-                    .tasks
-                    .hiding(hint.after)
-                    .await
-                    .map(|names| names.into_iter().collect()),
+                _ => {
+                    let held: Vec<String> = held_seen.into_iter().collect();
+                    self.tasks
+                        .hiding(hint.after, &held)
+                        .await
+                        .map(|names| names.into_iter().collect())
+                }
             };
             if let Ok(names) = now_hiding {
                 hint.hiding = names;
@@ -439,7 +443,10 @@ impl Dispatch {
                     Ok(Ok(_))
                 ) {
                     match self.tasks.unclaim(row.id, app_status).await {
-                        Ok(_) => {
+                        Ok(requeued) => {
+                            if requeued {
+                                self.note_requeue().await;
+                            }
                             self.release_after_failure(&lease_str, &task_str, fencing_token)
                                 .await
                         }
@@ -476,7 +483,10 @@ impl Dispatch {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
                 match self.tasks.unclaim(row.id, app_status).await {
-                    Ok(_) => {
+                    Ok(requeued) => {
+                        if requeued {
+                            self.note_requeue().await;
+                        }
                         self.release_after_failure(&lease_str, &task_str, fencing_token)
                             .await
                     }

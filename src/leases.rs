@@ -233,8 +233,9 @@ impl Leases {
             .tasks
             .end_lease_tasks(app_status, &task_ids, reason, ending.owns_app_status)
             .await?;
-        if ended.requeued > 0 {
-            // Claims went back to the queue: scan hints may have passed them.
+        if !task_ids.is_empty() {
+            // Claims may have gone back to the queue (now or in an earlier, failed attempt):
+            // scan hints may have passed them.
             self.locks.note_changes(&["*"]).await?;
         }
         let released = match self.locks.close_lease(lease_id, sweeper).await? {

@@ -360,7 +360,13 @@ impl Locks {
     /// meanwhile; it is the one path that scans the keyspace).
     pub async fn wipe(&self) -> Result<u64, Error> {
         let mut conn = self.conn().await?;
-        let keep = [self.keys.recovery(), self.keys.epoch(), self.keys.fence()];
+        // The change counter is kept too, so scan-hint sequences never go backwards.
+        let keep = [
+            self.keys.recovery(),
+            self.keys.epoch(),
+            self.keys.fence(),
+            self.keys.change_seq(),
+        ];
         let mut cursor: u64 = 0;
         let mut deleted = 0;
         loop {

@@ -46,10 +46,7 @@ pub mod sql {
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
-    pub const HIDING: &str = concat!(
-        include_str!("tasks/held.sql"),
-        include_str!("tasks/hiding.sql")
-    );
+    pub const HIDING: &str = include_str!("tasks/hiding.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).
@@ -289,13 +286,14 @@ impl Tasks {
     }
 
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
-    /// overlap `excluded` or the conflict keys of claimed and running tasks.
+    /// overlap `excluded` or the conflict keys of claimed and running tasks; also the held
+    /// entries it skipped by.
     pub async fn candidates(
         &self,
         excluded: &[String],
         after: Option<(DateTime<Utc>, Uuid)>,
         limit: i64,
-    ) -> Result<Vec<TaskRow>, Error> {
+    ) -> Result<(Vec<TaskRow>, Vec<String>), Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
         let rows = self
             .query(
@@ -303,7 +301,11 @@ impl Tasks {
                 &[&excluded, &after_created, &after_id, &limit],
             )
             .await?;
-        rows.iter().map(task_row).collect()
+        let held: Vec<String> = match rows.first() {
+            Some(row) => row.try_get(7)?,
+            None => Vec::new(),
+        };
+        Ok((rows.iter().map(task_row).collect::<Result<_, _>>()?, held))
     }
 
     /// One task with its state and readiness facts; `None` for an unknown task.
@@ -523,10 +525,16 @@ impl Tasks {
         Ok(counter.lanes())
     }
 
-    /// Names of claimed or running tasks that hide a waiting task older than `position` from
-    /// the candidate scan.
-    pub async fn hiding(&self, position: (DateTime<Utc>, Uuid)) -> Result<Vec<String>, Error> {
-        let rows = self.query(sql::HIDING, &[&position.0, &position.1]).await?;
+    /// Among `held` entries (what a scan skipped by), the names that hide a waiting task older
+    /// than `position`.
+    pub async fn hiding(
+        &self,
+        position: (DateTime<Utc>, Uuid),
+        held: &[String],
+    ) -> Result<Vec<String>, Error> {
+        let rows = self
+            .query(sql::HIDING, &[&position.0, &position.1, &held])
+            .await?;
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
             .collect()

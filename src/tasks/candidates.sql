@@ -7,7 +7,8 @@
 -- $2 timestamptz  keyset: only tasks after ($2, $3) in (pulp_created, pulp_id) order; NULL for
 -- $3 uuid         the first page
 -- $4 bigint       page size
--- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts
+-- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
+--          and on every row the held entries this page skipped by (for the scan hint)
 --
 -- Tasks overlapping the conflict keys of claimed or running tasks are skipped in SQL too, so a
 -- resource whose head task runs does not make every fetch read its queue. The skip is only a
@@ -41,7 +42,8 @@ page AS (
 SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
        coalesce(p.immediate, false) AS immediate,
-       c.older_conflicts
+       c.older_conflicts,
+       (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held) AS held_entries
 FROM page p
 CROSS JOIN LATERAL (
     SELECT ARRAY(

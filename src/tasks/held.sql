@@ -1,6 +1,6 @@
--- held.sql: a fragment put in front of candidates.sql and hiding.sql (tasks.rs), so both use the
--- same notion of "held": the record entries of every claimed incomplete task and every running
--- or canceling task. Not a statement on its own.
+-- held.sql: the `held` CTE that tasks.rs puts in front of candidates.sql: the record entries of
+-- every claimed incomplete task and every running or canceling task. Kept apart so the notion of
+-- "held" has one definition. Not a statement on its own.
 WITH held AS (
     SELECT DISTINCT entry
     FROM (
