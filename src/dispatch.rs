@@ -334,18 +334,29 @@ impl Dispatch {
     /// Takes back a grant that could not be delivered.
     async fn undo(&self, grant: &Grant) {
         tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
-        match self.tasks.unclaim(grant.task_id, grant.app_status_id).await {
-            Ok(_) => {
-                self.note_requeue().await;
-                self.release_after_failure(
-                    &grant.lease_id.to_string(),
-                    &grant.task_id.to_string(),
-                    grant.fencing_token,
-                )
-                .await
+        self.put_back(
+            grant.task_id,
+            grant.app_status_id,
+            &grant.lease_id.to_string(),
+            grant.fencing_token,
+        )
+        .await;
+    }
+
+    /// Puts a task claimed by this grant back in the queue, then releases its locks. If it
+    /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
+    /// stays consistent until the lease ends or the reconciler finds it.
+    async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
+        match self.tasks.unclaim(task_id, app_status).await {
+            Ok(requeued) => {
+                if requeued {
+                    self.note_requeue().await;
+                }
+                self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
+                    .await
             }
             Err(e) => {
-                tracing::error!(task_id = %grant.task_id, error = %e, "could not undo an undelivered grant; it stays claimed until its lease ends");
+                tracing::error!(%task_id, error = %e, "could not put a claimed task back in the queue; its locks stay with the claim")
             }
         }
     }
@@ -442,18 +453,8 @@ impl Dispatch {
                         .await,
                     Ok(Ok(_))
                 ) {
-                    match self.tasks.unclaim(row.id, app_status).await {
-                        Ok(requeued) => {
-                            if requeued {
-                                self.note_requeue().await;
-                            }
-                            self.release_after_failure(&lease_str, &task_str, fencing_token)
-                                .await
-                        }
-                        Err(e) => {
-                            tracing::error!(task_id = %row.id, error = %e, "could not put back a task claimed by an ended lease")
-                        }
-                    }
+                    self.put_back(row.id, app_status, &lease_str, fencing_token)
+                        .await;
                     return Ok(Attempt::LeaseGone);
                 }
                 tracing::info!(task_id = %row.id, %lease_id, fencing_token, "task handed out");
@@ -482,18 +483,8 @@ impl Dispatch {
             Err(e) => {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
-                match self.tasks.unclaim(row.id, app_status).await {
-                    Ok(requeued) => {
-                        if requeued {
-                            self.note_requeue().await;
-                        }
-                        self.release_after_failure(&lease_str, &task_str, fencing_token)
-                            .await
-                    }
-                    Err(unclaim) => {
-                        tracing::error!(task_id = %row.id, error = %unclaim, "claim outcome unknown and postgres unreachable; the locks stay with the lease until it ends")
-                    }
-                }
+                self.put_back(row.id, app_status, &lease_str, fencing_token)
+                    .await;
                 Err(e.into())
             }
         }
