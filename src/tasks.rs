@@ -47,10 +47,12 @@ pub mod sql {
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
     pub const HIDING: &str = include_str!("tasks/hiding.sql");
+    pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 22] = [
+        FINISH_ORPHAN_CANCELS,
         HIDING,
         LOCK_TARGETS,
         CLAIMED_SINCE,
@@ -538,6 +540,22 @@ impl Tasks {
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
             .collect()
+    }
+
+    /// Finishes, as canceled, tasks asked to cancel while unclaimed; returns their resource
+    /// names.
+    pub async fn finish_orphan_cancels(&self) -> Result<Vec<String>, Error> {
+        let rows = self.query(sql::FINISH_ORPHAN_CANCELS, &[]).await?;
+        let mut names = Vec::new();
+        for row in &rows {
+            let record: Vec<String> = row.try_get(0)?;
+            names.extend(record.into_iter().map(|e| {
+                e.strip_prefix(crate::ready::SHARED_PREFIX)
+                    .map(str::to_owned)
+                    .unwrap_or(e)
+            }));
+        }
+        Ok(names)
     }
 
     /// Whether any task is incomplete.

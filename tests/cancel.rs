@@ -70,3 +70,27 @@ async fn a_running_task_becomes_canceling_and_a_final_task_is_unchanged() {
     assert_eq!(r.state, "completed");
     env.shutdown().await;
 }
+
+/// Pulp's own cancel API marks a waiting task `canceling` and leaves it to a worker; the broker
+/// finishes it as `canceled`, so it stops reserving its resources.
+#[tokio::test]
+async fn a_task_canceled_through_pulp_while_waiting_is_finished_and_frees_the_queue() {
+    let mut env = Env::with(|a| a.sweep_interval = std::time::Duration::from_millis(200)).await;
+    let canceled = env.task(&["a"]).await;
+    let behind = env.task(&["a"]).await;
+    env.set_state(canceled, "canceling").await;
+    let lease = env.open("w").await;
+    let env_ref = &env;
+    support::eventually(std::time::Duration::from_secs(10), || async {
+        env_ref.state(canceled).await == "canceled"
+    })
+    .await
+    .expect("finished as canceled");
+    let t = env
+        .fetch(&lease)
+        .await
+        .expect("the task behind it is ready");
+    assert_eq!(id(&t), behind);
+    env.assert_locks(&[&t]).await;
+    env.shutdown().await;
+}

@@ -7,6 +7,9 @@
 //! registry (O(locks held)), and the worker row the broker created for it is removed. So a lease's
 //! locks are gone no later than TTL + one interval after its last heartbeat (invariant 1).
 //!
+//! Tasks asked to cancel while nobody held them (Pulp's own cancel API marks a waiting task
+//! `canceling` and leaves it to a worker) are finished as `canceled`, as Pulp's workers would.
+//!
 //! Reconciling reads the set of locked tasks (O(locks held)) and releases every lock whose task
 //! is final or gone, whoever holds it (invariant 2), and every lock whose task has stayed waiting
 //! and unclaimed for two turns (a grant that failed half-way). It also looks the other way: a
@@ -123,6 +126,12 @@ impl Sweeper {
         }
         if let Ok(mut set) = self.unclaimed_last_turn.lock() {
             *set = unclaimed_now.difference(&previous).copied().collect();
+        }
+        let canceled = self.tasks.finish_orphan_cancels().await?;
+        if !canceled.is_empty() {
+            let names: Vec<&str> = canceled.iter().map(String::as_str).collect();
+            self.locks.note_changes(&names).await?;
+            tracing::info!(resources = ?names, "finished tasks canceled while nobody held them");
         }
         self.claims_without_locks().await
     }
