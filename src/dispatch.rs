@@ -508,6 +508,15 @@ impl Dispatch {
         tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
     }
 
+    /// Puts a claimed task that never started back in the queue (no-op otherwise).
+    async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<()> {
+        if self.tasks.unclaim(task_id, app_status).await? {
+            self.note_requeue().await;
+            tracing::info!(%task_id, "released before start; task back in the queue");
+        }
+        Ok(())
+    }
+
     /// Records that a claimed task went back to the queue (scan hints may have passed it).
     async fn note_requeue(&self) {
         if let Err(e) = self.locks.note_changes(&["*"]).await {
@@ -597,13 +606,14 @@ impl Dispatch {
     pub async fn release(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<bool> {
         let lease = lease_id.to_string();
         let task = task_id.to_string();
-        // (A failed check is not fatal: the release below retries, and puts the claim back.)
+        // The claim goes back first, while the locks still cover it. When the holder check
+        // fails (Redis slow, or the lease expired but not yet swept), it goes back after the
+        // release instead. (A failed check is not fatal: the release below retries.)
+        let mut put_back = false;
         if let Ok(Ok(app_status)) = self.locks.holder(&lease, &task, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
-                if self.tasks.unclaim(task_id, app_status).await? {
-                    self.note_requeue().await;
-                    tracing::info!(%task_id, %lease_id, "released before start; task back in the queue");
-                }
+                self.requeue_claim(task_id, app_status).await?;
+                put_back = true;
             }
         }
         let mut attempt = 0u32;
@@ -618,13 +628,9 @@ impl Dispatch {
                 Err(e) => return Err(e.into()),
             }
         };
-        // An expired (not yet swept) lease releasing, or a retry after the locks went: the
-        // claim is put back here.
-        if matches!(outcome, Release::Released | Release::NotHeld) {
+        if !put_back && matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
-                if self.tasks.unclaim(task_id, app_status).await? {
-                    self.note_requeue().await;
-                }
+                self.requeue_claim(task_id, app_status).await?;
             }
         }
         match outcome {

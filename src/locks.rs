@@ -194,11 +194,6 @@ impl Locks {
         }
     }
 
-    /// The key builder for this store's prefix.
-    pub fn keys(&self) -> &Keys {
-        &self.keys
-    }
-
     async fn load_scripts(&self) -> Result<(), Error> {
         let mut conn = self.conn().await?;
         for script in self.scripts.all() {
@@ -783,11 +778,6 @@ impl Locks {
         self.command::<i64>(redis::cmd("ZREM").arg(self.keys.leases()).arg(lease_id))
             .await
             .map(|_| ())
-    }
-
-    /// The highest fencing token this replica has handed out.
-    pub fn max_token(&self) -> u64 {
-        self.known.max_token.load(Ordering::Relaxed)
     }
 
     /// Every task that holds a lock (the reconciler's list; O(locks held)).

@@ -7,7 +7,6 @@
 //! counter around each fetch pass, so concurrent fetches do not mix.
 
 use std::cell::Cell;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
@@ -145,11 +144,6 @@ pub async fn serve(
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
-}
-
-/// Binds the metrics address (so a taken port fails start-up).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
 }
 
 /// Publishes the lane gauge.

@@ -196,7 +196,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
-    let metrics_listener = crate::metrics::bind(args.metrics_listen)
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
         .await
         .with_context(|| format!("cannot listen on --metrics-listen {}", args.metrics_listen))?;
     let metrics_addr = metrics_listener.local_addr()?;

@@ -9,7 +9,7 @@ pub mod demo;
 
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -272,11 +272,6 @@ impl Postgres {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
-    /// The port it listens on.
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
     /// Stops the server at once (SIGQUIT: immediate shutdown, like a crash).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -289,11 +284,6 @@ impl Postgres {
     pub fn restart(&mut self) -> Result<()> {
         self.kill();
         self.boot()
-    }
-
-    /// The data directory's parent (logs live there).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
     }
 }
 
