@@ -161,12 +161,7 @@ async fn empty_and_malformed_ids_are_invalid_arguments() {
 async fn bad_open_lease_requests_are_invalid_arguments() {
     let env = Env::new().await;
     let mut c = env.client.clone();
-    let base = OpenLeaseRequest {
-        worker_name: "w".into(),
-        versions: Default::default(),
-        ttl: None,
-        app_status_id: String::new(),
-    };
+    let base = support::lease_request("w");
     expect_code(
         c.open_lease(OpenLeaseRequest {
             worker_name: " ".into(),

@@ -158,12 +158,7 @@ async fn concurrent_fetches_never_hand_out_a_task_twice() {
         let mut client = env.client.clone();
         handles.push(tokio::spawn(async move {
             let lease = client
-                .open_lease(dispatch_broker::proto::OpenLeaseRequest {
-                    worker_name: format!("w{w}"),
-                    versions: Default::default(),
-                    ttl: None,
-                    app_status_id: String::new(),
-                })
+                .open_lease(support::lease_request(format!("w{w}")))
                 .await
                 .unwrap()
                 .into_inner()
@@ -172,11 +167,7 @@ async fn concurrent_fetches_never_hand_out_a_task_twice() {
             let mut idle = 0;
             while idle < 3 {
                 let task = client
-                    .fetch_task(dispatch_broker::proto::FetchTaskRequest {
-                        lease_id: lease.clone(),
-                        wait: None,
-                        skip_task_ids: vec![],
-                    })
+                    .fetch_task(support::fetch_request(lease.clone()))
                     .await
                     .unwrap()
                     .into_inner()

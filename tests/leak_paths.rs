@@ -197,16 +197,11 @@ async fn path5_cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_
     for n in 0..4 {
         let mut c = env.client.clone();
         leases.push(
-            c.open_lease(dispatch_broker::proto::OpenLeaseRequest {
-                worker_name: format!("w{n}"),
-                versions: Default::default(),
-                ttl: None,
-                app_status_id: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease_id,
+            c.open_lease(support::lease_request(format!("w{n}")))
+                .await
+                .unwrap()
+                .into_inner()
+                .lease_id,
         );
     }
     for round in 0..25 {
@@ -216,16 +211,12 @@ async fn path5_cancel_racing_fetches_never_leaks_a_lock_or_hands_out_a_canceled_
             let mut c = env.client.clone();
             let lease = lease.clone();
             fetches.push(tokio::spawn(async move {
-                c.fetch_task(dispatch_broker::proto::FetchTaskRequest {
-                    lease_id: lease.clone(),
-                    wait: None,
-                    skip_task_ids: vec![],
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .task
-                .map(|t| (lease, t))
+                c.fetch_task(support::fetch_request(lease.clone()))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .task
+                    .map(|t| (lease, t))
             }));
         }
         let mut c = env.client.clone();
@@ -398,12 +389,7 @@ async fn redis_restarted_empty_rebuilds_running_locks_before_dispatch_resumes() 
     let free = env.task(&["b"]).await;
     let worker = env
         .client
-        .open_lease(OpenLeaseRequest {
-            worker_name: "w".into(),
-            versions: Default::default(),
-            ttl: None,
-            app_status_id: String::new(),
-        })
+        .open_lease(support::lease_request("w"))
         .await
         .unwrap()
         .into_inner();

@@ -34,11 +34,7 @@ async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recove
     let mut client = env.client.clone();
     let status = client
         .fetch_task(with_deadline(
-            FetchTaskRequest {
-                lease_id: lease.clone(),
-                wait: None,
-                skip_task_ids: vec![],
-            },
+            support::fetch_request(lease.clone()),
             Duration::from_secs(5),
         ))
         .await
@@ -80,11 +76,7 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
     for call in 0..2 {
         let status = client
             .fetch_task(with_deadline(
-                FetchTaskRequest {
-                    lease_id: lease.clone(),
-                    wait: None,
-                    skip_task_ids: vec![],
-                },
+                support::fetch_request(lease.clone()),
                 Duration::from_secs(5),
             ))
             .await
@@ -143,15 +135,7 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
     let mut reopened = None;
     for _ in 0..100 {
         let mut c = env_ref.client.clone();
-        if let Ok(l) = c
-            .open_lease(OpenLeaseRequest {
-                worker_name: "w2".into(),
-                versions: Default::default(),
-                ttl: None,
-                app_status_id: String::new(),
-            })
-            .await
-        {
+        if let Ok(l) = c.open_lease(support::lease_request("w2")).await {
             reopened = Some(l.into_inner().lease_id);
             break;
         }
@@ -204,12 +188,7 @@ async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
     }
     let mut client = client.expect("the binary serves");
     let lease = client
-        .open_lease(OpenLeaseRequest {
-            worker_name: "w".into(),
-            versions: Default::default(),
-            ttl: None,
-            app_status_id: String::new(),
-        })
+        .open_lease(support::lease_request("w"))
         .await
         .unwrap()
         .into_inner()

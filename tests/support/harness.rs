@@ -400,11 +400,7 @@ impl Env {
         let lease = lease.to_owned();
         tokio::spawn(async move {
             client
-                .fetch_task(FetchTaskRequest {
-                    lease_id: lease,
-                    wait: None,
-                    skip_task_ids: vec![],
-                })
+                .fetch_task(fetch_request(lease))
                 .await
                 .map(|r| r.into_inner().task)
         })
@@ -446,6 +442,25 @@ pub async fn kill_waiting_broker_sessions(db: &tokio_postgres::Client) -> i64 {
     .await
     .expect("terminate")
     .get(0)
+}
+
+/// An OpenLeaseRequest with the broker's defaults (no versions, default TTL, new worker row).
+pub fn lease_request(worker_name: impl Into<String>) -> OpenLeaseRequest {
+    OpenLeaseRequest {
+        worker_name: worker_name.into(),
+        versions: Default::default(),
+        ttl: None,
+        app_status_id: String::new(),
+    }
+}
+
+/// A FetchTaskRequest that does not wait and skips nothing.
+pub fn fetch_request(lease_id: impl Into<String>) -> FetchTaskRequest {
+    FetchTaskRequest {
+        lease_id: lease_id.into(),
+        wait: None,
+        skip_task_ids: vec![],
+    }
 }
 
 /// Parses a task id from the wire.
