@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
-use support::{id, own_postgres, Env};
+use support::{eventually, id, own_postgres, Env};
 use tonic::Code;
 
 fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
@@ -119,15 +119,11 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
     };
     let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
-    let mut became_unready = false;
-    for _ in 0..100 {
-        if status_of("").await == not_serving {
-            became_unready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(became_unready, "readiness follows the backends");
+    eventually(Duration::from_secs(5), || async {
+        status_of("").await == not_serving
+    })
+    .await
+    .expect("readiness follows the backends");
     assert_eq!(status_of("dispatch.v1.Broker").await, serving);
     // Redis comes back empty: the state is rebuilt and new leases work.
     env.redis.restart().unwrap();
@@ -143,15 +139,11 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
     }
     let lease = reopened.expect("the broker recovered");
     assert!(env.fetch(&lease).await.is_some());
-    let mut ready_again = false;
-    for _ in 0..100 {
-        if status_of("").await == serving {
-            ready_again = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ready_again, "ready again once redis is back");
+    eventually(Duration::from_secs(5), || async {
+        status_of("").await == serving
+    })
+    .await
+    .expect("ready again once redis is back");
     env.shutdown().await;
 }
 
