@@ -184,6 +184,11 @@ pub struct MigrateArgs {
     /// Task store.
     #[command(flatten)]
     pub postgres: PostgresArgs,
+    /// On an existing database (e.g. Pulp's), also build the lane gauge's index
+    /// `dispatch_lanes_idx` (CREATE INDEX CONCURRENTLY: writers are not blocked). A fresh database
+    /// gets it anyway.
+    #[arg(long)]
+    pub lanes_index: bool,
 }
 
 /// Options of `health`.

@@ -7,7 +7,7 @@
 //! task T is *ready* when no older incomplete task conflicts with T and no held lock conflicts with
 //! T. Two tasks *conflict* when one needs a resource exclusively that the other needs in any mode.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 /// The prefix that marks shared access in `reserved_resources_record`.
 pub const SHARED_PREFIX: &str = "shared:";
@@ -71,32 +71,48 @@ impl Resources {
 }
 
 /// Resources reserved by the tasks seen so far in queue order (each incomplete task reserves its
-/// resources even when it cannot run), plus those of held locks.
+/// resources even when it cannot run), plus those of held locks: name -> reserved exclusively.
+/// One hash look-up per name (foldhash: the gauge's hot loop hashes every record entry).
 #[derive(Debug, Clone, Default)]
 pub struct Reservations {
-    exclusive: HashSet<String>,
-    shared: HashSet<String>,
+    names: HashMap<String, bool, foldhash::fast::RandomState>,
 }
 
 impl Reservations {
     /// True when a task needing `resources` conflicts with anything reserved.
     pub fn conflicts_with(&self, resources: &Resources) -> bool {
-        resources
-            .exclusive
-            .iter()
-            .any(|r| self.exclusive.contains(r) || self.shared.contains(r))
-            || resources.shared.iter().any(|r| self.exclusive.contains(r))
+        resources.exclusive.iter().any(|r| self.touches(r))
+            || resources.shared.iter().any(|r| self.is_exclusive(r))
     }
 
     /// True when `name` is reserved in any mode.
     pub fn touches(&self, name: &str) -> bool {
-        self.exclusive.contains(name) || self.shared.contains(name)
+        self.names.contains_key(name)
+    }
+
+    /// True when `name` is reserved exclusively.
+    fn is_exclusive(&self, name: &str) -> bool {
+        self.names.get(name).copied().unwrap_or(false)
+    }
+
+    /// Reserves `name` (exclusively or shared) for everything that comes later; exclusive wins.
+    fn reserve_name(&mut self, name: &str, exclusive: bool) {
+        match self.names.get_mut(name) {
+            Some(held) => *held |= exclusive,
+            None => {
+                self.names.insert(name.to_owned(), exclusive);
+            }
+        }
     }
 
     /// Reserves `resources` for everything that comes later.
     pub fn reserve(&mut self, resources: &Resources) {
-        self.exclusive.extend(resources.exclusive.iter().cloned());
-        self.shared.extend(resources.shared.iter().cloned());
+        for name in &resources.exclusive {
+            self.reserve_name(name, true);
+        }
+        for name in &resources.shared {
+            self.reserve_name(name, false);
+        }
     }
 }
 
@@ -126,22 +142,16 @@ impl LaneCounter {
         let blocked = record
             .iter()
             .any(|entry| match entry.as_ref().strip_prefix(SHARED_PREFIX) {
-                Some(name) => reserved.exclusive.contains(name),
-                None => {
-                    let name = entry.as_ref();
-                    reserved.exclusive.contains(name) || reserved.shared.contains(name)
-                }
+                Some(name) => reserved.is_exclusive(name),
+                None => reserved.touches(entry.as_ref()),
             });
         if !blocked {
             self.lanes += 1;
         }
         for entry in record {
-            let (set, name) = match entry.as_ref().strip_prefix(SHARED_PREFIX) {
-                Some(name) => (&mut self.reserved.shared, name),
-                None => (&mut self.reserved.exclusive, entry.as_ref()),
-            };
-            if !set.contains(name) {
-                set.insert(name.to_owned());
+            match entry.as_ref().strip_prefix(SHARED_PREFIX) {
+                Some(name) => self.reserved.reserve_name(name, false),
+                None => self.reserved.reserve_name(entry.as_ref(), true),
             }
         }
     }

@@ -41,6 +41,7 @@ pub mod sql {
     pub const DELETE_APP_STATUS: &str = include_str!("tasks/delete_app_status.sql");
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
     pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
+    pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
     pub const LOCK_TARGETS: &str = include_str!("tasks/lock_targets.sql");
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
@@ -255,6 +256,11 @@ impl Tasks {
 
     /// Lists what the broker needs and the database lacks (empty when all is there).
     pub async fn missing_schema(&self) -> Result<Vec<String>, Error> {
+        Ok(migrate::missing(&self.schema_items().await?))
+    }
+
+    /// What `schema_check.sql` finds present.
+    async fn schema_items(&self) -> Result<Vec<String>, Error> {
         let client = self.client().await?;
         let present: Vec<String> = self
             .timed(client.query(sql::SCHEMA_CHECK, &[]))
@@ -262,7 +268,7 @@ impl Tasks {
             .iter()
             .map(|row| row.get(0))
             .collect();
-        Ok(migrate::missing(&present))
+        Ok(present)
     }
 
     /// Runs one statement under the timeout, counting it.
@@ -520,8 +526,8 @@ impl Tasks {
         let mut rows = std::pin::pin!(rows);
         let mut counter = crate::ready::LaneCounter::default();
         while let Some(row) = rows.try_next().await? {
-            let record: Vec<&str> = row.try_get(0)?;
-            counter.push_record(&record);
+            let record: Option<Vec<&str>> = row.try_get(0)?;
+            counter.push_record(record.as_deref().unwrap_or_default());
         }
         self.timed(tx.commit()).await?;
         Ok(counter.lanes())
@@ -585,9 +591,10 @@ impl Tasks {
             .collect()
     }
 
-    /// Runs `migrate.sql` in one transaction when the database has no `core_task` table; returns
-    /// what is still missing afterwards (empty: ready to serve).
-    pub async fn migrate(&self) -> Result<migrate::Outcome, Error> {
+    /// Runs `migrate.sql` in one transaction when the database has no `core_task` table, and
+    /// `lanes_index.sql` when `lanes_index` asks for it (dropping an invalid leftover of a failed
+    /// concurrent build first); returns what is still missing afterwards (empty: ready to serve).
+    pub async fn migrate(&self, lanes_index: bool) -> Result<migrate::Outcome, Error> {
         let mut client = self.client().await?;
         let exists: bool = client
             .query_one("SELECT to_regclass('core_task') IS NOT NULL", &[])
@@ -602,9 +609,25 @@ impl Tasks {
             true
         };
         drop(client);
+        let had_lanes_index = self
+            .schema_items()
+            .await?
+            .iter()
+            .any(|i| i == "lanes-index");
+        let lanes_index_created = lanes_index && !had_lanes_index;
+        if lanes_index_created {
+            let client = self.client().await?;
+            client
+                .batch_execute("DROP INDEX CONCURRENTLY IF EXISTS dispatch_lanes_idx")
+                .await?;
+            client.batch_execute(sql::LANES_INDEX).await?;
+        }
+        let present = self.schema_items().await?;
         Ok(migrate::Outcome {
             created,
-            missing: self.missing_schema().await?,
+            lanes_index_created,
+            missing: migrate::missing(&present),
+            optional: migrate::optional(&present),
         })
     }
 

@@ -74,14 +74,74 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
         .unwrap();
-    let outcome = tasks.migrate().await.unwrap();
+    let outcome = tasks.migrate(false).await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
+    assert!(
+        outcome.optional.iter().any(|o| o.contains("--lanes-index")),
+        "{:?}",
+        outcome.optional
+    );
     assert_eq!(
         schema_fingerprint(&db).await,
         before,
         "migrate changed a Pulp schema"
     );
+}
+
+async fn lanes_index_def(db: &tokio_postgres::Client) -> Vec<String> {
+    db.query(
+        "SELECT indexdef FROM pg_indexes WHERE indexname = 'dispatch_lanes_idx'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[tokio::test]
+async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_else() {
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let before = schema_fingerprint(&db).await;
+    // A failed concurrent build leaves an invalid index behind; migrate must replace it.
+    db.batch_execute(
+        "CREATE INDEX dispatch_lanes_idx ON core_task (pulp_created); \
+         UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = 'dispatch_lanes_idx'::regclass",
+    )
+    .await
+    .unwrap();
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let first = tasks.migrate(true).await.unwrap();
+    assert!(first.lanes_index_created && !first.created);
+    assert!(first.missing.is_empty() && first.optional.is_empty());
+    let again = tasks.migrate(true).await.unwrap();
+    assert!(!again.lanes_index_created, "a valid index is left alone");
+
+    let added: Vec<String> = schema_fingerprint(&db)
+        .await
+        .into_iter()
+        .filter(|item| !before.contains(item))
+        .collect();
+    assert_eq!(added.len(), 1, "added: {added:?}");
+    // The same definition as migrate.sql gives a fresh database (the harness's template).
+    let fresh_url = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let (fresh, conn) = tokio_postgres::connect(&fresh_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    assert_eq!(lanes_index_def(&db).await, lanes_index_def(&fresh).await);
+    assert_eq!(lanes_index_def(&db).await.len(), 1);
 }
 
 #[tokio::test]

@@ -156,7 +156,7 @@ proptest! {
     #[test]
     fn conflict_keys_overlap_exactly_when_tasks_conflict(a in arb_queue(), b in arb_queue()) {
         for (x, y) in a.iter().zip(b.iter()) {
-            let keys: HashSet<String> = x.conflict_keys().into_iter().collect();
+            let keys: std::collections::HashSet<String> = x.conflict_keys().into_iter().collect();
             let record: Vec<String> = y.exclusive.iter().cloned()
                 .chain(y.shared.iter().map(|s| format!("{SHARED_PREFIX}{s}")))
                 .collect();

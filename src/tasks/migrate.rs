@@ -29,8 +29,12 @@ pub const REQUIRED_COLUMNS: &[&str] = &[
 pub struct Outcome {
     /// True when the tables were created now; false when they were already there.
     pub created: bool,
+    /// True when `--lanes-index` built the lane gauge's index now.
+    pub lanes_index_created: bool,
     /// What the broker needs and the database still lacks.
     pub missing: Vec<String>,
+    /// What the broker can do without but runs better with, and how to add it.
+    pub optional: Vec<String>,
 }
 
 /// Compares the items `schema_check.sql` found with what the broker needs.
@@ -52,6 +56,19 @@ pub fn missing(present: &[String]) -> Vec<String> {
     missing
 }
 
+/// The optional pieces `present` lacks, each with the command that adds it.
+pub fn optional(present: &[String]) -> Vec<String> {
+    let mut optional = Vec::new();
+    if !present.iter().any(|p| p == "lanes-index") {
+        optional.push(
+            "the lane gauge's index dispatch_lanes_idx (add it with `dispatch-broker migrate \
+             --lanes-index`; without it Postgres sorts every incomplete task for each count)"
+                .to_owned(),
+        );
+    }
+    optional
+}
+
 /// `dispatch-broker migrate`: creates the schema on an empty database, or reports on an existing
 /// one; fails when something the broker needs is missing.
 pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
@@ -65,11 +82,19 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
     )
     .await
     .context("cannot reach PostgreSQL at --postgres-url")?;
-    let outcome = tasks.migrate().await.context("migrate failed")?;
+    let outcome = tasks
+        .migrate(args.lanes_index)
+        .await
+        .context("migrate failed")?;
     if outcome.created {
         println!("created core_appstatus, core_task, their indexes and the insert trigger");
+    } else if outcome.lanes_index_created {
+        println!("core_task already exists; added the lane gauge's index dispatch_lanes_idx");
     } else {
         println!("core_task already exists; changed nothing");
+    }
+    for piece in &outcome.optional {
+        println!("optional, not present: {piece}");
     }
     if outcome.missing.is_empty() {
         println!("the database has everything dispatch-broker needs");
@@ -97,5 +122,14 @@ mod tests {
         assert_eq!(m.len(), 2, "{m:?}");
         assert!(m[0].contains("core_task.app_lock_id"));
         assert!(m[1].contains("GIN"));
+    }
+
+    #[test]
+    fn suggests_the_lanes_index_until_it_is_there() {
+        let mut present = vec!["extension:hstore".to_owned()];
+        assert_eq!(optional(&present).len(), 1);
+        assert!(optional(&present)[0].contains("--lanes-index"));
+        present.push("lanes-index".into());
+        assert!(optional(&present).is_empty());
     }
 }

@@ -37,6 +37,9 @@ CREATE INDEX IF NOT EXISTS core_task_app_lock_id_idx ON core_task (app_lock_id);
 CREATE INDEX IF NOT EXISTS pulp_task_resources_index ON core_task
     USING gin (reserved_resources_record)
     WHERE NOT (state = ANY (ARRAY['completed', 'failed', 'canceled', 'skipped']));
+-- The lane gauge's index (lanes_index.sql makes the same one concurrently on existing databases).
+CREATE INDEX IF NOT EXISTS dispatch_lanes_idx ON core_task (pulp_created, pulp_id)
+    WHERE state IN ('waiting', 'running');
 
 -- The insert trigger: the database stamps pulp_created, and among tasks that share a resource the
 -- stamps strictly increase in commit order (per-resource advisory locks serialise such inserts).

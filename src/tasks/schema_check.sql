@@ -1,6 +1,7 @@
 -- schema_check.sql: what of the broker's required schema is present.
 -- Returns: one row per present column as 'table.column', plus 'index:<name>' for a GIN index on
--- core_task(reserved_resources_record) and 'extension:hstore'.
+-- core_task(reserved_resources_record), 'extension:hstore', and 'lanes-index' when the optional
+-- dispatch_lanes_idx exists and is valid (a failed concurrent build leaves an invalid one).
 SELECT table_name || '.' || column_name AS item
 FROM information_schema.columns
 WHERE table_schema = current_schema() AND table_name IN ('core_task', 'core_appstatus')
@@ -10,3 +11,7 @@ WHERE schemaname = current_schema() AND tablename = 'core_task'
   AND indexdef ILIKE '%USING gin (reserved_resources_record)%'
 UNION ALL
 SELECT 'extension:' || extname FROM pg_extension WHERE extname = 'hstore'
+UNION ALL
+SELECT 'lanes-index' FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE c.relname = 'dispatch_lanes_idx' AND c.relnamespace = current_schema()::regnamespace
+  AND i.indisvalid
