@@ -40,9 +40,9 @@ impl From<Error> for Status {
         }
         match error {
             Error::InvalidArgument(_) => Status::invalid_argument(message),
-            Error::LeaseNotFound(_) => Status::not_found(message),
-            Error::TaskNotFound(_) => Status::not_found(message),
-            Error::AppStatusNotFound(_) => Status::not_found(message),
+            Error::LeaseNotFound(_) => not_found(message, NOT_FOUND_LEASE),
+            Error::TaskNotFound(_) => not_found(message, NOT_FOUND_TASK),
+            Error::AppStatusNotFound(_) => not_found(message, NOT_FOUND_APP_STATUS),
             Error::NotHolder(_) => Status::failed_precondition(message),
             Error::Redis(e) => match e {
                 locks::Error::Pool(_)
@@ -60,6 +60,25 @@ impl From<Error> for Status {
             Error::Internal(_) => Status::internal(message),
         }
     }
+}
+
+/// The metadata key that says what a NOT_FOUND status did not find (`lease`, `task` or
+/// `app-status`), so clients tell "open a new lease" from "no such task" without parsing text.
+pub const NOT_FOUND_KEY: &str = "dispatch-not-found";
+/// [`NOT_FOUND_KEY`]: the lease is unknown or expired.
+pub const NOT_FOUND_LEASE: &str = "lease";
+/// [`NOT_FOUND_KEY`]: the task does not exist.
+pub const NOT_FOUND_TASK: &str = "task";
+/// [`NOT_FOUND_KEY`]: the core_appstatus row named in OpenLease does not exist.
+pub const NOT_FOUND_APP_STATUS: &str = "app-status";
+
+fn not_found(message: String, what: &'static str) -> Status {
+    let mut status = Status::not_found(message);
+    status.metadata_mut().insert(
+        NOT_FOUND_KEY,
+        tonic::metadata::MetadataValue::from_static(what),
+    );
+    status
 }
 
 fn rpc_span(method: &'static str) -> tracing::Span {

@@ -20,6 +20,7 @@ pub mod server;
 pub mod shutdown;
 pub mod tasks;
 pub mod testkit;
+pub mod worker;
 
 /// Generated protobuf and gRPC code for `dispatch.v1`.
 pub mod proto {

@@ -10,10 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 
 use crate::config::{DemoArgs, ServeArgs};
-use crate::proto::broker_client::BrokerClient;
-use crate::proto::{
-    CloseLeaseRequest, FetchTaskRequest, FinishTaskRequest, OpenLeaseRequest, StartTaskRequest,
-};
+use crate::worker::{FinalState, Worker, WorkerConfig};
 
 const REPO: &str = "prn:python.repository:R0";
 
@@ -50,17 +47,12 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         ))
         .await?;
     // The busy worker takes the head of the repository's queue and keeps it running.
-    let mut busy = BrokerClient::connect(endpoint.clone()).await?;
-    let busy_lease = open(&mut busy, "busy-worker").await?;
-    let head = fetch(&mut busy, &busy_lease, Duration::ZERO)
+    let busy = Worker::connect(endpoint.clone(), config("busy-worker")).await?;
+    let head = busy
+        .next_task(Duration::ZERO)
         .await?
         .context("the head task")?;
-    busy.start_task(StartTaskRequest {
-        lease_id: busy_lease.clone(),
-        task_id: head.task_id.clone(),
-        fencing_token: head.fencing_token,
-    })
-    .await?;
+    head.start().await?;
     client
         .batch_execute(&format!(
             "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
@@ -116,6 +108,8 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         println!("\nserving until Ctrl-C ...");
         crate::shutdown::os_signal().await;
     }
+    head.finish(FinalState::Completed, None).await?;
+    busy.close().await?;
     broker.shutdown().await?;
     drop(tasks);
     drop(busy);
@@ -124,70 +118,31 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     Ok(())
 }
 
-async fn open(client: &mut BrokerClient<tonic::transport::Channel>, name: &str) -> Result<String> {
-    Ok(client
-        .open_lease(OpenLeaseRequest {
-            worker_name: name.to_owned(),
-            versions: [("core".to_string(), "3.123.1".to_string())].into(),
-            ttl: None,
-            app_status_id: String::new(),
-        })
-        .await?
-        .into_inner()
-        .lease_id)
+fn config(name: &str) -> WorkerConfig {
+    let mut config = WorkerConfig::new(name);
+    config.versions = [("core".to_string(), "3.123.1".to_string())].into();
+    config
 }
 
-async fn fetch(
-    client: &mut BrokerClient<tonic::transport::Channel>,
-    lease: &str,
-    wait: Duration,
-) -> Result<Option<crate::proto::Task>> {
-    Ok(client
-        .fetch_task(FetchTaskRequest {
-            lease_id: lease.to_owned(),
-            wait: prost_types::Duration::try_from(wait).ok(),
-            skip_task_ids: vec![],
-        })
-        .await?
-        .into_inner()
-        .task)
-}
-
-/// One simulated worker: fetches until nothing is ready for 300 ms, "runs" each task 20 ms.
+/// One simulated worker (the crate's worker library): fetches until nothing is ready for 300 ms,
+/// "runs" each task 20 ms.
 async fn worker(n: usize, endpoint: String, started: Instant) -> Result<usize> {
-    let mut client = BrokerClient::connect(endpoint).await?;
-    let lease = open(&mut client, &format!("demo-worker-{n}")).await?;
+    let worker = Worker::connect(endpoint, config(&format!("demo-worker-{n}"))).await?;
     let mut handled = 0;
-    while let Some(task) = fetch(&mut client, &lease, Duration::from_millis(300)).await? {
+    while let Some(task) = worker.next_task(Duration::from_millis(300)).await? {
         println!(
             "  {:>6.0?}  demo-worker-{n} got {:<18} {} (fencing token {})",
             started.elapsed(),
-            task.name,
-            task.exclusive_resources.join(","),
-            task.fencing_token
+            task.task().name,
+            task.task().exclusive_resources.join(","),
+            task.fencing_token()
         );
-        client
-            .start_task(StartTaskRequest {
-                lease_id: lease.clone(),
-                task_id: task.task_id.clone(),
-                fencing_token: task.fencing_token,
-            })
-            .await?;
+        task.start().await?;
         tokio::time::sleep(Duration::from_millis(20)).await;
-        client
-            .finish_task(FinishTaskRequest {
-                lease_id: lease.clone(),
-                task_id: task.task_id,
-                fencing_token: task.fencing_token,
-                state: "completed".into(),
-                error: String::new(),
-            })
-            .await?;
+        task.finish(FinalState::Completed, None).await?;
         handled += 1;
     }
-    client
-        .close_lease(CloseLeaseRequest { lease_id: lease })
-        .await?;
+    worker.close().await?;
     Ok(handled)
 }
 

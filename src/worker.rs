@@ -1,0 +1,879 @@
+//! `dispatch_broker::worker`: the worker side of the lease protocol, for workers written in Rust.
+//!
+//! [`Worker::connect`] opens a lease and keeps it alive with heartbeats (every TTL/3, jittered) in
+//! a background task. [`Worker::next_task`] long-polls `FetchTask` and hands out a [`TaskGuard`]:
+//! the task, its fencing token, a cancellation signal that fires when a heartbeat reply asks for
+//! the task to be canceled (or when the task is lost), and `start` / `finish` / `release`. A guard
+//! dropped without any of them releases the task's locks in the background and says so in the log.
+//!
+//! When the broker answers `NOT_FOUND` for the lease (it expired, was closed, or Redis lost its
+//! state), the worker opens a new lease under the same `core_appstatus` row when it can, keeps the
+//! tasks the broker hands back (`adopted_tasks`, with new fencing tokens), and reports every other
+//! task it held as lost: its guard's cancellation fires, [`TaskGuard::is_lost`] turns true, and a
+//! [`WorkerEvent::LeaseReopened`] lists it. Nothing is kept silently.
+//!
+//! Every call carries a deadline (`call_timeout`, plus the wait of a long poll). `UNAVAILABLE` is
+//! retried with jittered exponential backoff ([`RetryPolicy`]); no other status is.
+
+mod retry;
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+pub use retry::RetryPolicy;
+
+use crate::grpc::{NOT_FOUND_KEY, NOT_FOUND_LEASE};
+use crate::proto::{self, broker_client::BrokerClient};
+
+type Client = BrokerClient<InterceptedService<Channel, Auth>>;
+
+/// How a worker presents itself to the broker.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The worker's name, e.g. `1234@host` (stored in `core_appstatus.name`).
+    pub name: String,
+    /// Component versions (e.g. `core` -> `3.123.1`); only tasks these satisfy are handed out.
+    pub versions: BTreeMap<String, String>,
+    /// Lease time to live; heartbeats go out every third of it.
+    pub ttl: Duration,
+    /// Bearer token sent as `authorization: Bearer <token>` on every call, when set.
+    pub token: Option<String>,
+    /// The worker's own `core_appstatus` row (a Pulp worker passes its own); `None` lets the
+    /// broker create one per lease.
+    pub app_status_id: Option<String>,
+    /// Deadline of each call (a long poll gets its wait on top).
+    pub call_timeout: Duration,
+    /// Backoff for `UNAVAILABLE`.
+    pub retry: RetryPolicy,
+    /// How long [`Worker::run`] lets a running task finish after shutdown is signalled.
+    pub shutdown_grace: Duration,
+}
+
+impl WorkerConfig {
+    /// Defaults: 30 s TTL, 10 s call deadline, 30 s shutdown grace, no token, no versions.
+    pub fn new(name: impl Into<String>) -> Self {
+        WorkerConfig {
+            name: name.into(),
+            versions: BTreeMap::new(),
+            ttl: Duration::from_secs(30),
+            token: None,
+            app_status_id: None,
+            call_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What went wrong in a worker call.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The endpoint is not a valid URI.
+    #[error("invalid broker endpoint {endpoint:?}: {reason}")]
+    Endpoint {
+        /// What was given.
+        endpoint: String,
+        /// Why it is not valid.
+        reason: String,
+    },
+    /// The token cannot be sent as an HTTP header.
+    #[error("the token contains characters that cannot be sent in a header")]
+    Token,
+    /// The broker answered with an error status (after retries, for `UNAVAILABLE`).
+    #[error("{method} failed: {code:?}: {message}", code = status.code(), message = status.message())]
+    Rpc {
+        /// The RPC.
+        method: &'static str,
+        /// The broker's answer.
+        status: Status,
+    },
+    /// The task is no longer this worker's (its lease ended and no new lease took it over).
+    #[error("task {task_id} is lost: the lease that held it ended; do not record its results")]
+    Lost {
+        /// The task.
+        task_id: String,
+    },
+    /// The worker is shutting down or closed.
+    #[error("the worker is shutting down")]
+    ShuttingDown,
+}
+
+impl WorkerError {
+    /// The gRPC status code, for RPC errors.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            WorkerError::Rpc { status, .. } => Some(status.code()),
+            _ => None,
+        }
+    }
+
+    /// True when the broker said the lease is unknown or expired.
+    pub fn is_lease_not_found(&self) -> bool {
+        match self {
+            WorkerError::Rpc { status, .. } => is_lease_not_found(status),
+            _ => false,
+        }
+    }
+}
+
+fn is_lease_not_found(status: &Status) -> bool {
+    status.code() == Code::NotFound
+        && status
+            .metadata()
+            .get(NOT_FOUND_KEY)
+            .is_some_and(|v| v == NOT_FOUND_LEASE)
+}
+
+/// Things a worker's owner may want to know about, from [`Worker::events`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerEvent {
+    /// The broker no longer knew the lease; a new one replaced it.
+    LeaseReopened {
+        /// The lease that ended.
+        old_lease_id: String,
+        /// The lease now in use.
+        new_lease_id: String,
+        /// Tasks held under the old lease that the new one took over (new fencing tokens).
+        adopted_tasks: Vec<String>,
+        /// Tasks held under the old lease that are no longer this worker's.
+        lost_tasks: Vec<String>,
+    },
+    /// A heartbeat reply asked for this held task to be canceled.
+    CancelRequested {
+        /// The task.
+        task_id: String,
+    },
+    /// A heartbeat failed (the lease lives on until its TTL runs out).
+    HeartbeatFailed {
+        /// What went wrong.
+        error: String,
+    },
+}
+
+/// Adds the bearer token to every call.
+#[derive(Clone)]
+pub struct Auth {
+    header: Option<MetadataValue<Ascii>>,
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(header) = &self.header {
+            request
+                .metadata_mut()
+                .insert("authorization", header.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// One held task's state, shared by its guard and the heartbeat loop.
+#[derive(Debug)]
+struct Held {
+    token: AtomicU64,
+    cancel: CancellationToken,
+    lost: AtomicBool,
+}
+
+#[derive(Debug, Clone)]
+struct LeaseState {
+    lease_id: String,
+    app_status_id: String,
+    ttl: Duration,
+    generation: u64,
+}
+
+struct Shared {
+    client: Client,
+    config: WorkerConfig,
+    lease: Mutex<LeaseState>,
+    reopening: tokio::sync::Mutex<()>,
+    held: Mutex<HashMap<String, Arc<Held>>>,
+    events: broadcast::Sender<WorkerEvent>,
+    /// Fires when the worker stops fetching (shutdown began).
+    stopping: CancellationToken,
+    /// Fires when the lease is closed: the heartbeat loop ends.
+    closed: CancellationToken,
+}
+
+/// A connected worker with a live lease. Cheap to clone; every clone shares the lease.
+#[derive(Clone)]
+pub struct Worker {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("name", &self.shared.config.name)
+            .field("lease", &self.shared.current())
+            .finish()
+    }
+}
+
+impl Worker {
+    /// Connects to the broker at `endpoint` (e.g. `http://127.0.0.1:50051`), opens a lease and
+    /// starts heartbeating. Retries `UNAVAILABLE` (a broker still starting) per `config.retry`.
+    pub async fn connect(
+        endpoint: impl Into<String>,
+        config: WorkerConfig,
+    ) -> Result<Worker, WorkerError> {
+        let endpoint = endpoint.into();
+        let channel = Channel::from_shared(endpoint.clone())
+            .map_err(|e| WorkerError::Endpoint {
+                endpoint: endpoint.clone(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(config.call_timeout)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        let header = match &config.token {
+            Some(token) => Some(
+                format!("Bearer {token}")
+                    .parse()
+                    .map_err(|_| WorkerError::Token)?,
+            ),
+            None => None,
+        };
+        let client = BrokerClient::with_interceptor(channel, Auth { header })
+            .max_decoding_message_size(16 * 1024 * 1024);
+        let (events, _) = broadcast::channel(256);
+        let shared = Arc::new(Shared {
+            client,
+            lease: Mutex::new(LeaseState {
+                lease_id: String::new(),
+                app_status_id: config.app_status_id.clone().unwrap_or_default(),
+                ttl: config.ttl,
+                generation: 0,
+            }),
+            config,
+            reopening: tokio::sync::Mutex::new(()),
+            held: Mutex::new(HashMap::new()),
+            events,
+            stopping: CancellationToken::new(),
+            closed: CancellationToken::new(),
+        });
+        let lease = shared
+            .open_lease(shared.config.app_status_id.clone())
+            .await?;
+        shared.install(lease);
+        tokio::spawn(heartbeat_loop(Arc::clone(&shared)));
+        Ok(Worker { shared })
+    }
+
+    /// The lease in use now (it changes when the worker reopens one).
+    pub fn lease_id(&self) -> String {
+        self.shared.current().lease_id
+    }
+
+    /// The `core_appstatus` row the lease claims tasks for.
+    pub fn app_status_id(&self) -> String {
+        self.shared.current().app_status_id
+    }
+
+    /// Subscribes to [`WorkerEvent`]s (from now on).
+    pub fn events(&self) -> broadcast::Receiver<WorkerEvent> {
+        self.shared.events.subscribe()
+    }
+
+    /// Fires when shutdown began (see [`Worker::stop`]); fetches return no task from then on.
+    pub fn stopping(&self) -> CancellationToken {
+        self.shared.stopping.clone()
+    }
+
+    /// Stops fetching: waiting and later [`Worker::next_task`] calls return `None`. Held tasks
+    /// are unaffected; [`Worker::close`] ends the lease.
+    pub fn stop(&self) {
+        self.shared.stopping.cancel();
+    }
+
+    /// Waits up to `wait` for the oldest ready task this worker may run, locked and claimed
+    /// under its lease. `None` when nothing became ready in time or the worker is stopping.
+    pub async fn next_task(&self, wait: Duration) -> Result<Option<TaskGuard>, WorkerError> {
+        self.next_task_skipping(wait, &[]).await
+    }
+
+    /// [`Worker::next_task`], never handing out the tasks in `skip`.
+    pub async fn next_task_skipping(
+        &self,
+        wait: Duration,
+        skip: &[String],
+    ) -> Result<Option<TaskGuard>, WorkerError> {
+        let stopping = self.shared.stopping.clone();
+        if stopping.is_cancelled() {
+            return Ok(None);
+        }
+        let fetch = self
+            .shared
+            .with_lease("FetchTask", wait, |mut client, lease_id| {
+                let request = proto::FetchTaskRequest {
+                    lease_id,
+                    wait: prost_types::Duration::try_from(wait).ok(),
+                    skip_task_ids: skip.to_vec(),
+                };
+                async move { client.fetch_task(request).await }
+            });
+        // Giving up a long poll at shutdown drops the call; the broker undoes a grant whose
+        // caller went away, so nothing is left held.
+        let response = tokio::select! {
+            response = fetch => response?,
+            _ = stopping.cancelled() => return Ok(None),
+        };
+        Ok(response.task.map(|task| self.guard(task)))
+    }
+
+    /// Immediate dispatch: locks and claims exactly `task_id` if it is ready now.
+    pub async fn claim(&self, task_id: &str) -> Result<Option<TaskGuard>, WorkerError> {
+        let response = self
+            .shared
+            .with_lease("ClaimTask", Duration::ZERO, |mut client, lease_id| {
+                let request = proto::ClaimTaskRequest {
+                    lease_id,
+                    task_id: task_id.to_owned(),
+                };
+                async move { client.claim_task(request).await }
+            })
+            .await?;
+        Ok(response.task.map(|task| self.guard(task)))
+    }
+
+    /// Cancels any task (waiting: canceled at once; running: its holder is told).
+    pub async fn cancel(&self, task_id: &str) -> Result<proto::CancelTaskResponse, WorkerError> {
+        let request = proto::CancelTaskRequest {
+            task_id: task_id.to_owned(),
+        };
+        self.shared
+            .call(
+                "CancelTask",
+                Duration::ZERO,
+                self.shared.config.retry,
+                |mut c| {
+                    let request = request.clone();
+                    async move { c.cancel_task(request).await }
+                },
+            )
+            .await
+    }
+
+    /// Runs tasks one at a time with `handler` until `shutdown` completes: then stops fetching,
+    /// lets the running task finish within `shutdown_grace`, and closes the lease (which fails a
+    /// task still running after the grace). The handler owns each [`TaskGuard`] and should
+    /// `start` and `finish` (or `release`) it. Returns the number of tasks handled.
+    pub async fn run<H, Fut>(
+        self,
+        mut handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<u64, WorkerError>
+    where
+        H: FnMut(TaskGuard) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        let stopping = self.stopping();
+        let grace = self.shared.config.shutdown_grace;
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut handled = 0u64;
+        let result = loop {
+            let next = tokio::select! {
+                _ = &mut shutdown => { self.stop(); break Ok(()) }
+                next = self.next_task(Duration::from_secs(30)) => next,
+            };
+            let guard = match next {
+                Ok(Some(guard)) => guard,
+                Ok(None) if stopping.is_cancelled() => break Ok(()),
+                Ok(None) => continue,
+                Err(e) => break Err(e),
+            };
+            handled += 1;
+            let task_id = guard.id().to_owned();
+            let mut running = std::pin::pin!(handler(guard));
+            tokio::select! {
+                _ = &mut running => continue,
+                _ = &mut shutdown => {}
+            }
+            self.stop();
+            tracing::info!(%task_id, ?grace, "shutting down: letting the running task finish");
+            if tokio::time::timeout(grace, &mut running).await.is_err() {
+                tracing::warn!(%task_id, "the task did not finish within the grace period; closing the lease fails it");
+            }
+            break Ok(());
+        };
+        self.stop();
+        let closed = self.close().await;
+        result.and(closed.map(|_| handled))
+    }
+
+    /// Ends the lease (CloseLease): the broker releases its locks, requeues claimed tasks that
+    /// did not start and fails those still running. Heartbeats stop.
+    pub async fn close(&self) -> Result<proto::CloseLeaseResponse, WorkerError> {
+        self.stop();
+        let lease_id = self.lease_id();
+        let result = self
+            .shared
+            .call(
+                "CloseLease",
+                Duration::ZERO,
+                self.shared.config.retry,
+                |mut c| {
+                    let request = proto::CloseLeaseRequest {
+                        lease_id: lease_id.clone(),
+                    };
+                    async move { c.close_lease(request).await }
+                },
+            )
+            .await;
+        self.shared.closed.cancel();
+        let held: Vec<Arc<Held>> = self
+            .shared
+            .held
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|e| e.1)
+            .collect();
+        for h in held {
+            h.lost.store(true, Ordering::SeqCst);
+            h.cancel.cancel();
+        }
+        match result {
+            Err(e) if e.is_lease_not_found() => Ok(proto::CloseLeaseResponse::default()),
+            other => other,
+        }
+    }
+
+    fn guard(&self, task: proto::Task) -> TaskGuard {
+        let held = Arc::new(Held {
+            token: AtomicU64::new(task.fencing_token),
+            cancel: CancellationToken::new(),
+            lost: AtomicBool::new(false),
+        });
+        self.shared
+            .held
+            .lock()
+            .unwrap()
+            .insert(task.task_id.clone(), Arc::clone(&held));
+        TaskGuard {
+            task,
+            held,
+            shared: Arc::clone(&self.shared),
+            done: false,
+        }
+    }
+}
+
+impl Shared {
+    fn current(&self) -> LeaseState {
+        self.lease.lock().unwrap().clone()
+    }
+
+    fn emit(&self, event: WorkerEvent) {
+        let _ = self.events.send(event);
+    }
+
+    /// One RPC with a deadline, retrying `UNAVAILABLE` per `policy`.
+    async fn call<T, F, Fut>(
+        &self,
+        method: &'static str,
+        wait: Duration,
+        policy: RetryPolicy,
+        mut f: F,
+    ) -> Result<T, WorkerError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let deadline = self.config.call_timeout + wait;
+        let mut attempt = 0;
+        let mut slept = Duration::ZERO;
+        loop {
+            let status = match tokio::time::timeout(deadline, f(self.client.clone())).await {
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) => status,
+                Err(_) => Status::deadline_exceeded(format!(
+                    "no answer within {deadline:?} (call_timeout plus the wait)"
+                )),
+            };
+            if !retry::retryable(status.code()) || self.closed.is_cancelled() {
+                return Err(WorkerError::Rpc { method, status });
+            }
+            let Some(delay) = policy.delay(attempt, slept, rand::random()) else {
+                return Err(WorkerError::Rpc { method, status });
+            };
+            tracing::debug!(method, attempt, ?delay, error = %status.message(), "broker unavailable; retrying");
+            tokio::time::sleep(delay).await;
+            slept += delay;
+            attempt += 1;
+        }
+    }
+
+    /// A call made with the current lease id; when the broker no longer knows the lease, opens a
+    /// new one (once) and makes the call again.
+    async fn with_lease<T, F, Fut>(
+        &self,
+        method: &'static str,
+        wait: Duration,
+        mut f: F,
+    ) -> Result<T, WorkerError>
+    where
+        F: FnMut(Client, String) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let mut reopened = false;
+        loop {
+            let lease = self.current();
+            match self
+                .call(method, wait, self.config.retry, |c| {
+                    f(c, lease.lease_id.clone())
+                })
+                .await
+            {
+                Err(e) if e.is_lease_not_found() && !reopened && !self.closed.is_cancelled() => {
+                    self.reopen(lease.generation, method).await?;
+                    reopened = true;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn open_lease(&self, app_status_id: Option<String>) -> Result<proto::Lease, WorkerError> {
+        let request = proto::OpenLeaseRequest {
+            worker_name: self.config.name.clone(),
+            versions: self.config.versions.clone().into_iter().collect(),
+            ttl: prost_types::Duration::try_from(self.config.ttl).ok(),
+            app_status_id: app_status_id.unwrap_or_default(),
+        };
+        self.call("OpenLease", Duration::ZERO, self.config.retry, |mut c| {
+            let request = request.clone();
+            async move { c.open_lease(request).await }
+        })
+        .await
+    }
+
+    fn install(&self, lease: proto::Lease) -> LeaseState {
+        let ttl = lease
+            .ttl
+            .and_then(|t| Duration::try_from(t).ok())
+            .unwrap_or(self.config.ttl);
+        let mut current = self.lease.lock().unwrap();
+        *current = LeaseState {
+            lease_id: lease.lease_id,
+            app_status_id: lease.app_status_id,
+            ttl,
+            generation: current.generation + 1,
+        };
+        current.clone()
+    }
+
+    /// Replaces the lease the broker no longer knows (unless another caller already did since
+    /// `seen_generation`). Tries the same `core_appstatus` row first, so tasks the broker rebuilt
+    /// after losing Redis come back; every other held task is reported lost.
+    async fn reopen(&self, seen_generation: u64, why: &str) -> Result<(), WorkerError> {
+        let _one_at_a_time = self.reopening.lock().await;
+        let old = self.current();
+        if old.generation != seen_generation {
+            return Ok(());
+        }
+        if self.closed.is_cancelled() {
+            return Err(WorkerError::ShuttingDown);
+        }
+        let row = Some(old.app_status_id.clone()).filter(|r| !r.is_empty());
+        let lease = match self.open_lease(row.clone()).await {
+            // The broker removed the row it had made for the old lease: start afresh, unless the
+            // row is the worker's own (configured), which must not be swapped silently.
+            Err(e) if self.config.app_status_id.is_none() && e.code() == Some(Code::NotFound) => {
+                self.open_lease(None).await?
+            }
+            other => other?,
+        };
+        let adopted: HashMap<String, u64> = lease
+            .adopted_tasks
+            .iter()
+            .map(|t| (t.task_id.clone(), t.fencing_token))
+            .collect();
+        let new = self.install(lease);
+        let (mut adopted_tasks, mut lost_tasks) = (Vec::new(), Vec::new());
+        {
+            let mut held = self.held.lock().unwrap();
+            held.retain(|task_id, h| match adopted.get(task_id) {
+                Some(token) => {
+                    h.token.store(*token, Ordering::SeqCst);
+                    adopted_tasks.push(task_id.clone());
+                    true
+                }
+                None => {
+                    h.lost.store(true, Ordering::SeqCst);
+                    h.cancel.cancel();
+                    lost_tasks.push(task_id.clone());
+                    false
+                }
+            });
+        }
+        tracing::warn!(
+            old_lease = %old.lease_id,
+            new_lease = %new.lease_id,
+            why,
+            adopted = ?adopted_tasks,
+            lost = ?lost_tasks,
+            "the broker no longer knew the lease; opened a new one"
+        );
+        self.emit(WorkerEvent::LeaseReopened {
+            old_lease_id: old.lease_id,
+            new_lease_id: new.lease_id,
+            adopted_tasks,
+            lost_tasks,
+        });
+        Ok(())
+    }
+
+    async fn heartbeat(&self) -> Result<(), WorkerError> {
+        let lease = self.current();
+        // Retry only within a third of the TTL: the next beat comes after that anyway.
+        let policy = self.config.retry.within(lease.ttl / 3);
+        let result = self
+            .call("Heartbeat", Duration::ZERO, policy, |mut c| {
+                let request = proto::HeartbeatRequest {
+                    lease_id: lease.lease_id.clone(),
+                };
+                async move { c.heartbeat(request).await }
+            })
+            .await;
+        match result {
+            Ok(reply) => {
+                let held = self.held.lock().unwrap();
+                for task_id in reply.cancel_task_ids {
+                    if let Some(h) = held.get(&task_id) {
+                        if !h.cancel.is_cancelled() {
+                            tracing::info!(%task_id, "cancel requested");
+                            h.cancel.cancel();
+                            self.emit(WorkerEvent::CancelRequested { task_id });
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Err(e) if e.is_lease_not_found() => self.reopen(lease.generation, "Heartbeat").await,
+            Err(e) => Err(e),
+        }
+    }
+}
+
+async fn heartbeat_loop(shared: Arc<Shared>) {
+    loop {
+        let ttl = shared.current().ttl;
+        let period = retry::jitter(ttl / 3, rand::random());
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = shared.closed.cancelled() => return,
+        }
+        if let Err(e) = shared.heartbeat().await {
+            if shared.closed.is_cancelled() {
+                return;
+            }
+            tracing::warn!(error = %e, "heartbeat failed");
+            shared.emit(WorkerEvent::HeartbeatFailed {
+                error: e.to_string(),
+            });
+        }
+    }
+}
+
+/// A task this worker holds: its locks stay held until `finish`, `release`, or drop (which
+/// releases in the background).
+pub struct TaskGuard {
+    task: proto::Task,
+    held: Arc<Held>,
+    shared: Arc<Shared>,
+    done: bool,
+}
+
+impl std::fmt::Debug for TaskGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskGuard")
+            .field("task_id", &self.task.task_id)
+            .field("fencing_token", &self.fencing_token())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// A final state for [`TaskGuard::finish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalState {
+    /// The task ran to its end.
+    Completed,
+    /// The task failed.
+    Failed,
+    /// The task stopped because it was asked to cancel.
+    Canceled,
+    /// The task was not run.
+    Skipped,
+}
+
+impl FinalState {
+    fn as_str(self) -> &'static str {
+        match self {
+            FinalState::Completed => "completed",
+            FinalState::Failed => "failed",
+            FinalState::Canceled => "canceled",
+            FinalState::Skipped => "skipped",
+        }
+    }
+}
+
+impl TaskGuard {
+    /// The task as the broker handed it out.
+    pub fn task(&self) -> &proto::Task {
+        &self.task
+    }
+
+    /// The task's id.
+    pub fn id(&self) -> &str {
+        &self.task.task_id
+    }
+
+    /// The fencing token of this grant (a new one when a reopened lease adopted the task).
+    pub fn fencing_token(&self) -> u64 {
+        self.held.token.load(Ordering::SeqCst)
+    }
+
+    /// Fires when a heartbeat reply asks for the task to be canceled, or when the task is lost.
+    pub fn cancelled(&self) -> CancellationToken {
+        self.held.cancel.clone()
+    }
+
+    /// True when the task is no longer this worker's (its lease ended and no new lease took it
+    /// over): stop working on it; its results must not be recorded.
+    pub fn is_lost(&self) -> bool {
+        self.held.lost.load(Ordering::SeqCst)
+    }
+
+    /// Marks the task running (StartTask), for workers that keep task state through the broker.
+    pub async fn start(&self) -> Result<(), WorkerError> {
+        self.check_held()?;
+        let task_id = self.task.task_id.clone();
+        let token = self.fencing_token();
+        self.shared
+            .with_lease("StartTask", Duration::ZERO, |mut c, lease_id| {
+                let request = proto::StartTaskRequest {
+                    lease_id,
+                    task_id: task_id.clone(),
+                    fencing_token: token,
+                };
+                async move { c.start_task(request).await }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Records the final state (with `error` for a failure) and releases the locks.
+    pub async fn finish(
+        mut self,
+        state: FinalState,
+        error: Option<String>,
+    ) -> Result<proto::FinishTaskResponse, WorkerError> {
+        self.done = true;
+        self.check_held()?;
+        self.forget();
+        let lease_id = self.shared.current().lease_id;
+        let request = proto::FinishTaskRequest {
+            lease_id,
+            task_id: self.task.task_id.clone(),
+            fencing_token: self.fencing_token(),
+            state: state.as_str().to_owned(),
+            error: error.unwrap_or_default(),
+        };
+        self.shared
+            .call(
+                "FinishTask",
+                Duration::ZERO,
+                self.shared.config.retry,
+                |mut c| {
+                    let request = request.clone();
+                    async move { c.finish_task(request).await }
+                },
+            )
+            .await
+    }
+
+    /// Releases the task's locks (ReleaseLocks); for workers that record task state themselves,
+    /// as Pulp's do. Returns false when they were already released.
+    pub async fn release(mut self) -> Result<bool, WorkerError> {
+        self.done = true;
+        self.check_held()?;
+        self.forget();
+        release(&self.shared, &self.task.task_id, self.fencing_token()).await
+    }
+
+    fn check_held(&self) -> Result<(), WorkerError> {
+        if self.is_lost() {
+            return Err(WorkerError::Lost {
+                task_id: self.task.task_id.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn forget(&self) {
+        self.shared.held.lock().unwrap().remove(&self.task.task_id);
+    }
+}
+
+async fn release(shared: &Shared, task_id: &str, token: u64) -> Result<bool, WorkerError> {
+    let lease_id = shared.current().lease_id;
+    let request = proto::ReleaseLocksRequest {
+        lease_id,
+        task_id: task_id.to_owned(),
+        fencing_token: token,
+    };
+    shared
+        .call(
+            "ReleaseLocks",
+            Duration::ZERO,
+            shared.config.retry,
+            |mut c| {
+                let request = request.clone();
+                async move { c.release_locks(request).await }
+            },
+        )
+        .await
+        .map(|r| r.released)
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.forget();
+        if self.is_lost() {
+            return;
+        }
+        let task_id = self.task.task_id.clone();
+        let token = self.fencing_token();
+        let shared = Arc::clone(&self.shared);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
+                runtime.spawn(async move {
+                    if let Err(e) = release(&shared, &task_id, token).await {
+                        tracing::warn!(%task_id, error = %e, "background release failed; the lease's end or the sweeper releases the locks");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(%task_id, "task guard dropped outside a runtime; its locks stay until the lease ends");
+            }
+        }
+    }
+}

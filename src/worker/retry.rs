@@ -1,0 +1,135 @@
+//! When and how long the worker waits before trying a call again: pure decisions.
+
+use std::time::Duration;
+
+use tonic::Code;
+
+/// Jittered exponential backoff for `UNAVAILABLE`: the n-th retry waits between half and all of
+/// `initial * 2^n` (at most `max`), until the waits add up to `max_elapsed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// The first wait (before jitter).
+    pub initial: Duration,
+    /// The longest single wait.
+    pub max: Duration,
+    /// Give up once the waits add up to this.
+    pub max_elapsed: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// 100 ms doubling to 5 s, for up to a minute: a broker restart or a rolling deploy.
+    fn default() -> Self {
+        RetryPolicy {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(5),
+            max_elapsed: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// No retries at all.
+    pub fn none() -> Self {
+        RetryPolicy {
+            max_elapsed: Duration::ZERO,
+            ..RetryPolicy::default()
+        }
+    }
+
+    /// The same policy, giving up after at most `limit` of waiting.
+    pub fn within(self, limit: Duration) -> Self {
+        RetryPolicy {
+            max_elapsed: self.max_elapsed.min(limit),
+            ..self
+        }
+    }
+
+    /// The wait before retry number `attempt` (0-based) after `slept` in earlier waits, with
+    /// `jitter` in [0, 1) picking a point in the upper half; `None` when the budget is spent.
+    pub fn delay(&self, attempt: u32, slept: Duration, jitter: f64) -> Option<Duration> {
+        let full = self
+            .initial
+            .saturating_mul(2u32.saturating_pow(attempt.min(20)))
+            .min(self.max);
+        let delay = full / 2 + full.mul_f64(jitter.clamp(0.0, 1.0) / 2.0);
+        let left = self.max_elapsed.checked_sub(slept)?;
+        if left.is_zero() {
+            return None;
+        }
+        Some(delay.min(left))
+    }
+}
+
+/// Only `UNAVAILABLE` is retried: the broker or its backends could not be reached, and the call
+/// changed nothing. Every other status is the broker's answer (`FAILED_PRECONDITION`: this worker
+/// no longer holds the task; `NOT_FOUND`: reopen the lease; ...) and repeating it cannot help.
+pub fn retryable(code: Code) -> bool {
+    code == Code::Unavailable
+}
+
+/// `period` moved by up to ±10% (`jitter` in [0, 1)), so a fleet's heartbeats spread out.
+pub fn jitter(period: Duration, jitter: f64) -> Duration {
+    period.mul_f64(0.9 + 0.2 * jitter.clamp(0.0, 1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn only_unavailable_is_retried() {
+        assert!(retryable(Code::Unavailable));
+        for code in [
+            Code::FailedPrecondition,
+            Code::NotFound,
+            Code::InvalidArgument,
+            Code::DeadlineExceeded,
+            Code::ResourceExhausted,
+            Code::Unauthenticated,
+            Code::Internal,
+        ] {
+            assert!(!retryable(code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_stops_at_the_budget() {
+        let p = RetryPolicy {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(1000),
+            max_elapsed: Duration::from_millis(2500),
+        };
+        let full = |a| p.delay(a, Duration::ZERO, 0.999_999).unwrap();
+        assert!(full(0) <= Duration::from_millis(100));
+        assert!(full(1) > Duration::from_millis(190) && full(1) <= Duration::from_millis(200));
+        assert!(full(5) <= Duration::from_millis(1000));
+        assert_eq!(
+            p.delay(0, Duration::ZERO, 0.0),
+            Some(Duration::from_millis(50))
+        );
+        // The last wait is cut to what is left of the budget; then none.
+        assert_eq!(
+            p.delay(9, Duration::from_millis(2400), 0.999),
+            Some(Duration::from_millis(100))
+        );
+        assert_eq!(p.delay(9, Duration::from_millis(2500), 0.5), None);
+        assert_eq!(RetryPolicy::none().delay(0, Duration::ZERO, 0.5), None);
+    }
+
+    proptest! {
+        #[test]
+        fn waits_stay_within_half_and_all_of_the_step(attempt in 0u32..64, jitter in 0.0f64..1.0) {
+            let p = RetryPolicy::default();
+            let d = p.delay(attempt, Duration::ZERO, jitter).unwrap();
+            let step = p.initial.saturating_mul(2u32.saturating_pow(attempt.min(20))).min(p.max);
+            prop_assert!(d >= step / 2 && d <= step);
+        }
+
+        #[test]
+        fn heartbeat_jitter_stays_within_ten_percent(j in 0.0f64..1.0) {
+            let d = jitter(Duration::from_secs(10), j);
+            prop_assert!(d >= Duration::from_secs(9) && d <= Duration::from_secs(11));
+        }
+    }
+}

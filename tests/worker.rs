@@ -1,0 +1,321 @@
+//! The Rust worker library (`dispatch_broker::worker`) against a real broker on throwaway
+//! PostgreSQL and Redis: grants, long polls, cancellation through heartbeats, lease loss (lost
+//! tasks reported, rebuilt tasks adopted), background release of dropped guards, graceful
+//! shutdown, and retrying a broker that is not up yet.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::worker::{FinalState, Worker, WorkerConfig, WorkerError, WorkerEvent};
+use support::{eventually, Env};
+use tonic::Code;
+
+const LONG: Duration = Duration::from_secs(20);
+
+fn endpoint(env: &Env) -> String {
+    format!("http://{}", env.broker().addr)
+}
+
+fn config(name: &str) -> WorkerConfig {
+    let mut config = WorkerConfig::new(name);
+    config.ttl = Duration::from_millis(900);
+    config
+}
+
+async fn connect(env: &Env, name: &str) -> Worker {
+    Worker::connect(endpoint(env), config(name))
+        .await
+        .expect("connect")
+}
+
+/// The next event matching `pick`, skipping others (heartbeat hiccups).
+async fn next_event<T>(
+    events: &mut tokio::sync::broadcast::Receiver<WorkerEvent>,
+    mut pick: impl FnMut(WorkerEvent) -> Option<T>,
+) -> T {
+    tokio::time::timeout(LONG, async {
+        loop {
+            if let Some(found) = pick(events.recv().await.expect("event stream")) {
+                return found;
+            }
+        }
+    })
+    .await
+    .expect("the event arrived")
+}
+
+#[tokio::test]
+async fn grants_come_oldest_first_and_finish_or_release_frees_the_locks() {
+    let env = Env::new().await;
+    let first = env.task(&["a", "shared:d"]).await;
+    let second = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), first.to_string());
+    assert!(guard.fencing_token() > 0);
+    assert!(
+        worker.next_task(Duration::ZERO).await.unwrap().is_none(),
+        "the second task waits behind the first"
+    );
+    env.assert_locks(&[guard.task()]).await;
+    guard.start().await.unwrap();
+    assert_eq!(env.state(first).await, "running");
+    let done = guard.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(done.state, "completed");
+    assert!(done.released);
+    assert_eq!(env.state(first).await, "completed");
+
+    // Pulp-style: the worker records state itself and only releases the locks.
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), second.to_string());
+    env.set_state(second, "completed").await;
+    assert!(guard.release().await.unwrap());
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_long_poll_receives_a_task_inserted_while_it_waits() {
+    let env = Env::new().await;
+    let worker = connect(&env, "w").await;
+    let waiting = {
+        let worker = worker.clone();
+        tokio::spawn(async move { worker.next_task(LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let task = env.task(&["a"]).await;
+    let guard = waiting
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a task before the wait ran out");
+    assert_eq!(guard.id(), task.to_string());
+    guard.release().await.unwrap();
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_cancel_reaches_the_holder_through_its_heartbeat() {
+    let env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let holder = connect(&env, "holder").await;
+    let other = connect(&env, "other").await;
+    let mut events = holder.events();
+    let guard = holder.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    assert!(!guard.cancelled().is_cancelled());
+
+    let answer = other.cancel(&task.to_string()).await.unwrap();
+    assert_eq!(answer.state, "canceling");
+    assert!(answer.holder_notified);
+    tokio::time::timeout(LONG, guard.cancelled().cancelled())
+        .await
+        .expect("the cancel signal fired");
+    let canceled = next_event(&mut events, |e| match e {
+        WorkerEvent::CancelRequested { task_id } => Some(task_id),
+        _ => None,
+    })
+    .await;
+    assert_eq!(canceled, task.to_string());
+    assert!(!guard.is_lost());
+    let done = guard.finish(FinalState::Canceled, None).await.unwrap();
+    assert_eq!(done.state, "canceled");
+    env.assert_locks(&[]).await;
+    holder.close().await.unwrap();
+    other.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_ended_elsewhere_is_replaced_and_its_tasks_reported_lost() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let mut events = worker.events();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    let old = worker.lease_id();
+
+    // The lease ends behind the worker's back (as when the sweeper expires it).
+    env.client
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+            lease_id: old.clone(),
+        })
+        .await
+        .unwrap();
+    let (new, adopted, lost) = next_event(&mut events, |e| match e {
+        WorkerEvent::LeaseReopened {
+            new_lease_id,
+            adopted_tasks,
+            lost_tasks,
+            ..
+        } => Some((new_lease_id, adopted_tasks, lost_tasks)),
+        _ => None,
+    })
+    .await;
+    assert_ne!(new, old);
+    assert_eq!(worker.lease_id(), new);
+    assert!(adopted.is_empty());
+    assert_eq!(lost, vec![task.to_string()]);
+    assert!(guard.is_lost());
+    assert!(guard.cancelled().is_cancelled());
+    assert_eq!(
+        env.state(task).await,
+        "failed",
+        "closing the lease failed it"
+    );
+    match guard.finish(FinalState::Completed, None).await {
+        Err(WorkerError::Lost { task_id }) => assert_eq!(task_id, task.to_string()),
+        other => panic!("a lost task cannot be finished: {other:?}"),
+    }
+    assert_eq!(env.state(task).await, "failed");
+
+    // The new lease works.
+    let next = env.task(&["b"]).await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), next.to_string());
+    guard.release().await.unwrap();
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn after_redis_loses_its_state_the_reopened_lease_adopts_the_running_task() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let mut events = worker.events();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    let token = guard.fencing_token();
+
+    env.redis.restart().unwrap();
+    let (adopted, lost) = next_event(&mut events, |e| match e {
+        WorkerEvent::LeaseReopened {
+            adopted_tasks,
+            lost_tasks,
+            ..
+        } => Some((adopted_tasks, lost_tasks)),
+        _ => None,
+    })
+    .await;
+    assert_eq!(adopted, vec![task.to_string()]);
+    assert!(lost.is_empty());
+    assert!(!guard.is_lost());
+    assert!(guard.fencing_token() > token, "a fresh fencing token");
+    let done = guard.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(done.state, "completed");
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_guard_dropped_without_release_releases_in_the_background() {
+    let env = Env::new().await;
+    env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(env.locked_tasks().await.len(), 1);
+    drop(guard);
+    assert!(
+        eventually(LONG, || async { env.locked_tasks().await.is_empty() })
+            .await
+            .is_some(),
+        "the dropped guard's locks were released"
+    );
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
+    let mut env = Env::new().await;
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["b"]).await;
+    let worker = connect(&env, "w").await;
+    let lease = worker.lease_id();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut started_tx = Some(started_tx);
+    let run = tokio::spawn(worker.run(
+        move |guard| {
+            let started = started_tx.take();
+            async move {
+                guard.start().await.unwrap();
+                if let Some(started) = started {
+                    let _ = started.send(());
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                guard.finish(FinalState::Completed, None).await.unwrap();
+            }
+        },
+        async move {
+            // Shutdown arrives while the first task runs.
+            let _ = started_rx.await;
+        },
+    ));
+    let handled = tokio::time::timeout(LONG, run)
+        .await
+        .expect("run ended")
+        .unwrap()
+        .unwrap();
+    assert_eq!(handled, 1);
+    assert_eq!(env.state(first).await, "completed", "it finished in grace");
+    assert_eq!(
+        env.state(second).await,
+        "waiting",
+        "no fetch after shutdown"
+    );
+    assert_eq!(env.app_lock(second).await, None);
+    env.assert_locks(&[]).await;
+    let status = env
+        .client
+        .heartbeat(dispatch_broker::proto::HeartbeatRequest { lease_id: lease })
+        .await
+        .expect_err("the lease was closed");
+    assert_eq!(status.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn connect_waits_for_a_broker_that_is_still_starting() {
+    let port = dispatch_broker::testkit::free_port().unwrap();
+    let connecting = tokio::spawn(Worker::connect(
+        format!("http://127.0.0.1:{port}"),
+        config("early"),
+    ));
+    // The broker comes up on that port only after the worker began trying.
+    let env = Env::with(|a| a.listen = format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let worker = tokio::time::timeout(LONG, connecting)
+        .await
+        .expect("connected")
+        .unwrap()
+        .expect("connect retried until the broker answered");
+    let task = env.task(&["a"]).await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), task.to_string());
+    guard.release().await.unwrap();
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn errors_name_the_call_and_the_status() {
+    let env = Env::new().await;
+    let worker = connect(&env, "w").await;
+    let err = worker.cancel("not-a-uuid").await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument));
+    let text = err.to_string();
+    assert!(
+        text.starts_with("CancelTask failed: InvalidArgument"),
+        "{text}"
+    );
+    let missing = uuid::Uuid::new_v4().to_string();
+    let err = worker.claim(&missing).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::NotFound));
+    assert!(
+        !err.is_lease_not_found(),
+        "a missing task is not a lost lease"
+    );
+    let bad = Worker::connect("not a uri", config("x")).await.unwrap_err();
+    assert!(matches!(bad, WorkerError::Endpoint { .. }), "{bad}");
+    worker.close().await.unwrap();
+}
