@@ -3,15 +3,27 @@
 
 CARGO ?= cargo
 
-.PHONY: demo test build lint fmt bench
+.PHONY: demo test test-rust test-python python-stubs build lint fmt bench
 
 demo:
 	@scripts/ensure-services.sh
 	$(CARGO) run --release --quiet -- demo
 
-test:
+test: test-rust test-python
+
+test-rust:
 	@scripts/ensure-services.sh
 	$(CARGO) test
+
+# The Python client (clients/python) against the real broker.
+test-python:
+	@scripts/ensure-services.sh
+	scripts/python-tests.sh
+
+# Regenerates the Python client's gRPC stubs from proto/ (a test fails while they are stale).
+python-stubs:
+	@[ -x target/python-venv/bin/python ] || scripts/python-tests.sh
+	target/python-venv/bin/python clients/python/gen_stubs.py
 
 build:
 	$(CARGO) build --release

@@ -31,6 +31,10 @@ pub enum Command {
     /// Start throwaway PostgreSQL and Redis servers, the broker, and a scripted exchange of
     /// workers and tasks that shows the broker at work. Needs nothing configured.
     Demo(DemoArgs),
+    /// Start throwaway PostgreSQL and Redis servers and a broker on them, print their addresses
+    /// as one JSON line, and serve until SIGTERM, Ctrl-C or the end of stdin: for trying a
+    /// client, and for the Python client's tests.
+    Sandbox(SandboxArgs),
 }
 
 /// Logging options.
@@ -204,6 +208,23 @@ pub struct HealthArgs {
     /// How long to wait for an answer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub timeout: Duration,
+}
+
+/// Options of `sandbox`.
+#[derive(Debug, Clone, Args)]
+pub struct SandboxArgs {
+    /// gRPC address (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Prometheus address (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub metrics_listen: SocketAddr,
+    /// Smallest lease TTL accepted (short TTLs make lease-loss tests quick).
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub lease_min_ttl: Duration,
+    /// How often expired leases are swept.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
 }
 
 /// Options of `demo`.

@@ -13,6 +13,7 @@ async fn main() -> std::process::ExitCode {
         Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
         Command::Health(args) => dispatch_broker::server::probe(&args).await,
         Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
+        Command::Sandbox(args) => dispatch_broker::testkit::sandbox::run(&args).await,
     };
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -6,6 +6,7 @@
 //! the cluster runs as the `postgres` user. Nothing here is used by `serve`.
 
 pub mod demo;
+pub mod sandbox;
 
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;

@@ -1,0 +1,27 @@
+"""Python client for dispatch-broker: a worker that leases, fetches, heartbeats and releases."""
+
+from .worker import (
+    BrokerError,
+    CancelRequested,
+    CancelResult,
+    HeartbeatFailed,
+    LeaseReopened,
+    RetryPolicy,
+    Task,
+    TaskLost,
+    Worker,
+    WorkerEvent,
+)
+
+__all__ = [
+    "BrokerError",
+    "CancelRequested",
+    "CancelResult",
+    "HeartbeatFailed",
+    "LeaseReopened",
+    "RetryPolicy",
+    "Task",
+    "TaskLost",
+    "Worker",
+    "WorkerEvent",
+]

@@ -1,0 +1,562 @@
+"""A dispatch-broker worker: lease, heartbeats, fetch, cancellation, clean shutdown.
+
+The same behaviour as the Rust library ``dispatch_broker::worker``:
+
+* ``Worker`` opens a lease on ``open()`` (or entering ``with``) and heartbeats every TTL/3,
+  jittered, in a daemon thread.
+* ``fetch(wait=...)`` long-polls FetchTask and returns a ``Task`` (or ``None``); a task's
+  ``cancelled`` event is set when a heartbeat reply asks for it to be canceled, or when it is lost.
+* When the broker answers NOT_FOUND for the lease, the worker opens a new one under the same
+  ``core_appstatus`` row if it still exists, keeps the tasks the broker hands back (new fencing
+  tokens) and reports every other held task lost (``Task.lost``, ``cancelled`` set, a
+  ``LeaseReopened`` event); a lost task's ``start``/``finish``/``release`` raise ``TaskLost``.
+* Every call has a deadline; UNAVAILABLE is retried with jittered exponential backoff, no other
+  status is. Failures raise ``BrokerError`` naming the call, the status and the broker's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2
+
+from ._proto import broker_pb2 as pb
+from ._proto import broker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("dispatch_broker_client")
+
+NOT_FOUND_KEY = "dispatch-not-found"
+FINAL_STATES = ("completed", "failed", "canceled", "skipped")
+
+T = TypeVar("T")
+
+
+class BrokerError(Exception):
+    """The broker answered an RPC with an error status (after retries, for UNAVAILABLE)."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, message: str, not_found: str | None = None):
+        super().__init__(f"{method} failed: {code.name}: {message}")
+        self.method = method
+        self.code = code
+        self.message = message
+        #: For NOT_FOUND: what was not found ("lease", "task" or "app-status").
+        self.not_found = not_found
+
+    @property
+    def is_lease_not_found(self) -> bool:
+        """True when the broker no longer knows the lease (expired, closed, or state lost)."""
+        return self.code == grpc.StatusCode.NOT_FOUND and self.not_found == "lease"
+
+
+class TaskLost(Exception):
+    """The task is no longer this worker's: its lease ended and no new lease took it over."""
+
+    def __init__(self, task_id: str):
+        super().__init__(f"task {task_id} is lost: the lease that held it ended; do not record its results")
+        self.task_id = task_id
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff for UNAVAILABLE: the n-th retry waits between half and all of ``initial * 2**n``
+    (at most ``maximum``) seconds, until the waits add up to ``max_elapsed``."""
+
+    initial: float = 0.1
+    maximum: float = 5.0
+    max_elapsed: float = 60.0
+
+    def delay(self, attempt: int, slept: float, jitter: float) -> float | None:
+        """The wait before retry ``attempt`` (0-based), or None when the budget is spent."""
+        step: float = min(self.initial * float(2 ** min(attempt, 20)), self.maximum)
+        left = self.max_elapsed - slept
+        if left <= 0:
+            return None
+        return min(step / 2 + step * min(max(jitter, 0.0), 1.0) / 2, left)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseReopened:
+    """The broker no longer knew the lease; a new one replaced it."""
+
+    old_lease_id: str
+    new_lease_id: str
+    adopted_tasks: list[str]
+    lost_tasks: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRequested:
+    """A heartbeat reply asked for this held task to be canceled."""
+
+    task_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatFailed:
+    """A heartbeat failed; the lease lives until its TTL runs out."""
+
+    error: str
+
+
+WorkerEvent = LeaseReopened | CancelRequested | HeartbeatFailed
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelResult:
+    """What CancelTask did."""
+
+    state: str
+    holder_notified: bool
+
+
+class Task:
+    """A task this worker holds: its locks stay held until ``finish`` or ``release`` (or the end of
+    a ``with`` block, which releases them if neither was called)."""
+
+    def __init__(self, worker: Worker, message: pb.Task):
+        self._worker = worker
+        self.task_id: str = message.task_id
+        self.name: str = message.name
+        self.exclusive_resources: list[str] = list(message.exclusive_resources)
+        self.shared_resources: list[str] = list(message.shared_resources)
+        self.immediate: bool = message.immediate
+        #: Set when a heartbeat reply asks for the task to be canceled, or when it is lost.
+        self.cancelled = threading.Event()
+        self._token = message.fencing_token
+        self._lost = False
+        self._done = False
+
+    def __repr__(self) -> str:
+        return f"Task({self.task_id!r}, name={self.name!r}, fencing_token={self._token}, lost={self._lost})"
+
+    @property
+    def fencing_token(self) -> int:
+        """The fencing token of this grant (a new one when a reopened lease adopted the task)."""
+        return self._token
+
+    @property
+    def lost(self) -> bool:
+        """True when the task is no longer this worker's; stop working on it."""
+        return self._lost
+
+    def _check(self) -> None:
+        if self._lost:
+            raise TaskLost(self.task_id)
+
+    def start(self) -> None:
+        """Marks the task running through the broker (StartTask)."""
+        self._check()
+        self._worker._with_lease(
+            "StartTask",
+            lambda stub, lease_id, timeout: stub.StartTask(
+                pb.StartTaskRequest(lease_id=lease_id, task_id=self.task_id, fencing_token=self._token),
+                timeout=timeout,
+            ),
+        )
+
+    def finish(self, state: str = "completed", error: str | None = None) -> str:
+        """Records the final state (``error`` for a failure) and releases the locks; returns the
+        state the task has now."""
+        if state not in FINAL_STATES:
+            raise ValueError(f"state must be one of {', '.join(FINAL_STATES)}, not {state!r}")
+        self._check()
+        self._done = True
+        self._worker._forget(self.task_id)
+        request = pb.FinishTaskRequest(
+            lease_id=self._worker.lease_id,
+            task_id=self.task_id,
+            fencing_token=self._token,
+            state=state,
+            error=error or "",
+        )
+        reply = self._worker._call("FinishTask", lambda stub, timeout: stub.FinishTask(request, timeout=timeout))
+        return str(reply.state)
+
+    def release(self) -> bool:
+        """Releases the task's locks (for workers that record task state themselves, as Pulp's
+        do). Returns False when they were already released."""
+        self._check()
+        self._done = True
+        self._worker._forget(self.task_id)
+        request = pb.ReleaseLocksRequest(
+            lease_id=self._worker.lease_id, task_id=self.task_id, fencing_token=self._token
+        )
+        reply = self._worker._call("ReleaseLocks", lambda stub, timeout: stub.ReleaseLocks(request, timeout=timeout))
+        return bool(reply.released)
+
+    def __enter__(self) -> Task:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._done and not self._lost:
+            log.warning("task %s left its block without finish or release; releasing its locks", self.task_id)
+            self.release()
+
+
+class Worker:
+    """One worker's lease on the broker at ``target`` (``host:port``)."""
+
+    def __init__(
+        self,
+        target: str,
+        name: str,
+        *,
+        versions: Mapping[str, str] | None = None,
+        ttl: float = 30.0,
+        token: str | None = None,
+        app_status_id: str | None = None,
+        call_timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        target = target.removeprefix("http://")
+        self.name = name
+        self.versions = dict(versions or {})
+        self.ttl = ttl
+        self.call_timeout = call_timeout
+        self.retry = retry or RetryPolicy()
+        self._configured_app_status = app_status_id
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials)
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.BrokerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self._reopening = threading.Lock()
+        self._lease_id = ""
+        self._app_status_id = app_status_id or ""
+        self._lease_ttl = ttl
+        self._generation = 0
+        self._held: dict[str, Task] = {}
+        #: Set once shutdown began: fetch returns None from then on.
+        self.stopping = threading.Event()
+        self._closed = threading.Event()
+        #: LeaseReopened, CancelRequested and HeartbeatFailed, in order.
+        self.events: queue.Queue[WorkerEvent] = queue.Queue()
+        self._heartbeat: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self) -> Worker:
+        """Opens the lease and starts heartbeating. Retries UNAVAILABLE (a broker still starting)."""
+        self._install(self._open_lease(self._configured_app_status))
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="dispatch-heartbeat", daemon=True)
+        self._heartbeat.start()
+        return self
+
+    def __enter__(self) -> Worker:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def stop(self) -> None:
+        """Stops fetching; held tasks are unaffected until ``close``."""
+        self.stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop fetching (call from the main thread). ``run`` then lets the
+        running task finish and closes the lease."""
+
+        def handler(signum: int, frame: Any) -> None:
+            log.info("signal %s: stopping after the running task", signum)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def close(self) -> pb.CloseLeaseResponse:
+        """Ends the lease: the broker releases its locks, requeues claimed tasks that did not start
+        and fails those still running. Heartbeats stop."""
+        self.stop()
+        if self._closed.is_set():
+            return pb.CloseLeaseResponse()
+        lease_id = self.lease_id
+        reply: pb.CloseLeaseResponse
+        try:
+            reply = self._call(
+                "CloseLease",
+                lambda stub, timeout: stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease_id), timeout=timeout),
+            )
+        except BrokerError as e:
+            if not e.is_lease_not_found:
+                raise
+            reply = pb.CloseLeaseResponse()
+        finally:
+            self._closed.set()
+            with self._lock:
+                held, self._held = list(self._held.values()), {}
+            for task in held:
+                task._lost = True
+                task.cancelled.set()
+            self._channel.close()
+        return reply
+
+    # -- tasks -----------------------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> str:
+        """The lease in use now (it changes when the worker reopens one)."""
+        with self._lock:
+            return self._lease_id
+
+    @property
+    def app_status_id(self) -> str:
+        """The core_appstatus row the lease claims tasks for."""
+        with self._lock:
+            return self._app_status_id
+
+    def fetch(self, wait: float = 0.0, skip: Sequence[str] = ()) -> Task | None:
+        """Waits up to ``wait`` seconds for the oldest ready task this worker may run, locked and
+        claimed under its lease. None when nothing became ready, or when the worker is stopping."""
+        if self.stopping.is_set():
+            return None
+        reply = self._with_lease(
+            "FetchTask",
+            lambda stub, lease_id, timeout: stub.FetchTask(
+                pb.FetchTaskRequest(lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip)),
+                timeout=timeout,
+            ),
+            wait=wait,
+        )
+        return self._grant(reply)
+
+    def claim(self, task_id: str) -> Task | None:
+        """Immediate dispatch: locks and claims exactly this task if it is ready now."""
+        reply = self._with_lease(
+            "ClaimTask",
+            lambda stub, lease_id, timeout: stub.ClaimTask(
+                pb.ClaimTaskRequest(lease_id=lease_id, task_id=task_id), timeout=timeout
+            ),
+        )
+        return self._grant(reply)
+
+    def cancel(self, task_id: str) -> CancelResult:
+        """Cancels any task: waiting -> canceled now; running -> its holder is told."""
+        reply = self._call(
+            "CancelTask",
+            lambda stub, timeout: stub.CancelTask(pb.CancelTaskRequest(task_id=task_id), timeout=timeout),
+        )
+        return CancelResult(state=reply.state, holder_notified=reply.holder_notified)
+
+    def run(self, handler: Callable[[Task], None], *, wait: float = 30.0, grace: float = 30.0) -> int:
+        """Runs tasks one at a time with ``handler`` until ``stop()`` (e.g. by SIGTERM with
+        ``install_signal_handlers``); then lets the running task finish, sets its ``cancelled``
+        event if it runs longer than ``grace`` seconds after the stop, and closes the lease.
+        The handler should ``finish`` (or ``release``) its task; one that does neither has the
+        task released for it. Returns the number of tasks handled."""
+        handled = 0
+        try:
+            while not self.stopping.is_set():
+                task = self.fetch(wait=wait)
+                if task is None:
+                    continue
+                handled += 1
+                watchdog = threading.Thread(target=self._grace_watch, args=(task, grace), daemon=True)
+                watchdog.start()
+                try:
+                    with task:
+                        handler(task)
+                except Exception:  # noqa: BLE001 - one task's failure must not stop the worker
+                    log.exception("the handler failed on task %s; its locks were released", task.task_id)
+        finally:
+            self.close()
+        return handled
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _grace_watch(self, task: Task, grace: float) -> None:
+        while not task._done and not task._lost:
+            if self.stopping.wait(0.1):
+                if not task.cancelled.wait(grace) and not task._done:
+                    log.warning("task %s still runs %.1fs after shutdown began; asking it to stop", task.task_id, grace)
+                    task.cancelled.set()
+                return
+
+    def _grant(self, reply: pb.FetchTaskResponse) -> Task | None:
+        if not reply.HasField("task"):
+            return None
+        task = Task(self, reply.task)
+        with self._lock:
+            self._held[task.task_id] = task
+        return task
+
+    def _forget(self, task_id: str) -> None:
+        with self._lock:
+            self._held.pop(task_id, None)
+
+    def _call(self, method: str, fn: Callable[[pb_grpc.BrokerStub, float], T], wait: float = 0.0,
+              retry: RetryPolicy | None = None) -> T:
+        """One RPC with a deadline, retrying UNAVAILABLE per the retry policy."""
+        policy = retry or self.retry
+        timeout = self.call_timeout + wait
+        stub = _Authed(self._stub, self._metadata)
+        attempt, slept = 0, 0.0
+        while True:
+            try:
+                return fn(stub, timeout)  # type: ignore[arg-type]
+            except grpc.RpcError as e:
+                code = e.code()
+                message = e.details() or ""
+                not_found = None
+                for key, value in e.trailing_metadata() or ():
+                    if key == NOT_FOUND_KEY:
+                        not_found = value
+                error = BrokerError(method, code, message, not_found)
+                if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
+                    raise error from None
+                delay = policy.delay(attempt, slept, random.random())
+                if delay is None:
+                    raise error from None
+                log.debug("%s: broker unavailable (%s); retrying in %.2fs", method, message, delay)
+                time.sleep(delay)
+                slept += delay
+                attempt += 1
+
+    def _with_lease(self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0) -> T:
+        """A call made with the current lease id; when the broker no longer knows the lease, opens a
+        new one (once) and makes the call again."""
+        reopened = False
+        while True:
+            with self._lock:
+                lease_id, generation = self._lease_id, self._generation
+            try:
+                return self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout), wait=wait)
+            except BrokerError as e:
+                if not e.is_lease_not_found or reopened or self._closed.is_set():
+                    raise
+                self._reopen(generation, method)
+                reopened = True
+
+    def _open_lease(self, app_status_id: str | None) -> pb.Lease:
+        request = pb.OpenLeaseRequest(
+            worker_name=self.name,
+            versions=self.versions,
+            ttl=_duration(self.ttl),
+            app_status_id=app_status_id or "",
+        )
+        lease: pb.Lease = self._call("OpenLease", lambda stub, timeout: stub.OpenLease(request, timeout=timeout))
+        return lease
+
+    def _install(self, lease: pb.Lease) -> None:
+        with self._lock:
+            self._lease_id = lease.lease_id
+            self._app_status_id = lease.app_status_id
+            if lease.HasField("ttl"):
+                self._lease_ttl = lease.ttl.ToTimedelta().total_seconds()
+            self._generation += 1
+
+    def _reopen(self, seen_generation: int, why: str) -> None:
+        with self._reopening:
+            with self._lock:
+                if self._generation != seen_generation:
+                    return
+                old_lease, row = self._lease_id, self._app_status_id
+            try:
+                lease = self._open_lease(row or None)
+            except BrokerError as e:
+                # The broker removed the row it had made for the old lease: start afresh, unless
+                # the row is the worker's own, which must not be swapped silently.
+                if self._configured_app_status or e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                lease = self._open_lease(None)
+            adopted = {t.task_id: t.fencing_token for t in lease.adopted_tasks}
+            self._install(lease)
+            kept, lost = [], []
+            with self._lock:
+                for task_id, task in list(self._held.items()):
+                    if task_id in adopted:
+                        task._token = adopted[task_id]
+                        kept.append(task_id)
+                    else:
+                        task._lost = True
+                        task.cancelled.set()
+                        del self._held[task_id]
+                        lost.append(task_id)
+            log.warning(
+                "the broker no longer knew lease %s (%s); opened %s, adopted %s, lost %s",
+                old_lease, why, lease.lease_id, kept, lost,
+            )
+            self.events.put(LeaseReopened(old_lease, lease.lease_id, kept, lost))
+
+    def _heartbeat_once(self) -> None:
+        with self._lock:
+            lease_id, generation, ttl = self._lease_id, self._generation, self._lease_ttl
+        policy = dataclasses.replace(self.retry, max_elapsed=min(self.retry.max_elapsed, ttl / 3))
+        try:
+            reply = self._call(
+                "Heartbeat",
+                lambda stub, timeout: stub.Heartbeat(pb.HeartbeatRequest(lease_id=lease_id), timeout=timeout),
+                retry=policy,
+            )
+        except BrokerError as e:
+            if e.is_lease_not_found and not self._closed.is_set():
+                self._reopen(generation, "Heartbeat")
+                return
+            raise
+        for task_id in reply.cancel_task_ids:
+            with self._lock:
+                task = self._held.get(task_id)
+            if task is not None and not task.cancelled.is_set():
+                log.info("cancel requested for task %s", task_id)
+                task.cancelled.set()
+                self.events.put(CancelRequested(task_id))
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            with self._lock:
+                period = self._lease_ttl / 3 * (0.9 + 0.2 * random.random())
+            if self._closed.wait(period):
+                return
+            try:
+                self._heartbeat_once()
+            except Exception as e:  # noqa: BLE001 - the loop must survive anything
+                if self._closed.is_set():
+                    return
+                log.warning("heartbeat failed: %s", e)
+                self.events.put(HeartbeatFailed(str(e)))
+
+
+class _Authed:
+    """The stub with the bearer token added to every call."""
+
+    def __init__(self, stub: pb_grpc.BrokerStub, metadata: tuple[tuple[str, str], ...]):
+        self._stub = stub
+        self._metadata = metadata
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        call = getattr(self._stub, method)
+        if not self._metadata:
+            return call  # type: ignore[no-any-return]
+
+        def with_token(request: Any, timeout: float) -> Any:
+            return call(request, timeout=timeout, metadata=self._metadata)
+
+        return with_token
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d

@@ -1,0 +1,212 @@
+"""The Python worker against a real broker on throwaway PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import REPO, Db, Sandbox, start_sandbox, stop_sandbox
+from dispatch_broker_client import (
+    BrokerError,
+    CancelRequested,
+    LeaseReopened,
+    RetryPolicy,
+    TaskLost,
+    Worker,
+)
+from dispatch_broker_client._proto import broker_pb2 as pb
+from dispatch_broker_client._proto import broker_pb2_grpc as pb_grpc
+
+LONG = 20.0
+
+
+def worker(sandbox: Sandbox, name: str = "py-worker", **kw: object) -> Worker:
+    kw.setdefault("ttl", 0.9)
+    return Worker(sandbox.address, name, **kw)  # type: ignore[arg-type]
+
+
+def next_event(w: Worker, kind: type) -> object:
+    deadline = time.monotonic() + LONG
+    while time.monotonic() < deadline:
+        event = w.events.get(timeout=LONG)
+        if isinstance(event, kind):
+            return event
+    raise AssertionError(f"no {kind.__name__} event")
+
+
+def test_grants_oldest_first_and_finish_or_release_frees_the_locks(sandbox: Sandbox, db: Db, resource: str) -> None:
+    first = db.task(resource, "shared:prn:core.domain:d")
+    second = db.task(resource)
+    with worker(sandbox) as w:
+        task = w.fetch()
+        assert task is not None and task.task_id == first
+        assert task.fencing_token > 0
+        assert task.exclusive_resources == [resource]
+        assert w.fetch() is None, "the second task waits behind the first"
+        task.start()
+        assert db.state(first) == "running"
+        assert task.finish("completed") == "completed"
+        assert db.state(first) == "completed"
+
+        # Pulp-style: the worker records the state itself and only releases the locks.
+        task = w.fetch()
+        assert task is not None and task.task_id == second
+        db.conn.execute("UPDATE core_task SET state = 'completed' WHERE pulp_id = %s", (second,))
+        assert task.release() is True
+
+
+def test_a_long_poll_receives_a_task_inserted_while_it_waits(sandbox: Sandbox, db: Db, resource: str) -> None:
+    inserted: list[str] = []
+    timer = threading.Timer(0.3, lambda: inserted.append(db.task(resource)))
+    with worker(sandbox) as w:
+        timer.start()
+        task = w.fetch(wait=LONG)
+        assert task is not None, "a task arrived before the wait ran out"
+        assert task.task_id == inserted[0]
+        task.release()
+
+
+def test_a_cancel_reaches_the_holder_through_its_heartbeat(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox, "holder") as holder, worker(sandbox, "other") as other:
+        task = holder.fetch()
+        assert task is not None
+        task.start()
+        assert not task.cancelled.is_set()
+        answer = other.cancel(task_id)
+        assert answer.state == "canceling" and answer.holder_notified
+        assert task.cancelled.wait(LONG), "the heartbeat reply set the cancel event"
+        event = next_event(holder, CancelRequested)
+        assert isinstance(event, CancelRequested) and event.task_id == task_id
+        assert not task.lost
+        assert task.finish("canceled") == "canceled"
+
+
+def test_a_lease_ended_elsewhere_is_replaced_and_its_tasks_reported_lost(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox) as w:
+        task = w.fetch()
+        assert task is not None
+        task.start()
+        old = w.lease_id
+        # The lease ends behind the worker's back (as when the sweeper expires it).
+        with grpc.insecure_channel(sandbox.address) as channel:
+            pb_grpc.BrokerStub(channel).CloseLease(pb.CloseLeaseRequest(lease_id=old), timeout=10)
+        event = next_event(w, LeaseReopened)
+        assert isinstance(event, LeaseReopened)
+        assert event.old_lease_id == old and event.new_lease_id == w.lease_id != old
+        assert event.lost_tasks == [task_id] and event.adopted_tasks == []
+        assert task.lost and task.cancelled.is_set()
+        assert db.state(task_id) == "failed", "closing the lease failed the running task"
+        with pytest.raises(TaskLost):
+            task.finish("completed")
+        assert db.state(task_id) == "failed"
+        # The new lease works.
+        fresh = db.task(resource)
+        task = w.fetch()
+        assert task is not None and task.task_id == fresh
+        task.release()
+
+
+def test_leaving_a_task_block_without_finish_releases_it(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox, "first") as first, worker(sandbox, "second") as second:
+        with first.fetch() as task:  # type: ignore[union-attr]
+            assert task.task_id == task_id
+            assert second.fetch() is None, "held by the first worker"
+        again = second.fetch()
+        assert again is not None and again.task_id == task_id, "released and back in the queue"
+        again.release()
+
+
+def test_errors_name_the_call_the_status_and_the_message(sandbox: Sandbox, db: Db) -> None:
+    with worker(sandbox) as w:
+        with pytest.raises(BrokerError) as bad:
+            w.cancel("not-a-uuid")
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(bad.value).startswith("CancelTask failed: INVALID_ARGUMENT: ")
+        with pytest.raises(BrokerError) as missing:
+            w.claim("00000000-0000-4000-8000-000000000000")
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        assert missing.value.not_found == "task" and not missing.value.is_lease_not_found
+    with pytest.raises(BrokerError) as ttl:
+        Worker(sandbox.address, "w", ttl=0.001).open()
+    assert ttl.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ttl" in ttl.value.message
+
+
+WORKER_SCRIPT = """
+import sys, time
+sys.path.insert(0, {client!r})
+from dispatch_broker_client import Worker
+
+w = Worker({address!r}, "sigterm-worker", ttl=0.9).open()
+w.install_signal_handlers()
+
+def handle(task):
+    task.start()
+    print("started", task.task_id, flush=True)
+    time.sleep(1.0)
+    task.finish("completed")
+
+print("handled", w.run(handle, wait=1.0), flush=True)
+"""
+
+
+def test_sigterm_lets_the_running_task_finish_and_closes_the_lease(sandbox: Sandbox, db: Db, resource: str) -> None:
+    first = db.task(resource)
+    second = db.task(resource + "-b")
+    script = WORKER_SCRIPT.format(client=str(REPO / "clients" / "python"), address=sandbox.address)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    started = process.stdout.readline().split()
+    assert started == ["started", first]
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=LONG)
+    assert process.returncode == 0
+    assert out.split() == ["handled", "1"]
+    assert db.state(first) == "completed", "it finished after SIGTERM"
+    assert db.state(second) == "waiting" and db.app_lock(second) is None, "nothing fetched after SIGTERM"
+
+
+def test_open_waits_for_a_broker_that_is_still_starting() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = Worker(f"127.0.0.1:{port}", "early", ttl=0.9)
+    opened: list[object] = []
+    thread = threading.Thread(target=lambda: opened.append(w.open()))
+    thread.start()
+    time.sleep(0.3)
+    box = start_sandbox("--listen", f"127.0.0.1:{port}")
+    try:
+        thread.join(LONG)
+        assert opened == [w], "open retried until the broker answered"
+        assert w.lease_id
+        w.close()
+    finally:
+        stop_sandbox(box)
+
+
+def test_retry_policy_backs_off_within_its_budget() -> None:
+    p = RetryPolicy(initial=0.1, maximum=1.0, max_elapsed=2.5)
+    assert p.delay(0, 0.0, 0.0) == pytest.approx(0.05)
+    assert 0.1 <= p.delay(1, 0.0, 0.5) <= 0.2  # type: ignore[operator]
+    assert p.delay(10, 0.0, 0.999) <= 1.0  # type: ignore[operator]
+    assert p.delay(9, 2.4, 0.999) == pytest.approx(0.1)
+    assert p.delay(9, 2.5, 0.5) is None
+
+
+def test_committed_stubs_match_the_proto() -> None:
+    gen = pathlib.Path(__file__).resolve().parents[1] / "gen_stubs.py"
+    result = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
