@@ -584,3 +584,40 @@ async fn claims_without_locks_are_requeued_or_locked_again() {
     env.assert_locks(&[&t2]).await;
     env.shutdown().await;
 }
+
+/// A task a Pulp API process runs itself (an immediate task: claimed by the API's own
+/// core_appstatus row, which holds no lease) is not the broker's claim: the reconciler leaves it
+/// alone (no requeue, no rebuild), and the readiness rule still keeps conflicting tasks back.
+#[tokio::test]
+async fn a_task_run_by_a_pulp_api_process_is_left_alone() {
+    let mut env = reconciling_env().await;
+    let api = uuid::Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+             VALUES ($1, 'api', 'api@host', interval '30 seconds')",
+            &[&api],
+        )
+        .await
+        .unwrap();
+    let immediate = env.task(&["a"]).await;
+    env.db
+        .execute(
+            "UPDATE core_task SET app_lock_id = $2, state = 'running', \
+             pulp_last_updated = now() - interval '1 hour' WHERE pulp_id = $1",
+            &[&immediate, &api],
+        )
+        .await
+        .unwrap();
+    let behind = env.task(&["a"]).await;
+    let rebuilds = env.broker().background_stats.snapshot().rebuilds;
+    let lease = env.open("w").await;
+    // Several reconciler turns pass.
+    tokio::time::sleep(SWEEP * 6).await;
+    assert_eq!(env.app_lock(immediate).await, Some(api));
+    assert_eq!(env.state(immediate).await, "running");
+    assert_eq!(env.broker().background_stats.snapshot().rebuilds, rebuilds);
+    assert!(env.fetch(&lease).await.is_none(), "{behind} waits behind it");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
