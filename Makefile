@@ -3,13 +3,13 @@
 
 CARGO ?= cargo
 
-.PHONY: demo test test-rust test-python python-stubs build lint fmt bench
+.PHONY: demo test test-rust test-python test-pulp python-stubs build lint fmt bench
 
 demo:
 	@scripts/ensure-services.sh
 	$(CARGO) run --release --quiet -- demo
 
-test: test-rust test-python
+test: test-rust test-python test-pulp
 
 test-rust:
 	@scripts/ensure-services.sh
@@ -19,6 +19,11 @@ test-rust:
 test-python:
 	@scripts/ensure-services.sh
 	scripts/python-tests.sh
+
+# Real Pulp (pulpcore 3.123.1 from PyPI, its own migrations) with two broker-backed workers.
+test-pulp:
+	@scripts/ensure-services.sh
+	scripts/pulp-tests.sh
 
 # Regenerates the Python client's gRPC stubs from proto/ (a test fails while they are stale).
 python-stubs:

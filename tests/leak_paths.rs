@@ -617,7 +617,10 @@ async fn a_task_run_by_a_pulp_api_process_is_left_alone() {
     assert_eq!(env.app_lock(immediate).await, Some(api));
     assert_eq!(env.state(immediate).await, "running");
     assert_eq!(env.broker().background_stats.snapshot().rebuilds, rebuilds);
-    assert!(env.fetch(&lease).await.is_none(), "{behind} waits behind it");
+    assert!(
+        env.fetch(&lease).await.is_none(),
+        "{behind} waits behind it"
+    );
     env.assert_locks(&[]).await;
     env.shutdown().await;
 }

@@ -31,6 +31,7 @@ class Sandbox:
     endpoint: str
     address: str
     postgres_url: str
+    redis_url: str
     process: subprocess.Popen[str]
 
 
@@ -47,7 +48,7 @@ def start_sandbox(*extra: str) -> Sandbox:
     if not line:
         raise RuntimeError(f"dispatch-broker sandbox exited with {process.wait()} before it served")
     info = json.loads(line)
-    return Sandbox(info["endpoint"], info["address"], info["postgres_url"], process)
+    return Sandbox(info["endpoint"], info["address"], info["postgres_url"], info["redis_url"], process)
 
 
 def stop_sandbox(sandbox: Sandbox) -> None:

@@ -1,0 +1,256 @@
+"""A Pulp (pulpcore 3.123) worker whose locks, liveness and cancellation go through dispatch-broker.
+
+Pulp's own task execution stays: the worker registers its ``core_appstatus`` row, runs each task
+in a subprocess through ``pulpcore.tasking._util.perform_task`` (immediate tasks in-process through
+``pulpcore.tasking.tasks.execute_task``), which sets the task running, executes it and records its
+final state, and it cleans up canceled tasks as Pulp does. What the broker now owns is replaced:
+
+* no Redis locks in the worker: ``FetchTask`` hands out the oldest ready task, locked and claimed
+  under the worker's lease (``app_lock`` is the worker's own row);
+* ``ReleaseLocks`` after the task ended (a task that never started goes back to the queue);
+* cancellation arrives in the heartbeat reply (Pulp's API sets the task ``canceling``);
+* liveness is the lease: the broker's heartbeats refresh the row's ``last_heartbeat``, and a dead
+  worker's lease expires, which releases its locks and fails its running tasks.
+
+Run ``pulpcore-broker-worker --broker HOST:PORT`` with the usual Pulp settings (``PULP_*``
+environment or settings file). Pulp's API and content processes keep ``WORKER_TYPE = "pulpcore"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from multiprocessing import Process
+from tempfile import TemporaryDirectory
+from typing import Any
+
+from .worker import Task as BrokerTask
+from .worker import Worker
+
+log = logging.getLogger("dispatch_broker_client.pulp")
+
+# How often a supervised task's subprocess is checked (cancel requests, a lost lease, shutdown).
+SUPERVISE_INTERVAL = 0.2
+# Seconds between repeated abort signals to a task that does not stop.
+KILL_INTERVAL = 1.0
+
+
+class BrokerPulpWorker:
+    """One Pulp worker process."""
+
+    def __init__(self, broker: str, token: str | None = None):
+        from django.conf import settings
+
+        from pulpcore.app.apps import pulp_plugin_configs
+        from pulpcore.app.models import AppStatus
+        from pulpcore.app.util import get_worker_name
+
+        self.name = get_worker_name()
+        self.versions = {app.label: app.version for app in pulp_plugin_configs()}
+        self.app_status = AppStatus.objects.create(name=self.name, app_type="worker", versions=self.versions)
+        self.poll = float(settings.WORKER_TTL) / 3
+        self.grace = float(settings.TASK_GRACE_INTERVAL)
+        self.worker = Worker(
+            broker,
+            self.name,
+            versions=self.versions,
+            ttl=float(settings.WORKER_TTL),
+            token=token,
+            app_status_id=str(self.app_status.pk),
+        )
+        self.shutdown_requested = False
+        # None: a running task may finish however long it takes (SIGTERM, SIGHUP); otherwise the
+        # monotonic time after which it is aborted (SIGINT: TASK_GRACE_INTERVAL).
+        self.abort_at: float | None = None
+        self.next_beat = 0.0
+
+    def _signal(self, signum: int, frame: Any) -> None:
+        if signum in (signal.SIGTERM, signal.SIGHUP):
+            log.info("Worker %s was requested to shut down gracefully.", self.name)
+            self.abort_at = None
+        else:
+            # A second signal is not graceful any more.
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(s, signal.SIG_DFL)
+            log.info("Worker %s was requested to shut down.", self.name)
+            self.abort_at = time.monotonic() + self.grace
+        self.shutdown_requested = True
+        self.worker.stop()
+
+    def run(self, burst: bool = False) -> int:
+        """Fetches and runs tasks until a shutdown signal (or, with ``burst``, until none is
+        ready); closes the lease and removes the worker's row at the end. Returns the number of
+        tasks handled."""
+        from pulpcore.tasking._util import startup_hook
+        from pulpcore.tasking.storage import WorkerDirectory
+
+        handled = 0
+        with WorkerDirectory(self.name):
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(s, self._signal)
+            self.worker.open()
+            log.info("Worker %s serves tasks from the broker (lease %s).", self.name, self.worker.lease_id)
+            try:
+                startup_hook()
+                while not self.worker.stopping.is_set():
+                    self.beat()
+                    task = self.worker.fetch(wait=0.0 if burst else self.poll)
+                    if task is None:
+                        if burst:
+                            break
+                        continue
+                    handled += 1
+                    self.handle(task)
+            finally:
+                self.worker.close()
+                self.app_status.delete()
+                log.info("Worker %s was shut down after %d task(s).", self.name, handled)
+        return handled
+
+    def beat(self) -> None:
+        """Pulp's periodic duty that stays with the workers: dispatching scheduled tasks (one
+        worker at a time, under Pulp's advisory lock)."""
+        now = time.monotonic()
+        if now < self.next_beat:
+            return
+        self.next_beat = now + self.poll
+        from django.db import connection, transaction
+
+        from pulpcore.constants import TASK_SCHEDULING_LOCK
+        from pulpcore.tasking._util import dispatch_scheduled_tasks
+
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", [0, TASK_SCHEDULING_LOCK])
+                if cursor.fetchone()[0]:
+                    dispatch_scheduled_tasks()
+
+    def handle(self, granted: BrokerTask) -> None:
+        """Runs one granted task the way Pulp does, then releases its locks."""
+        from pulpcore.app.models import Task
+        from pulpcore.constants import TASK_STATES
+
+        try:
+            task = Task.objects.select_related("pulp_domain").get(pk=granted.task_id)
+            if task.state == TASK_STATES.CANCELING:
+                # Canceled between the grant and now: it never ran.
+                task.set_canceled()
+            elif task.state == TASK_STATES.WAITING:
+                if task.immediate:
+                    self.run_immediate(task)
+                else:
+                    self.supervise(task, granted)
+        except Exception:
+            log.exception("Handling task %s failed.", granted.task_id)
+        finally:
+            if not granted.lost:
+                # A task that never started goes back to the queue; any other just unlocks.
+                granted.release()
+
+    def run_immediate(self, task: Any) -> None:
+        """An immediate task runs in this process, as Pulp runs it."""
+        from pulpcore.tasking.tasks import execute_task, using_workdir
+
+        log.info("Worker %s executes immediate task %s.", self.name, task.pk)
+        with using_workdir():
+            execute_task(task)
+
+    def supervise(self, task: Any, granted: BrokerTask) -> None:
+        """Runs the task in a subprocess (Pulp's perform_task) and watches it: a cancel request
+        from the heartbeat reply or a shutdown past its grace aborts it (SIGUSR1, as Pulp does);
+        a lost lease kills it at once, since the broker has already handed its locks back."""
+        from pulpcore.constants import TASK_FINAL_STATES, TASK_STATES
+        from pulpcore.tasking._util import delete_incomplete_resources, perform_task
+
+        cancel_state: str | None = None
+        reason: str | None = None
+        last_signal = 0.0
+        with TemporaryDirectory(dir=".") as workdir:
+            process = Process(target=perform_task, args=(task.pk, workdir))
+            process.start()
+            assert process.pid is not None
+            while True:
+                process.join(SUPERVISE_INTERVAL)
+                if not process.is_alive():
+                    break
+                if granted.lost:
+                    log.error("The lease of task %s ended; killing it (its locks are gone).", task.pk)
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.join()
+                    return
+                if cancel_state is None and granted.cancelled.is_set():
+                    log.info("Received signal to cancel current task %s.", task.pk)
+                    cancel_state = TASK_STATES.CANCELED
+                if (
+                    cancel_state is None
+                    and self.shutdown_requested
+                    and self.abort_at is not None
+                    and time.monotonic() > self.abort_at
+                ):
+                    log.info("Aborting current task %s due to worker shutdown.", task.pk)
+                    cancel_state = TASK_STATES.FAILED
+                    reason = "Aborted during worker shutdown."
+                if cancel_state is not None and time.monotonic() - last_signal > KILL_INTERVAL:
+                    last_signal = time.monotonic()
+                    os.kill(process.pid, signal.SIGUSR1)
+            if cancel_state is None and process.exitcode != 0:
+                log.warning("Task process for %s exited with non zero exitcode %s.", task.pk, process.exitcode)
+                cancel_state = TASK_STATES.FAILED
+                if process.exitcode is not None and process.exitcode < 0:
+                    reason = f"Killed by signal {-process.exitcode}."
+        if cancel_state is not None:
+            task.refresh_from_db()
+            if task.state not in TASK_FINAL_STATES:
+                task.set_canceling()
+                log.info("Cleaning up task %s and marking as %s.", task.pk, cancel_state)
+                delete_incomplete_resources(task)
+                task.set_canceled(final_state=cancel_state, reason=reason)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pulpcore-broker-worker``: a Pulp worker served by dispatch-broker."""
+    parser = argparse.ArgumentParser(
+        prog="pulpcore-broker-worker",
+        description="A Pulp worker whose resource locks, liveness and cancellation go through "
+        "dispatch-broker. Pulp settings come from the usual PULP_* environment and settings file.",
+    )
+    parser.add_argument(
+        "--broker",
+        default=os.environ.get("DISPATCH_BROKER_ADDRESS", "127.0.0.1:50051"),
+        help="the broker's gRPC address, host:port (env DISPATCH_BROKER_ADDRESS)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("DISPATCH_BROKER_TOKEN"),
+        help="bearer token for the broker (env DISPATCH_BROKER_TOKEN)",
+    )
+    parser.add_argument("--burst", action="store_true", help="exit once no task is ready")
+    parser.add_argument(
+        "--name-template",
+        help="format of the worker's name; '{pid}', '{hostname}' and '{fqdn}' are substituted",
+    )
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pulpcore.app.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    if args.name_template:
+        settings.set("WORKER_NAME_TEMPLATE", args.name_template)
+    try:
+        BrokerPulpWorker(args.broker, args.token).run(burst=args.burst)
+    except Exception as e:  # noqa: BLE001 - one line for the operator, not a traceback
+        log.exception("pulpcore-broker-worker failed")
+        print(f"pulpcore-broker-worker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Real Pulp through the broker: pulpcore 3.123.1's own migrations on a throwaway database, tasks
+dispatched with pulpcore's own dispatch() and canceled with its cancel_task(), two
+pulpcore-broker-worker processes, and the final states, order and locks checked afterwards.
+
+Run by `make test-pulp` (scripts/pulp-tests.sh installs pulpcore into a virtualenv); skipped
+where pulpcore is not installed."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+pytest.importorskip("pulpcore")
+
+from conftest import REPO, Sandbox, broker_binary  # noqa: E402
+
+SLEEP = "pulpcore.app.tasks.test.sleep"
+ASLEEP = "pulpcore.app.tasks.test.asleep"  # immediate tasks must be async
+REPO_R = "prn:file.filerepository:R"
+LONG = 120.0
+
+
+def wait_for(what: str, check: Any, limit: float = LONG) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def pulp(sandbox: Sandbox) -> Iterator[dict[str, str]]:
+    """A database pulpcore's migrations made, its settings as PULP_* variables, and Django set up
+    in this process on it."""
+    url = urllib.parse.urlparse(sandbox.postgres_url)
+    with psycopg.connect(sandbox.postgres_url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE pulp")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="pulp-it-"))
+    for d in ("media", "work", "tmp"):
+        (work / d).mkdir()
+    key = work / "db.key"
+    key.write_text("8NQBBpPIlyl6nGVYTdjkJyvOHh5ZWQnjD0kv/jUW5Vs=\n")
+    env = {
+        "PULP_DATABASES__default__ENGINE": "django.db.backends.postgresql",
+        "PULP_DATABASES__default__NAME": "pulp",
+        "PULP_DATABASES__default__USER": url.username or "postgres",
+        "PULP_DATABASES__default__HOST": url.hostname or "127.0.0.1",
+        "PULP_DATABASES__default__PORT": str(url.port),
+        "PULP_SECRET_KEY": "throwaway-secret-for-the-integration-test",
+        "PULP_CONTENT_ORIGIN": "http://127.0.0.1:24816",
+        "PULP_MEDIA_ROOT": str(work / "media"),
+        "PULP_WORKING_DIRECTORY": str(work / "work"),
+        "PULP_FILE_UPLOAD_TEMP_DIR": str(work / "tmp"),
+        "PULP_DB_ENCRYPTION_KEY": str(key),
+        "PULP_WORKER_TTL": "6",
+        "PULP_ANALYTICS": "false",
+        "DJANGO_SETTINGS_MODULE": "pulpcore.app.settings",
+    }
+    os.environ.update(env)
+    manager = shutil.which("pulpcore-manager", path=os.path.dirname(sys.executable))
+    assert manager, "pulpcore-manager is not installed beside this Python"
+    subprocess.run([manager, "migrate", "--noinput"], check=True, capture_output=True)
+    import django
+
+    django.setup()
+    from django_guid import set_guid
+
+    set_guid("broker-integration")
+    yield {**env, "PULP_DB_URL": sandbox.postgres_url.rsplit("/", 1)[0] + "/pulp"}
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def broker(sandbox: Sandbox, pulp: dict[str, str]) -> Iterator[str]:
+    """`dispatch-broker migrate` must find Pulp's database complete and change nothing; then a
+    broker serves it (its own Redis key prefix beside the sandbox's broker)."""
+    migrate = subprocess.run(
+        [broker_binary(), "migrate", "--postgres-url", pulp["PULP_DB_URL"]],
+        capture_output=True,
+        text=True,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    assert "changed nothing" in migrate.stdout, migrate.stdout
+    assert "has everything dispatch-broker needs" in migrate.stdout, migrate.stdout
+    redis_url = sandbox.redis_url
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            broker_binary(),
+            "serve",
+            "--postgres-url",
+            pulp["PULP_DB_URL"],
+            "--redis-url",
+            redis_url,
+            "--redis-key-prefix",
+            "pulp",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--metrics-listen",
+            f"127.0.0.1:{metrics_port}",
+            "--sweep-interval",
+            "1s",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    wait_for(
+        "the broker to serve",
+        lambda: subprocess.run([broker_binary(), "health", "--addr", f"http://{address}"], capture_output=True).returncode
+        == 0,
+        30,
+    )
+    yield address
+    process.send_signal(signal.SIGTERM)
+    process.wait(30)
+
+
+def start_workers(n: int, address: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    script = shutil.which("pulpcore-broker-worker", path=os.path.dirname(sys.executable))
+    assert script, "pulpcore-broker-worker is not installed beside this Python"
+    return [
+        subprocess.Popen(
+            [script, "--broker", address, "--name-template", f"broker-worker-{i}@{{hostname}}"],
+            env={**os.environ, **env},
+            cwd=tempfile.gettempdir(),
+        )
+        for i in range(n)
+    ]
+
+
+def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: dict[str, str]) -> None:
+    from pulpcore.app.models import AppStatus, Domain, Task
+    from pulpcore.app.util import set_domain
+    from pulpcore.constants import TASK_FINAL_STATES
+    from pulpcore.tasking.tasks import cancel_task, dispatch
+
+    started = time.monotonic()
+    # This process plays Pulp's API: it dispatches and cancels with pulpcore's own functions.
+    AppStatus.objects.create(name="integration-api", app_type="api")
+    # The long task that gets canceled while running.
+    long_running = dispatch(SLEEP, args=(60,), exclusive_resources=["prn:file.filerepository:C"])
+    # A queue on one repository, and an immediate task behind it (deferred: R is busy).
+    repo_tasks = [dispatch(SLEEP, args=(0.3,), exclusive_resources=[REPO_R]) for _ in range(5)]
+    canceled_waiting = dispatch(SLEEP, args=(0.3,), exclusive_resources=[REPO_R])
+    immediate = dispatch(ASLEEP, args=(0.1,), exclusive_resources=[REPO_R], immediate=True, deferred=True)
+    assert immediate.state == "waiting", "R was busy: the immediate task was deferred to the workers"
+    repo_tasks.append(dispatch(SLEEP, args=(0.3,), exclusive_resources=[REPO_R]))
+    # Tasks of other domains, behind the repository's queue.
+    other = Domain.objects.create(
+        name="other",
+        storage_class="pulpcore.app.models.storage.FileSystem",
+        storage_settings={"location": pulp["PULP_MEDIA_ROOT"] + "/other"},
+    )
+    set_domain(other)
+    other_tasks = [
+        dispatch(SLEEP, args=(0.1,), exclusive_resources=[f"prn:file.filerepository:O{i}"]) for i in range(4)
+    ]
+    set_domain(Domain.objects.get(name="default"))
+    cancel_task(canceled_waiting.pk)
+
+    workers = start_workers(2, broker, pulp)
+    try:
+        wait_for("the long task to run", lambda: Task.objects.get(pk=long_running.pk).state == "running")
+        cancel_task(long_running.pk)
+        every = [long_running, canceled_waiting, immediate, *repo_tasks, *other_tasks]
+        wait_for(
+            "every task to reach a final state",
+            lambda: not Task.objects.filter(pk__in=[t.pk for t in every]).exclude(state__in=TASK_FINAL_STATES).exists(),
+        )
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        codes = [w.wait(60) for w in workers]
+    elapsed = time.monotonic() - started
+
+    states = {t.pk: Task.objects.get(pk=t.pk) for t in every}
+    assert states[long_running.pk].state == "canceled"
+    assert states[canceled_waiting.pk].state == "canceled"
+    assert states[canceled_waiting.pk].started_at is None, "it never ran"
+    assert states[immediate.pk].state == "completed", states[immediate.pk].error
+    for t in [*repo_tasks, *other_tasks]:
+        assert states[t.pk].state == "completed", (t.pk, states[t.pk].state, states[t.pk].error)
+    assert codes == [0, 0], "the workers shut down cleanly on SIGTERM"
+
+    # The repository's tasks ran one at a time, in the order they were dispatched (the immediate
+    # task in its place), never overlapping.
+    in_order = sorted([*repo_tasks, immediate], key=lambda t: (t.pulp_created, t.pk))
+    runs = [states[t.pk] for t in in_order]
+    for before, after in zip(runs, runs[1:]):
+        assert before.finished_at <= after.started_at, (before.pk, after.pk)
+    # The other domains' tasks did not wait for the repository's queue to drain (a worker took
+    # them while the queue's head ran, although they are newer).
+    assert min(states[t.pk].started_at for t in other_tasks) < runs[-1].started_at
+
+    # The workers' rows are gone and no lock is left.
+    assert not AppStatus.objects.filter(app_type="worker").exists()
+    import redis
+
+    r = redis.Redis.from_url(sandbox.redis_url)
+    leftovers = [k for k in r.scan_iter("{pulp}:*") if b":task:" in k or b":x:" in k or b":s:" in k]
+    assert leftovers == []
+    assert r.scard("{pulp}:locked") == 0
+    print(f"\n{len(every)} Pulp tasks in {elapsed:.1f}s through the broker with 2 workers")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The Pulp integration test: installs pulpcore 3.123.1 from PyPI and the Python client into a
+# virtualenv under target/, then runs clients/python/tests/pulp against the broker binary
+# (pulpcore's own migrations on a throwaway database, two pulpcore-broker-worker processes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+  echo "the Pulp integration test needs Python 3.10 or newer with venv: install python3 and python3-venv" >&2
+  exit 1
+fi
+venv=target/pulp-venv
+[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "pulpcore==3.123.1" "./clients/python[test]"
+cargo build --quiet --bin dispatch-broker
+cd clients/python
+"../../$venv/bin/python" -m pytest -q -p no:cacheprovider -s tests/pulp
