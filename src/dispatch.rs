@@ -368,7 +368,12 @@ impl Dispatch {
             .task(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
-        if task.state != "waiting" || task.app_lock_id.is_some() {
+        // Unclaimed, or marked with the lease's own row: Pulp's dispatch() marks an immediate
+        // task with the dispatching process's row before asking whether it may run it now.
+        let own_mark = task
+            .app_lock_id
+            .is_some_and(|a| a.to_string() == lease.app_status_id);
+        if task.state != "waiting" || (task.app_lock_id.is_some() && !own_mark) {
             return Ok(None);
         }
         if ready::judge(

@@ -231,6 +231,60 @@ async fn claim_task_takes_exactly_that_task_when_ready_and_changes_nothing_other
     env.shutdown().await;
 }
 
+/// Pulp's dispatch() marks an immediate task with the dispatching process's own row before
+/// asking whether it may run now: ClaimTask by a lease on that row takes it; a lease on another
+/// row does not, and a fetch never hands it out.
+#[tokio::test]
+async fn claim_task_takes_a_task_marked_with_the_leases_own_row_and_no_other() {
+    let mut env = Env::new().await;
+    let (api, other) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    for (row, name) in [(api, "api@host"), (other, "other-api@host")] {
+        env.db
+            .execute(
+                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+                 VALUES ($1, 'api', $2, interval '30 seconds')",
+                &[&row, &name],
+            )
+            .await
+            .unwrap();
+    }
+    let mine = env.task(&["a"]).await;
+    let theirs = env.task(&["b"]).await;
+    for (task, row) in [(mine, api), (theirs, other)] {
+        env.db
+            .execute(
+                "UPDATE core_task SET app_lock_id = $2 WHERE pulp_id = $1",
+                &[&task, &row],
+            )
+            .await
+            .unwrap();
+    }
+    let lease = env
+        .client
+        .open_lease(dispatch_broker::proto::OpenLeaseRequest {
+            app_status_id: api.to_string(),
+            ..support::lease_request("api@host")
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let worker = env.open("w").await;
+    assert!(env.fetch(&worker).await.is_none(), "marked tasks are not in the queue");
+    assert!(
+        env.claim(&lease, theirs).await.unwrap().is_none(),
+        "another row's mark"
+    );
+    assert_eq!(env.app_lock(theirs).await, Some(other));
+    let granted = env.claim(&lease, mine).await.unwrap().expect("its own mark");
+    assert_eq!(id(&granted), mine);
+    assert_eq!(env.app_lock(mine).await, Some(api));
+    env.assert_locks(&[&granted]).await;
+    assert!(env.release(&lease, &granted).await.unwrap());
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
 /// A task canceled after its locks were taken and before the claim: never handed out, no lock.
 /// The test holds the task's row lock so that the broker's claim has to wait, checks that the
 /// broker holds the Redis locks at that moment, cancels, and lets the claim go on.

@@ -2,8 +2,10 @@
 --
 -- $1 uuid  the task;  $2 uuid  the lease's core_appstatus row
 -- Returns: one row when claimed, none when the task was canceled, finished or claimed meanwhile.
--- Never claims a task that is not `waiting` with no app_lock_id.
+-- Never claims a task that is not `waiting`, or that another row claimed: app_lock_id must be
+-- empty, or already the lease's own row (Pulp's dispatch() marks an immediate task with the
+-- dispatching process's row before asking to run it; ClaimTask then takes its locks).
 UPDATE core_task
 SET app_lock_id = $2, pulp_last_updated = now()
-WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL
+WHERE pulp_id = $1 AND state = 'waiting' AND (app_lock_id IS NULL OR app_lock_id = $2)
 RETURNING pulp_id

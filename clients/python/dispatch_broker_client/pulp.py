@@ -211,6 +211,69 @@ class BrokerPulpWorker:
                 task.set_canceled(final_state=cancel_state, reason=reason)
 
 
+def claim_immediate_tasks(broker: str, token: str | None = None) -> Worker:
+    """Makes this Pulp API process run immediate tasks under the broker's locks: when pulpcore's
+    ``dispatch()`` asks whether an immediate task may run now, the broker answers (``ClaimTask``
+    under a lease on this process's own ``core_appstatus`` row, so held locks count, not only older
+    tasks), and the task's locks are released (``ReleaseLocks``) once Pulp ran it. A task the
+    broker does not grant is deferred to the workers, as Pulp does. Call once per process after
+    Django is set up (e.g. from gunicorn's ``post_worker_init`` hook); returns the lease's
+    ``Worker``, to ``close()`` at exit."""
+    import threading
+
+    from asgiref.sync import sync_to_async
+    from django.conf import settings
+
+    import pulpcore.tasking.tasks as tasks
+    from pulpcore.app.apps import pulp_plugin_configs
+    from pulpcore.app.models import AppStatus
+
+    current = AppStatus.objects.current()
+    lease = Worker(
+        broker,
+        current.name,
+        versions={app.label: app.version for app in pulp_plugin_configs()},
+        ttl=float(settings.WORKER_TTL),
+        token=token,
+        app_status_id=str(current.pk),
+    ).open()
+    grants: dict[str, BrokerTask] = {}
+    grants_lock = threading.Lock()
+    original_execute, original_aexecute = tasks.execute_task, tasks.aexecute_task
+
+    def are_resources_available(colliding_resources: Any, task: Any) -> bool:
+        granted = lease.claim(str(task.pk))
+        if granted is None:
+            return False
+        with grants_lock:
+            grants[str(task.pk)] = granted
+        return True
+
+    def finish(task: Any) -> None:
+        with grants_lock:
+            granted = grants.pop(str(task.pk), None)
+        if granted is not None and not granted.lost:
+            granted.release()
+
+    def execute_task(task: Any) -> None:
+        try:
+            original_execute(task)
+        finally:
+            finish(task)
+
+    async def aexecute_task(task: Any) -> None:
+        try:
+            await original_aexecute(task)
+        finally:
+            await sync_to_async(finish)(task)
+
+    tasks.are_resources_available = are_resources_available
+    tasks.async_are_resources_available = sync_to_async(are_resources_available)
+    tasks.execute_task = execute_task
+    tasks.aexecute_task = aexecute_task
+    return lease
+
+
 def main(argv: list[str] | None = None) -> int:
     """``pulpcore-broker-worker``: a Pulp worker served by dispatch-broker."""
     parser = argparse.ArgumentParser(

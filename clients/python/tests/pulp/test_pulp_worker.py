@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import psycopg
 import pytest
 
 pytest.importorskip("pulpcore")
+import redis  # noqa: E402  (a pulpcore dependency)
 
 from conftest import REPO, Sandbox, broker_binary  # noqa: E402
 
@@ -152,11 +154,34 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     from pulpcore.app.models import AppStatus, Domain, Task
     from pulpcore.app.util import set_domain
     from pulpcore.constants import TASK_FINAL_STATES
+    from dispatch_broker_client.pulp import claim_immediate_tasks
     from pulpcore.tasking.tasks import cancel_task, dispatch
 
     started = time.monotonic()
-    # This process plays Pulp's API: it dispatches and cancels with pulpcore's own functions.
+    # This process plays Pulp's API: it dispatches and cancels with pulpcore's own functions, and
+    # runs immediate tasks itself once the broker grants them (ClaimTask).
     AppStatus.objects.create(name="integration-api", app_type="api")
+    api_lease = claim_immediate_tasks(broker)
+    r = redis.Redis.from_url(sandbox.redis_url)
+    dispatched: dict[str, Any] = {}
+
+    def dispatch_immediate() -> None:
+        from django_guid import set_guid
+
+        set_guid("broker-integration-immediate")
+        dispatched["task"] = dispatch(
+            ASLEEP, args=(1.0,), exclusive_resources=["prn:file.filerepository:F"], immediate=True
+        )
+
+    thread = threading.Thread(target=dispatch_immediate)
+    thread.start()
+    # No worker runs yet: the only task lock there can be is the immediate task's, held through
+    # the broker while this process runs it.
+    wait_for("the immediate task's lock in the broker", lambda: any(r.scan_iter("{pulp}:task:*")), 30)
+    thread.join(30)
+    ran_here = dispatched["task"]
+    assert ran_here.state == "completed", "granted by the broker, run by the API process at once"
+    assert not any(r.scan_iter("{pulp}:task:*")), "released once it ran"
     # The long task that gets canceled while running.
     long_running = dispatch(SLEEP, args=(60,), exclusive_resources=["prn:file.filerepository:C"])
     # A queue on one repository, and an immediate task behind it (deferred: R is busy).
@@ -182,7 +207,7 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     try:
         wait_for("the long task to run", lambda: Task.objects.get(pk=long_running.pk).state == "running")
         cancel_task(long_running.pk)
-        every = [long_running, canceled_waiting, immediate, *repo_tasks, *other_tasks]
+        every = [ran_here, long_running, canceled_waiting, immediate, *repo_tasks, *other_tasks]
         wait_for(
             "every task to reach a final state",
             lambda: not Task.objects.filter(pk__in=[t.pk for t in every]).exclude(state__in=TASK_FINAL_STATES).exists(),
@@ -191,6 +216,7 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
         for w in workers:
             w.send_signal(signal.SIGTERM)
         codes = [w.wait(60) for w in workers]
+        api_lease.close()
     elapsed = time.monotonic() - started
 
     states = {t.pk: Task.objects.get(pk=t.pk) for t in every}
@@ -214,9 +240,6 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
 
     # The workers' rows are gone and no lock is left.
     assert not AppStatus.objects.filter(app_type="worker").exists()
-    import redis
-
-    r = redis.Redis.from_url(sandbox.redis_url)
     leftovers = [k for k in r.scan_iter("{pulp}:*") if b":task:" in k or b":x:" in k or b":s:" in k]
     assert leftovers == []
     assert r.scard("{pulp}:locked") == 0
