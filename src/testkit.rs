@@ -10,7 +10,7 @@ pub mod sandbox;
 
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -151,6 +151,7 @@ impl Postgres {
     pub fn start() -> Result<Self> {
         let initdb = find_binary("initdb")?;
         find_binary("postgres")?;
+        remove_stale_clusters();
         let identity = postgres_identity()?;
         let dir = tempfile::Builder::new().prefix("dispatch-pg-").tempdir()?;
         if let Some((uid, gid)) = identity {
@@ -285,6 +286,39 @@ impl Postgres {
     pub fn restart(&mut self) -> Result<()> {
         self.kill();
         self.boot()
+    }
+}
+
+/// Removes throwaway clusters that outlived their process (a test binary's shared cluster is
+/// never dropped): no live postmaster, and no log line for ten minutes, so a cluster another
+/// process is restarting right now is left alone.
+fn remove_stale_clusters() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_ours = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("dispatch-pg-"));
+        if !is_ours {
+            continue;
+        }
+        let live = std::fs::read_to_string(path.join("data/postmaster.pid"))
+            .ok()
+            .and_then(|pid| pid.lines().next()?.trim().parse::<u32>().ok())
+            .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        let quiet = ["postgres.log", "data"].iter().all(|name| {
+            std::fs::metadata(path.join(name))
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_none_or(|age| age > Duration::from_secs(600))
+        });
+        if !live && quiet {
+            let _ = std::fs::remove_dir_all(&path);
+        }
     }
 }
 

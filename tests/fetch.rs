@@ -270,13 +270,20 @@ async fn claim_task_takes_a_task_marked_with_the_leases_own_row_and_no_other() {
         .into_inner()
         .lease_id;
     let worker = env.open("w").await;
-    assert!(env.fetch(&worker).await.is_none(), "marked tasks are not in the queue");
+    assert!(
+        env.fetch(&worker).await.is_none(),
+        "marked tasks are not in the queue"
+    );
     assert!(
         env.claim(&lease, theirs).await.unwrap().is_none(),
         "another row's mark"
     );
     assert_eq!(env.app_lock(theirs).await, Some(other));
-    let granted = env.claim(&lease, mine).await.unwrap().expect("its own mark");
+    let granted = env
+        .claim(&lease, mine)
+        .await
+        .unwrap()
+        .expect("its own mark");
     assert_eq!(id(&granted), mine);
     assert_eq!(env.app_lock(mine).await, Some(api));
     env.assert_locks(&[&granted]).await;
