@@ -111,6 +111,14 @@ pub struct ServeArgs {
         default_value = "127.0.0.1:9464"
     )]
     pub metrics_listen: SocketAddr,
+    /// Calls one client connection may have in flight (waiting fetches included); calls over it
+    /// are shed at once (UNAVAILABLE) instead of queueing.
+    #[arg(
+        long,
+        env = "DISPATCH_MAX_REQUESTS_PER_CONNECTION",
+        default_value_t = 10_000
+    )]
+    pub max_requests_per_connection: usize,
     /// Lease tuning.
     #[command(flatten)]
     pub lease: LeaseArgs,
@@ -168,9 +176,22 @@ pub struct FetchArgs {
     /// Longest `wait` a FetchTask is held for; longer requests are cut to this.
     #[arg(long = "fetch-max-wait", env = "DISPATCH_FETCH_MAX_WAIT", default_value = "60s", value_parser = parse_duration)]
     pub max_wait: Duration,
-    /// How often a waiting FetchTask looks at the queue again.
-    #[arg(long = "fetch-recheck", env = "DISPATCH_FETCH_RECHECK", default_value = "200ms", value_parser = parse_duration)]
+    /// Safety re-check: how often the longest waiting FetchTask looks at the queue again without
+    /// a wake-up (waiters wake on task notifications and lock changes; this only bounds how late
+    /// a lost notification or a change made outside the broker is seen).
+    #[arg(long = "fetch-recheck", env = "DISPATCH_FETCH_RECHECK", default_value = "2s", value_parser = parse_duration)]
     pub recheck: Duration,
+    /// How often each replica reads Redis's change counter to wake its waiting fetches for
+    /// releases made through other replicas or by the sweeper (one GET, whatever the waiters).
+    #[arg(long = "fetch-wake-poll", env = "DISPATCH_FETCH_WAKE_POLL", default_value = "100ms", value_parser = parse_duration)]
+    pub wake_poll: Duration,
+    /// Waiting FetchTask calls allowed at once on one replica; more get RESOURCE_EXHAUSTED.
+    #[arg(
+        long = "fetch-max-waiters",
+        env = "DISPATCH_FETCH_MAX_WAITERS",
+        default_value_t = 10_000
+    )]
+    pub max_waiters: usize,
     /// How long a scan hint (where the last pass stopped meeting only blocked tasks) is trusted
     /// without re-reading the queue from its head; it is dropped at once when a resource it
     /// relies on changes through the broker. Bounds how late a change made outside the broker
@@ -193,6 +214,11 @@ pub struct MigrateArgs {
     /// gets it anyway.
     #[arg(long)]
     pub lanes_index: bool,
+    /// On an existing database (e.g. Pulp's), also install the trigger that notifies waiting
+    /// fetches of inserted tasks (`dispatch_task_notify`). Pulp's own dispatch() already
+    /// notifies `pulp_worker_wakeup`, which the broker also listens on. A fresh database gets it.
+    #[arg(long)]
+    pub notify_trigger: bool,
 }
 
 /// Options of `health`.
@@ -278,8 +304,14 @@ impl ServeArgs {
                 self.fetch.page
             ));
         }
-        if self.fetch.recheck.is_zero() {
-            return Err("--fetch-recheck must be positive".to_owned());
+        if self.fetch.recheck.is_zero() || self.fetch.wake_poll.is_zero() {
+            return Err("--fetch-recheck and --fetch-wake-poll must be positive".to_owned());
+        }
+        if self.fetch.max_waiters == 0 || self.max_requests_per_connection == 0 {
+            return Err(
+                "--fetch-max-waiters and --max-requests-per-connection must be at least 1"
+                    .to_owned(),
+            );
         }
         if self.postgres.pool_size == 0 || self.redis.pool_size == 0 {
             return Err("pool sizes must be at least 1".to_owned());

@@ -7,7 +7,11 @@
 //! Whatever fails after the locks were taken releases them before the call returns. The pipeline
 //! runs in its own tokio task, so a client that hangs up mid-way cannot leave it half-done.
 
+mod waiters;
+pub mod wakeups;
+
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +24,8 @@ use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict};
 use crate::shutdown::Shutdown;
 use crate::tasks::{TaskRow, Tasks};
+pub use waiters::Waiters;
+use waiters::{Full, Place};
 
 /// Final task states.
 pub const FINAL_STATES: [&str; 4] = ["completed", "failed", "canceled", "skipped"];
@@ -61,8 +67,13 @@ pub struct FetchPolicy {
     pub first_page: i64,
     /// The largest candidate page.
     pub max_page: i64,
-    /// How often a waiting FetchTask looks again.
+    /// Safety re-check: how often the longest waiting FetchTask looks again without a wake-up.
     pub recheck: Duration,
+    /// How often each replica reads Redis's change counter to wake its waiters for changes
+    /// made through other replicas (or by the sweeper).
+    pub wake_poll: Duration,
+    /// Waiting FetchTask calls allowed at once on this replica.
+    pub max_waiters: usize,
     /// The longest `wait` honoured.
     pub max_wait: Duration,
     /// How long a scan hint may be trusted without being re-checked from the start of the queue
@@ -113,6 +124,7 @@ pub struct Dispatch {
     policy: FetchPolicy,
     shutdown: Shutdown,
     hint: Arc<Mutex<Option<ScanHint>>>,
+    waiters: Arc<Waiters>,
 }
 
 impl Dispatch {
@@ -128,9 +140,10 @@ impl Dispatch {
             locks,
             tasks,
             stats,
-            policy,
             shutdown,
             hint: Arc::new(Mutex::new(None)),
+            waiters: Arc::new(Waiters::new(policy.max_waiters)),
+            policy,
         }
     }
 
@@ -144,12 +157,17 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let deadline = tokio::time::Instant::now() + wait.min(self.policy.max_wait);
         let skip = Arc::new(skip);
+        // Joined after the first pass found nothing (and `wait` is not over).
+        let mut place: Option<Place> = None;
         loop {
+            let seen = self.waiters.generation();
+            let passed_over = Arc::new(AtomicBool::new(false));
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
+            let passed = Arc::clone(&passed_over);
             let outcome = self
                 .detached(async move {
-                    crate::metrics::count_pass(this.fetch_once(lease_id, &skip_now)).await
+                    crate::metrics::count_pass(this.fetch_once(lease_id, &skip_now, &passed)).await
                 })
                 .await;
             self.stats.fetch_pass();
@@ -157,21 +175,45 @@ impl Dispatch {
                 Ok(grant) => grant,
                 Err(e) => {
                     self.stats.fetch("error");
+                    // Its turn is not wasted: the next waiter looks instead.
+                    if let Some(place) = place.take() {
+                        place.leave_after_grant();
+                    }
                     return Err(e);
                 }
             };
             if let Some(grant) = grant {
                 self.stats.fetch("claimed");
+                if let Some(place) = place.take() {
+                    place.leave_after_grant();
+                }
                 return Ok(Some(grant));
             }
-            let now = tokio::time::Instant::now();
-            if now >= deadline || self.shutdown.is_fired() {
+            if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
                 self.stats.fetch("none_ready");
                 return Ok(None);
             }
-            let pause = self.policy.recheck.min(deadline - now);
+            match &place {
+                None => {
+                    place = Some(self.waiters.join(seen).map_err(|Full(max)| {
+                        Error::ResourceExhausted(format!(
+                            "{max} FetchTask calls are already waiting on this broker \
+                             (--fetch-max-waiters); retry with backoff, or wait for less"
+                        ))
+                    })?);
+                }
+                Some(place) if passed_over.load(Ordering::SeqCst) => place.pass_on(),
+                Some(_) => {}
+            }
+            let Some(waiting) = &place else {
+                continue;
+            };
             tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
+                _ = waiting.turn() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    self.stats.fetch("none_ready");
+                    return Ok(None);
+                }
                 _ = self.shutdown.fired() => {
                     self.stats.fetch("none_ready");
                     return Ok(None);
@@ -180,8 +222,25 @@ impl Dispatch {
         }
     }
 
+    /// Wakes this replica's longest waiting fetch: something may have become ready.
+    pub fn wake(&self) {
+        self.waiters.wake();
+    }
+
+    /// The queue of waiting fetches (for the wake-up loops).
+    pub fn waiters(&self) -> Arc<Waiters> {
+        Arc::clone(&self.waiters)
+    }
+
     /// One pass over the queue for one lease.
-    async fn fetch_once(&self, lease_id: Uuid, skip: &HashSet<Uuid>) -> Result<Option<Grant>> {
+    /// Sets `passed_over` when it passed over a ready task for this lease's own reasons
+    /// (versions, `skip_task_ids`): another waiter may take it.
+    async fn fetch_once(
+        &self,
+        lease_id: Uuid,
+        skip: &HashSet<Uuid>,
+        passed_over: &AtomicBool,
+    ) -> Result<Option<Grant>> {
         let held = self.hint.lock().ok().and_then(|h| h.clone());
         let (lease, changes) = self
             .locks
@@ -239,7 +298,10 @@ impl Dispatch {
                 let verdict = ready::judge(&row.candidate, &reserved, &lease.versions);
                 let stays_safe = match verdict {
                     Verdict::BlockedByOlder | Verdict::BlockedByReserved => true,
-                    Verdict::Skipped | Verdict::Incompatible => false,
+                    Verdict::Skipped | Verdict::Incompatible => {
+                        passed_over.store(true, Ordering::SeqCst);
+                        false
+                    }
                     Verdict::Ready => match self.lock_and_claim(lease_id, &lease, &row).await? {
                         Attempt::Granted(grant) => {
                             granted = Some(grant);

@@ -24,6 +24,9 @@ pub enum Error {
     /// The caller does not hold what it acts on (wrong lease, stale fencing token, task moved on).
     #[error("{0}")]
     NotHolder(String),
+    /// A limit that protects the service was reached; the message says which and what to do.
+    #[error("{0}")]
+    ResourceExhausted(String),
     /// Redis failed.
     #[error("lock store (redis) unavailable: {0}")]
     Redis(#[from] locks::Error),

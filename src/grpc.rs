@@ -44,6 +44,7 @@ impl From<Error> for Status {
             Error::TaskNotFound(_) => not_found(message, NOT_FOUND_TASK),
             Error::AppStatusNotFound(_) => not_found(message, NOT_FOUND_APP_STATUS),
             Error::NotHolder(_) => Status::failed_precondition(message),
+            Error::ResourceExhausted(_) => Status::resource_exhausted(message),
             Error::Redis(e) => match e {
                 locks::Error::Pool(_)
                 | locks::Error::Command(_)
@@ -141,6 +142,7 @@ impl proto::broker_server::Broker for BrokerService {
         let span = rpc_span("CloseLease");
         span.record("lease_id", tracing::field::display(lease_id));
         let closed = self.leases.close(lease_id).instrument(span).await?;
+        self.dispatch.wake();
         Ok(Response::new(proto::CloseLeaseResponse {
             released_locks: closed.released_locks,
             requeued_tasks: closed.requeued_tasks,
@@ -229,6 +231,7 @@ impl proto::broker_server::Broker for BrokerService {
             .finish(lease_id, task_id, token, finish)
             .instrument(span)
             .await?;
+        self.dispatch.wake();
         Ok(Response::new(proto::FinishTaskResponse { state, released }))
     }
 
@@ -248,6 +251,7 @@ impl proto::broker_server::Broker for BrokerService {
             .release(lease_id, task_id, token)
             .instrument(span)
             .await?;
+        self.dispatch.wake();
         Ok(Response::new(proto::ReleaseLocksResponse { released }))
     }
 
@@ -259,6 +263,7 @@ impl proto::broker_server::Broker for BrokerService {
         let span = rpc_span("CancelTask");
         span.record("task_id", tracing::field::display(task_id));
         let (state, holder_notified) = self.dispatch.cancel(task_id).instrument(span).await?;
+        self.dispatch.wake();
         Ok(Response::new(proto::CancelTaskResponse {
             state,
             holder_notified,

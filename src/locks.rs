@@ -828,6 +828,14 @@ impl Locks {
         .await
     }
 
+    /// The change counter: bumped by every release, cancel and requeue, through any replica.
+    pub async fn change_seq(&self) -> Result<u64, Error> {
+        let seq: Option<u64> = self
+            .command(redis::cmd("GET").arg(self.keys.change_seq()))
+            .await?;
+        Ok(seq.unwrap_or(0))
+    }
+
     /// Live leases (not yet expired by Redis server time).
     pub async fn live_lease_count(&self) -> Result<u64, Error> {
         let reply: Vec<Value> = self.command(&redis::cmd("TIME")).await?;

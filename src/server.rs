@@ -144,6 +144,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             first_page: args.fetch.page,
             max_page: 1024.max(args.fetch.page),
             recheck: args.fetch.recheck,
+            wake_poll: args.fetch.wake_poll,
+            max_waiters: args.fetch.max_waiters,
             max_wait: args.fetch.max_wait,
             hint_max_age: args.fetch.hint_max_age,
         },
@@ -180,6 +182,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         sweeper.replica.clone(),
     ));
     let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
+    let waiters = dispatch.waiters();
     let service = BrokerService::new(leases, dispatch);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -220,6 +223,18 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         let shutdown = shutdown.clone();
         async move { lanes.run(shutdown).await }
     });
+    tokio::spawn(crate::dispatch::wakeups::listen(
+        args.postgres.url.clone(),
+        Arc::clone(&waiters),
+        shutdown.clone(),
+    ));
+    tokio::spawn(crate::dispatch::wakeups::tick(
+        locks.clone(),
+        waiters,
+        args.fetch.wake_poll,
+        args.fetch.recheck,
+        shutdown.clone(),
+    ));
     let background = tokio::spawn({
         let sweeper = Arc::clone(&sweeper);
         let shutdown = shutdown.clone();
@@ -227,6 +242,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         async move { run_background(sweeper, health, shutdown).await }
     });
     let server = tokio::spawn(serve(
+        args.max_requests_per_connection,
         listener,
         service,
         scaler,
@@ -293,6 +309,7 @@ async fn run_background(
 }
 
 async fn serve(
+    max_per_connection: usize,
     listener: tokio::net::TcpListener,
     service: BrokerService,
     scaler: Scaler,
@@ -305,6 +322,10 @@ async fn serve(
     shutdown: Shutdown,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
+        // tower's concurrency limit per connection, shedding (UNAVAILABLE at once) instead of
+        // queueing what is over it.
+        .concurrency_limit_per_connection(max_per_connection)
+        .load_shed(true)
         .layer(crate::metrics::RpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)

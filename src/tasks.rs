@@ -42,6 +42,7 @@ pub mod sql {
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
     pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
     pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
+    pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
     pub const LOCK_TARGETS: &str = include_str!("tasks/lock_targets.sql");
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
@@ -594,7 +595,11 @@ impl Tasks {
     /// Runs `migrate.sql` in one transaction when the database has no `core_task` table, and
     /// `lanes_index.sql` when `lanes_index` asks for it (dropping an invalid leftover of a failed
     /// concurrent build first); returns what is still missing afterwards (empty: ready to serve).
-    pub async fn migrate(&self, lanes_index: bool) -> Result<migrate::Outcome, Error> {
+    pub async fn migrate(
+        &self,
+        lanes_index: bool,
+        notify_trigger: bool,
+    ) -> Result<migrate::Outcome, Error> {
         let mut client = self.client().await?;
         let exists: bool = client
             .query_one("SELECT to_regclass('core_task') IS NOT NULL", &[])
@@ -605,9 +610,16 @@ impl Tasks {
         } else {
             let tx = client.transaction().await?;
             tx.batch_execute(sql::MIGRATE).await?;
+            tx.batch_execute(sql::NOTIFY_TRIGGER).await?;
             tx.commit().await?;
             true
         };
+        let notify_trigger_created = notify_trigger && !created;
+        if notify_trigger_created {
+            let tx = client.transaction().await?;
+            tx.batch_execute(sql::NOTIFY_TRIGGER).await?;
+            tx.commit().await?;
+        }
         drop(client);
         let had_lanes_index = self
             .schema_items()
@@ -626,6 +638,7 @@ impl Tasks {
         Ok(migrate::Outcome {
             created,
             lanes_index_created,
+            notify_trigger_created,
             missing: migrate::missing(&present),
             optional: migrate::optional(&present),
         })

@@ -74,7 +74,7 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
         .unwrap();
-    let outcome = tasks.migrate(false).await.unwrap();
+    let outcome = tasks.migrate(false, false).await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
     assert!(
@@ -120,10 +120,10 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
         .unwrap();
-    let first = tasks.migrate(true).await.unwrap();
+    let first = tasks.migrate(true, false).await.unwrap();
     assert!(first.lanes_index_created && !first.created);
     assert!(first.missing.is_empty() && first.optional.is_empty());
-    let again = tasks.migrate(true).await.unwrap();
+    let again = tasks.migrate(true, false).await.unwrap();
     assert!(!again.lanes_index_created, "a valid index is left alone");
 
     let added: Vec<String> = schema_fingerprint(&db)

@@ -31,6 +31,8 @@ pub struct Outcome {
     pub created: bool,
     /// True when `--lanes-index` built the lane gauge's index now.
     pub lanes_index_created: bool,
+    /// True when `--notify-trigger` installed the insert notification trigger now.
+    pub notify_trigger_created: bool,
     /// What the broker needs and the database still lacks.
     pub missing: Vec<String>,
     /// What the broker can do without but runs better with, and how to add it.
@@ -83,13 +85,18 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
     .await
     .context("cannot reach PostgreSQL at --postgres-url")?;
     let outcome = tasks
-        .migrate(args.lanes_index)
+        .migrate(args.lanes_index, args.notify_trigger)
         .await
         .context("migrate failed")?;
     if outcome.created {
-        println!("created core_appstatus, core_task, their indexes and the insert trigger");
-    } else if outcome.lanes_index_created {
-        println!("core_task already exists; added the lane gauge's index dispatch_lanes_idx");
+        println!("created core_appstatus, core_task, their indexes and the insert triggers");
+    } else if outcome.lanes_index_created || outcome.notify_trigger_created {
+        if outcome.lanes_index_created {
+            println!("core_task already exists; added the lane gauge's index dispatch_lanes_idx");
+        }
+        if outcome.notify_trigger_created {
+            println!("core_task already exists; added the insert notification trigger dispatch_task_notify");
+        }
     } else {
         println!("core_task already exists; changed nothing");
     }

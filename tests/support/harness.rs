@@ -27,6 +27,8 @@ pub fn shared_pg() -> &'static Postgres {
         pg.create_database(TEMPLATE).expect("create template");
         let migrate = include_str!("../../src/tasks/migrate.sql");
         pg.psql(TEMPLATE, migrate).expect("migrate template");
+        let notify = include_str!("../../src/tasks/notify_trigger.sql");
+        pg.psql(TEMPLATE, notify).expect("notify trigger");
         pg
     })
 }
@@ -429,6 +431,8 @@ pub fn own_postgres() -> (Postgres, String) {
     let url = pg.create_database("own").expect("create database");
     pg.psql("own", include_str!("../../src/tasks/migrate.sql"))
         .expect("migrate");
+    pg.psql("own", include_str!("../../src/tasks/notify_trigger.sql"))
+        .expect("notify trigger");
     (pg, url)
 }
 

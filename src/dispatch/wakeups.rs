@@ -1,0 +1,137 @@
+//! What wakes waiting fetches (see `waiters`): Postgres notifications of new tasks, changes of
+//! lock state made through any replica, and a slow safety tick.
+//!
+//! - `LISTEN` on [`INSERT_CHANNEL`] (the insert trigger of `migrate`, or `migrate
+//!   --notify-trigger` on Pulp's database) and on Pulp's own [`PULP_CHANNEL`], which pulpcore's
+//!   `dispatch()` notifies for every deferred task and its `cancel_task()` for waiting ones.
+//! - Redis's change counter (bumped by every release, cancel and requeue, whichever replica made
+//!   it), read once per `poll` by each replica: one GET, whatever the number of waiters.
+//! - Every `recheck`, a wake-up regardless, so a lost notification never strands a waiter.
+//!
+//! The broker's own ReleaseLocks, FinishTask, CancelTask and CloseLease wake this replica's
+//! waiters directly, without waiting for the poll.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use super::waiters::Waiters;
+use crate::locks::Locks;
+use crate::shutdown::Shutdown;
+
+/// The channel the insert trigger notifies.
+pub const INSERT_CHANNEL: &str = "dispatch_task_inserted";
+/// The channel pulpcore's dispatch() and cancel_task() notify.
+pub const PULP_CHANNEL: &str = "pulp_worker_wakeup";
+
+/// Wakes `waiters` on every notification on the two channels until shutdown; reconnects (after
+/// waking the longest waiter once, in case something was missed) when the connection drops.
+pub async fn listen(postgres_url: String, waiters: Arc<Waiters>, shutdown: Shutdown) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match listen_once(&postgres_url, &waiters, &shutdown).await {
+            Ok(Ended::Shutdown) => return,
+            Ok(Ended::Closed) => {
+                tracing::warn!("the task notification connection closed; reconnecting");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listening for task notifications failed; retrying (waiting fetches fall back to the safety re-check)");
+            }
+        }
+        waiters.wake();
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.fired() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+enum Ended {
+    Shutdown,
+    Closed,
+}
+
+async fn listen_once(
+    postgres_url: &str,
+    waiters: &Waiters,
+    shutdown: &Shutdown,
+) -> Result<Ended, tokio_postgres::Error> {
+    let (client, mut connection) =
+        tokio_postgres::connect(postgres_url, tokio_postgres::NoTls).await?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let driver = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = messages.next().await {
+            let notified = match message {
+                Ok(tokio_postgres::AsyncMessage::Notification(_)) => Ok(()),
+                Ok(_) => continue,
+                Err(e) => Err(e),
+            };
+            let failed = notified.is_err();
+            if tx.send(notified).is_err() || failed {
+                return;
+            }
+        }
+    });
+    let listening = client
+        .batch_execute(&format!("LISTEN {INSERT_CHANNEL}; LISTEN {PULP_CHANNEL}"))
+        .await;
+    let outcome = match listening {
+        Err(e) => Err(e),
+        Ok(()) => loop {
+            tokio::select! {
+                message = rx.recv() => match message {
+                    Some(Ok(())) => waiters.wake(),
+                    Some(Err(e)) => break Err(e),
+                    None => break Ok(Ended::Closed),
+                },
+                _ = shutdown.fired() => break Ok(Ended::Shutdown),
+            }
+        },
+    };
+    driver.abort();
+    outcome
+}
+
+/// Wakes `waiters` when Redis's change counter moves (every `poll`), and regardless every
+/// `recheck`, until shutdown.
+pub async fn tick(
+    locks: Locks,
+    waiters: Arc<Waiters>,
+    poll: Duration,
+    recheck: Duration,
+    shutdown: Shutdown,
+) {
+    let mut seen = None;
+    let mut since_recheck = Duration::ZERO;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(poll) => {}
+            _ = shutdown.fired() => return,
+        }
+        since_recheck += poll;
+        if waiters.is_empty() {
+            // Nothing to wake; keep the counter current so a waiter arriving later is not woken
+            // for old changes.
+            seen = locks.change_seq().await.ok().or(seen);
+            since_recheck = Duration::ZERO;
+            continue;
+        }
+        match locks.change_seq().await {
+            Ok(now) if Some(now) != seen => {
+                if seen.is_some() {
+                    waiters.wake();
+                    since_recheck = Duration::ZERO;
+                }
+                seen = Some(now);
+            }
+            _ => {}
+        }
+        if since_recheck >= recheck {
+            since_recheck = Duration::ZERO;
+            waiters.wake();
+        }
+    }
+}

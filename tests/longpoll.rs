@@ -1,0 +1,311 @@
+//! Long-poll FetchTask: what wakes a waiting call (the insert trigger's NOTIFY, Pulp's own
+//! `pulp_worker_wakeup`, a release by another lease, a release through another replica), that
+//! an idle fleet of waiters costs one pass per wake-up instead of one per waiter, that the oldest
+//! task goes to the longest waiter, that a waiter going away strands nobody, the waiter limit,
+//! and shutdown. The safety re-check is set to a minute wherever a test proves a wake-up, so
+//! nothing but that wake-up can hand out the task.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::proto::{FetchTaskRequest, Task};
+use support::{eventually, id, Env};
+use tonic::Code;
+
+const LONG: Duration = Duration::from_secs(20);
+const NEVER: Duration = Duration::from_secs(60);
+
+/// A broker whose waiting fetches wake only on notifications and this replica's own RPCs.
+async fn no_polling() -> Env {
+    Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = NEVER;
+    })
+    .await
+}
+
+fn wait_request(lease: &str, wait: Duration) -> FetchTaskRequest {
+    FetchTaskRequest {
+        wait: Some(wait.try_into().unwrap()),
+        ..support::fetch_request(lease)
+    }
+}
+
+fn spawn_wait(
+    env: &Env,
+    lease: &str,
+) -> tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>> {
+    let mut client = env.client.clone();
+    let request = wait_request(lease, LONG);
+    tokio::spawn(async move {
+        client
+            .fetch_task(request)
+            .await
+            .map(|r| r.into_inner().task)
+    })
+}
+
+/// Waits until the broker has made `n` fetch passes in all (each new call makes one at once).
+async fn passes_reach(env: &Env, n: u64) {
+    eventually(LONG, || async {
+        env.broker().stats.snapshot().fetches >= n
+    })
+    .await
+    .expect("the fetches made their first pass");
+    // Let the calls that found nothing join the queue.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+async fn got(handle: tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>>) -> Option<Task> {
+    tokio::time::timeout(LONG, handle)
+        .await
+        .expect("the waiting fetch returned")
+        .unwrap()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_insert_wakes_a_waiting_fetch() {
+    let mut env = no_polling().await;
+    let lease = env.open("w").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let waiting = spawn_wait(&env, &lease);
+    passes_reach(&env, before + 1).await;
+    assert!(!waiting.is_finished(), "nothing to hand out yet");
+    let task = env.task(&["a"]).await;
+    let granted = got(waiting)
+        .await
+        .expect("woken by the insert trigger's NOTIFY");
+    assert_eq!(id(&granted), task);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn pulps_own_wakeup_channel_wakes_a_waiting_fetch() {
+    let mut env = no_polling().await;
+    // As on Pulp's database: no trigger of the broker's; pulpcore's dispatch() notifies instead.
+    env.db
+        .batch_execute("DROP TRIGGER dispatch_task_notify ON core_task")
+        .await
+        .unwrap();
+    let lease = env.open("w").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let waiting = spawn_wait(&env, &lease);
+    passes_reach(&env, before + 1).await;
+    let task = env.task(&["a"]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "an insert alone does not wake it here"
+    );
+    env.db
+        .batch_execute("SELECT pg_notify('pulp_worker_wakeup', 'unblock')")
+        .await
+        .unwrap();
+    assert_eq!(
+        id(&got(waiting).await.expect("woken by Pulp's channel")),
+        task
+    );
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_release_by_another_lease_wakes_the_waiter() {
+    let mut env = no_polling().await;
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["a"]).await;
+    let holder = env.open("holder").await;
+    let held = env.fetch(&holder).await.unwrap();
+    assert_eq!(id(&held), first);
+    let waiter = env.open("waiter").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let waiting = spawn_wait(&env, &waiter);
+    passes_reach(&env, before + 1).await;
+    assert!(!waiting.is_finished());
+    env.finish(&holder, &held, "completed").await;
+    assert_eq!(
+        id(&got(waiting).await.expect("woken by the finish")),
+        second
+    );
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_release_through_another_replica_wakes_the_waiter() {
+    // This replica polls Redis's change counter; the release happens on a second replica.
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = Duration::from_millis(50);
+    })
+    .await;
+    let mut other_args = env.args.clone();
+    other_args.listen = "127.0.0.1:0".parse().unwrap();
+    other_args.metrics_listen = "127.0.0.1:0".parse().unwrap();
+    let other = dispatch_broker::server::start(&other_args).await.unwrap();
+    let mut other_client = dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
+        "http://{}",
+        other.addr
+    ))
+    .await
+    .unwrap();
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["a"]).await;
+    let holder = other_client
+        .open_lease(support::lease_request("holder"))
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let held = other_client
+        .fetch_task(support::fetch_request(holder.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .unwrap();
+    assert_eq!(id(&held), first);
+    let waiter = env.open("waiter").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let waiting = spawn_wait(&env, &waiter);
+    passes_reach(&env, before + 1).await;
+    other_client
+        .release_locks(dispatch_broker::proto::ReleaseLocksRequest {
+            lease_id: holder,
+            task_id: held.task_id.clone(),
+            fencing_token: held.fencing_token,
+        })
+        .await
+        .unwrap();
+    // The released task went back to the queue (it never started) and is the oldest again.
+    let granted = got(waiting)
+        .await
+        .expect("woken through Redis's change counter");
+    assert_eq!(id(&granted), first);
+    assert_ne!(id(&granted), second);
+    other.shutdown().await.unwrap();
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
+    const WAITERS: u64 = 30;
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = Duration::from_millis(100);
+        a.fetch.wake_poll = NEVER;
+    })
+    .await;
+    let mut handles = Vec::new();
+    let before = env.broker().stats.snapshot().fetches;
+    for n in 0..WAITERS {
+        let lease = env.open(&format!("w{n}")).await;
+        handles.push(spawn_wait(&env, &lease));
+    }
+    passes_reach(&env, before + WAITERS).await;
+    let idle_start = env.broker().stats.snapshot().fetches;
+    // Ten safety ticks go by with nothing to hand out.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let idle_passes = env.broker().stats.snapshot().fetches - idle_start;
+    assert!(
+        idle_passes <= 15,
+        "{idle_passes} passes for 10 ticks: each tick wakes one waiter, not all {WAITERS}"
+    );
+    // They are all still served: 30 tasks go to the 30 waiters.
+    for n in 0..WAITERS {
+        env.task(&[&format!("r{n}")]).await;
+    }
+    let mut granted = Vec::new();
+    for h in handles {
+        granted.push(id(&got(h).await.expect("every waiter got a task")));
+    }
+    granted.sort();
+    granted.dedup();
+    assert_eq!(granted.len() as u64, WAITERS, "distinct tasks");
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_oldest_task_goes_to_the_longest_waiter() {
+    let mut env = no_polling().await;
+    let (a, b) = (env.open("first").await, env.open("second").await);
+    let before = env.broker().stats.snapshot().fetches;
+    let longest = spawn_wait(&env, &a);
+    passes_reach(&env, before + 1).await;
+    let newer = spawn_wait(&env, &b);
+    passes_reach(&env, before + 2).await;
+    // Two tasks in one statement: one notification.
+    env.db
+        .batch_execute(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), 't' || i, 'waiting', ARRAY['r' || i] \
+             FROM generate_series(1, 2) AS i",
+        )
+        .await
+        .unwrap();
+    let (first, second) = (got(longest).await.unwrap(), got(newer).await.unwrap());
+    assert_eq!((first.name.as_str(), second.name.as_str()), ("t1", "t2"));
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_goes_away_strands_nobody_and_holds_nothing() {
+    let mut env = no_polling().await;
+    let (a, b) = (env.open("leaves").await, env.open("stays").await);
+    let before = env.broker().stats.snapshot().fetches;
+    let leaving = spawn_wait(&env, &a);
+    passes_reach(&env, before + 1).await;
+    let staying = spawn_wait(&env, &b);
+    passes_reach(&env, before + 2).await;
+    leaving.abort(); // the client disconnects while waiting
+    let _ = leaving.await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let task = env.task(&["a"]).await;
+    let granted = got(staying).await.expect("the remaining waiter was woken");
+    assert_eq!(id(&granted), task);
+    assert!(env.app_lock(task).await.is_some());
+    env.assert_locks(&[&granted]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn waiters_over_the_limit_get_resource_exhausted_and_change_nothing() {
+    let mut env = Env::with(|a| a.fetch.max_waiters = 2).await;
+    let lease = env.open("w").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let _one = spawn_wait(&env, &lease);
+    let _two = spawn_wait(&env, &lease);
+    passes_reach(&env, before + 2).await;
+    let status = env
+        .client
+        .fetch_task(wait_request(&lease, LONG))
+        .await
+        .expect_err("over the limit");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("--fetch-max-waiters"),
+        "{}",
+        status.message()
+    );
+    // A call that does not wait is still answered.
+    assert!(env.fetch(&lease).await.is_none());
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_answers_waiting_calls_at_once_with_no_task() {
+    let mut env = no_polling().await;
+    let lease = env.open("w").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let waiting = spawn_wait(&env, &lease);
+    passes_reach(&env, before + 1).await;
+    let broker = env.broker.take().unwrap();
+    let stopping = tokio::spawn(async move { broker.shutdown().await });
+    let answer = tokio::time::timeout(LONG, waiting)
+        .await
+        .expect("answered before the wait ran out")
+        .unwrap();
+    assert!(matches!(answer, Ok(None)), "{answer:?}");
+    stopping.await.unwrap().unwrap();
+}
