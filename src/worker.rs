@@ -126,6 +126,12 @@ impl WorkerError {
     }
 }
 
+/// A mutex's value even if a panicking thread poisoned it (the data stays consistent: every
+/// critical section here is a single insert, remove or copy).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn is_lease_not_found(status: &Status) -> bool {
     status.code() == Code::NotFound
         && status
@@ -183,6 +189,9 @@ struct Held {
     token: AtomicU64,
     cancel: CancellationToken,
     lost: AtomicBool,
+    /// Left to the lease's end (shutdown grace ran out): dropping the guard releases nothing,
+    /// so closing the lease fails the task instead of leaving it running without a lock.
+    detached: AtomicBool,
 }
 
 #[derive(Debug, Clone)]
@@ -204,6 +213,8 @@ struct Shared {
     stopping: CancellationToken,
     /// Fires when the lease is closed: the heartbeat loop ends.
     closed: CancellationToken,
+    /// Fires when closing began: no lease is reopened from then on.
+    closing: CancellationToken,
 }
 
 /// A connected worker with a live lease. Cheap to clone; every clone shares the lease.
@@ -263,6 +274,7 @@ impl Worker {
             events,
             stopping: CancellationToken::new(),
             closed: CancellationToken::new(),
+            closing: CancellationToken::new(),
         });
         let lease = shared
             .open_lease(shared.config.app_status_id.clone())
@@ -326,16 +338,16 @@ impl Worker {
             });
         // Giving up a long poll at shutdown drops the call; the broker undoes a grant whose
         // caller went away, so nothing is left held.
-        let response = tokio::select! {
+        let (response, generation) = tokio::select! {
             response = fetch => response?,
             _ = stopping.cancelled() => return Ok(None),
         };
-        Ok(response.task.map(|task| self.guard(task)))
+        Ok(response.task.map(|task| self.guard(task, generation)))
     }
 
     /// Immediate dispatch: locks and claims exactly `task_id` if it is ready now.
     pub async fn claim(&self, task_id: &str) -> Result<Option<TaskGuard>, WorkerError> {
-        let response = self
+        let (response, generation) = self
             .shared
             .with_lease("ClaimTask", Duration::ZERO, |mut client, lease_id| {
                 let request = proto::ClaimTaskRequest {
@@ -345,7 +357,7 @@ impl Worker {
                 async move { client.claim_task(request).await }
             })
             .await?;
-        Ok(response.task.map(|task| self.guard(task)))
+        Ok(response.task.map(|task| self.guard(task, generation)))
     }
 
     /// Cancels any task (waiting: canceled at once; running: its holder is told).
@@ -405,6 +417,9 @@ impl Worker {
             tracing::info!(%task_id, ?grace, "shutting down: letting the running task finish");
             if tokio::time::timeout(grace, &mut running).await.is_err() {
                 tracing::warn!(%task_id, "the task did not finish within the grace period; closing the lease fails it");
+                if let Some(held) = lock(&self.shared.held).get(&task_id) {
+                    held.detached.store(true, Ordering::SeqCst);
+                }
             }
             break Ok(());
         };
@@ -417,6 +432,9 @@ impl Worker {
     /// did not start and fails those still running. Heartbeats stop.
     pub async fn close(&self) -> Result<proto::CloseLeaseResponse, WorkerError> {
         self.stop();
+        self.shared.closing.cancel();
+        // A reopen under way finishes first, so the lease closed below is the last one.
+        drop(self.shared.reopening.lock().await);
         let lease_id = self.lease_id();
         let result = self
             .shared
@@ -451,17 +469,26 @@ impl Worker {
         }
     }
 
-    fn guard(&self, task: proto::Task) -> TaskGuard {
+    /// A guard for a grant made under the lease of `generation`: lost at once if the lease was
+    /// replaced while the call was under way (the replacement could not have adopted it).
+    fn guard(&self, task: proto::Task, generation: u64) -> TaskGuard {
+        let held_map = lock(&self.shared.held);
+        let lost = self.shared.current().generation != generation;
         let held = Arc::new(Held {
             token: AtomicU64::new(task.fencing_token),
             cancel: CancellationToken::new(),
-            lost: AtomicBool::new(false),
+            lost: AtomicBool::new(lost),
+            detached: AtomicBool::new(false),
         });
-        self.shared
-            .held
-            .lock()
-            .unwrap()
-            .insert(task.task_id.clone(), Arc::clone(&held));
+        if lost {
+            held.cancel.cancel();
+            tracing::warn!(task_id = %task.task_id, "a grant arrived under a lease that was replaced meanwhile; the task is lost");
+        }
+        let mut held_map = held_map;
+        if !lost {
+            held_map.insert(task.task_id.clone(), Arc::clone(&held));
+        }
+        drop(held_map);
         TaskGuard {
             task,
             held,
@@ -473,7 +500,7 @@ impl Worker {
 
 impl Shared {
     fn current(&self) -> LeaseState {
-        self.lease.lock().unwrap().clone()
+        lock(&self.lease).clone()
     }
 
     fn emit(&self, event: WorkerEvent) {
@@ -523,7 +550,7 @@ impl Shared {
         method: &'static str,
         wait: Duration,
         mut f: F,
-    ) -> Result<T, WorkerError>
+    ) -> Result<(T, u64), WorkerError>
     where
         F: FnMut(Client, String) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
@@ -536,8 +563,9 @@ impl Shared {
                     f(c, lease.lease_id.clone())
                 })
                 .await
+                .map(|reply| (reply, lease.generation))
             {
-                Err(e) if e.is_lease_not_found() && !reopened && !self.closed.is_cancelled() => {
+                Err(e) if e.is_lease_not_found() && !reopened && !self.closing.is_cancelled() => {
                     self.reopen(lease.generation, method).await?;
                     reopened = true;
                 }
@@ -565,7 +593,7 @@ impl Shared {
             .ttl
             .and_then(|t| Duration::try_from(t).ok())
             .unwrap_or(self.config.ttl);
-        let mut current = self.lease.lock().unwrap();
+        let mut current = lock(&self.lease);
         *current = LeaseState {
             lease_id: lease.lease_id,
             app_status_id: lease.app_status_id,
@@ -584,18 +612,13 @@ impl Shared {
         if old.generation != seen_generation {
             return Ok(());
         }
-        if self.closed.is_cancelled() {
+        if self.closing.is_cancelled() {
             return Err(WorkerError::ShuttingDown);
         }
-        let row = Some(old.app_status_id.clone()).filter(|r| !r.is_empty());
-        let lease = match self.open_lease(row.clone()).await {
-            // The broker removed the row it had made for the old lease: start afresh, unless the
-            // row is the worker's own (configured), which must not be swapped silently.
-            Err(e) if self.config.app_status_id.is_none() && e.code() == Some(Code::NotFound) => {
-                self.open_lease(None).await?
-            }
-            other => other?,
-        };
+        // Only the worker's own (configured) row is reused: a row the broker made belongs to the
+        // old lease until the sweeper ends it, and ending it requeues or fails every task claimed
+        // for that row and deletes it, so a new lease on it would lose its tasks.
+        let lease = self.open_lease(self.config.app_status_id.clone()).await?;
         let adopted: HashMap<String, u64> = lease
             .adopted_tasks
             .iter()
@@ -604,7 +627,7 @@ impl Shared {
         let new = self.install(lease);
         let (mut adopted_tasks, mut lost_tasks) = (Vec::new(), Vec::new());
         {
-            let mut held = self.held.lock().unwrap();
+            let mut held = lock(&self.held);
             held.retain(|task_id, h| match adopted.get(task_id) {
                 Some(token) => {
                     h.token.store(*token, Ordering::SeqCst);
@@ -650,7 +673,7 @@ impl Shared {
             .await;
         match result {
             Ok(reply) => {
-                let held = self.held.lock().unwrap();
+                let held = lock(&self.held);
                 for task_id in reply.cancel_task_ids {
                     if let Some(h) = held.get(&task_id) {
                         if !h.cancel.is_cancelled() {
@@ -762,13 +785,14 @@ impl TaskGuard {
     pub async fn start(&self) -> Result<(), WorkerError> {
         self.check_held()?;
         let task_id = self.task.task_id.clone();
-        let token = self.fencing_token();
+        let held = Arc::clone(&self.held);
         self.shared
             .with_lease("StartTask", Duration::ZERO, |mut c, lease_id| {
+                // Read at each attempt: a reopened lease that adopted the task gave a new token.
                 let request = proto::StartTaskRequest {
                     lease_id,
                     task_id: task_id.clone(),
-                    fencing_token: token,
+                    fencing_token: held.token.load(Ordering::SeqCst),
                 };
                 async move { c.start_task(request).await }
             })
@@ -825,7 +849,7 @@ impl TaskGuard {
     }
 
     fn forget(&self) {
-        self.shared.held.lock().unwrap().remove(&self.task.task_id);
+        lock(&self.shared.held).remove(&self.task.task_id);
     }
 }
 
@@ -856,7 +880,7 @@ impl Drop for TaskGuard {
             return;
         }
         self.forget();
-        if self.is_lost() {
+        if self.is_lost() || self.held.detached.load(Ordering::SeqCst) {
             return;
         }
         let task_id = self.task.task_id.clone();

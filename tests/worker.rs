@@ -185,7 +185,19 @@ async fn a_lease_ended_elsewhere_is_replaced_and_its_tasks_reported_lost() {
 async fn after_redis_loses_its_state_the_reopened_lease_adopts_the_running_task() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
-    let worker = connect(&env, "w").await;
+    // The worker's own core_appstatus row (as a Pulp worker has): reopening reuses it.
+    let row = uuid::Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+             VALUES ($1, 'worker', 'w', interval '30 seconds')",
+            &[&row],
+        )
+        .await
+        .unwrap();
+    let mut with_row = config("w");
+    with_row.app_status_id = Some(row.to_string());
+    let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();
     let mut events = worker.events();
     let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
     guard.start().await.unwrap();
@@ -274,6 +286,43 @@ async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
         .await
         .expect_err("the lease was closed");
     assert_eq!(status.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn a_task_still_running_when_the_grace_runs_out_is_failed_by_closing_the_lease() {
+    let env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let mut short = config("w");
+    short.shutdown_grace = Duration::from_millis(200);
+    let worker = Worker::connect(endpoint(&env), short).await.unwrap();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut started_tx = Some(started_tx);
+    let run = tokio::spawn(worker.run(
+        move |guard| {
+            let started = started_tx.take();
+            async move {
+                guard.start().await.unwrap();
+                if let Some(started) = started {
+                    let _ = started.send(());
+                }
+                // Ignores shutdown and cancellation.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                drop(guard);
+            }
+        },
+        async move {
+            let _ = started_rx.await;
+        },
+    ));
+    tokio::time::timeout(LONG, run)
+        .await
+        .expect("run ended after the grace")
+        .unwrap()
+        .unwrap();
+    // Closing the lease failed it; nothing was released behind the lease's back first, so no
+    // task is left running without a lock.
+    assert_eq!(env.state(task).await, "failed");
+    env.assert_locks(&[]).await;
 }
 
 #[tokio::test]
