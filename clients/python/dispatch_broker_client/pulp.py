@@ -37,6 +37,9 @@ log = logging.getLogger("dispatch_broker_client.pulp")
 SUPERVISE_INTERVAL = 0.2
 # Seconds between repeated abort signals to a task that does not stop.
 KILL_INTERVAL = 1.0
+# Beats (each WORKER_TTL/3) between clean-ups of missing app processes' rows; the first beat
+# cleans up at once.
+CLEANUP_INTERVAL = 30
 
 
 class BrokerPulpWorker:
@@ -67,6 +70,7 @@ class BrokerPulpWorker:
         # monotonic time after which it is aborted (SIGINT: TASK_GRACE_INTERVAL).
         self.abort_at: float | None = None
         self.next_beat = 0.0
+        self.cleanup_countdown = 0
 
     def _signal(self, signum: int, frame: Any) -> None:
         if signum in (signal.SIGTERM, signal.SIGHUP):
@@ -103,6 +107,11 @@ class BrokerPulpWorker:
                         if burst:
                             break
                         continue
+                    if self.worker.stopping.is_set():
+                        # Granted while shutdown began: back to the queue, not run.
+                        if not task.lost:
+                            task.release()
+                        break
                     handled += 1
                     self.handle(task)
             finally:
@@ -120,14 +129,53 @@ class BrokerPulpWorker:
         self.next_beat = now + self.poll
         from django.db import connection, transaction
 
-        from pulpcore.constants import TASK_SCHEDULING_LOCK
+        from pulpcore.constants import TASK_SCHEDULING_LOCK, WORKER_CLEANUP_LOCK
         from pulpcore.tasking._util import dispatch_scheduled_tasks
 
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", [0, TASK_SCHEDULING_LOCK])
-                if cursor.fetchone()[0]:
-                    dispatch_scheduled_tasks()
+        def exclusive(lock: int, duty: Any) -> None:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", [0, lock])
+                    if cursor.fetchone()[0]:
+                        duty()
+
+        exclusive(TASK_SCHEDULING_LOCK, dispatch_scheduled_tasks)
+        self.cleanup_countdown -= 1
+        if self.cleanup_countdown <= 0:
+            self.cleanup_countdown = CLEANUP_INTERVAL
+            exclusive(WORKER_CLEANUP_LOCK, self.cleanup_missing_apps)
+
+    def cleanup_missing_apps(self) -> None:
+        """Pulp's clean-up of app processes that stopped heartbeating, minus what the broker owns.
+        A missing API or content process's tasks are dealt with as Pulp does (a task it had marked
+        but not started goes back to the queue; one it was running fails); a missing worker's
+        tasks are the broker's (its lease expires and is swept), so its row goes only once none is
+        left. Then the row is deleted."""
+        from pulpcore.app.models import AppStatus, Task
+        from pulpcore.constants import TASK_FINAL_STATES, TASK_STATES
+
+        for app in list(AppStatus.objects.missing()):
+            incomplete = Task.objects.filter(app_lock=app).exclude(state__in=TASK_FINAL_STATES)
+            if app.app_type == "worker":
+                if incomplete.exists():
+                    continue
+            else:
+                for task in list(incomplete):
+                    try:
+                        if task.state == TASK_STATES.WAITING:
+                            Task.objects.filter(pk=task.pk, app_lock=app, state=TASK_STATES.WAITING).update(
+                                app_lock=None
+                            )
+                            continue
+                        Task.objects.filter(pk=task.pk, app_lock=app).update(app_lock=self.app_status)
+                        task.app_lock = self.app_status
+                        task.set_canceling()
+                        task.set_canceled(final_state=TASK_STATES.FAILED, reason="Worker has gone missing.")
+                        log.warning("Failed task %s of missing %s process %s.", task.pk, app.app_type, app.name)
+                    except Exception:
+                        log.exception("Cleaning up task %s of missing process %s failed.", task.pk, app.name)
+            log.warning("Cleanup record of missing %s process %s.", app.app_type, app.name)
+            app.delete()
 
     def handle(self, granted: BrokerTask) -> None:
         """Runs one granted task the way Pulp does, then releases its locks."""
@@ -242,7 +290,11 @@ def claim_immediate_tasks(broker: str, token: str | None = None) -> Worker:
     original_execute, original_aexecute = tasks.execute_task, tasks.aexecute_task
 
     def are_resources_available(colliding_resources: Any, task: Any) -> bool:
-        granted = lease.claim(str(task.pk))
+        try:
+            granted = lease.claim(str(task.pk))
+        except Exception:  # noqa: BLE001 - the broker unreachable: defer (Pulp unmarks the task)
+            log.exception("ClaimTask for immediate task %s failed; deferring it to the workers", task.pk)
+            return False
         if granted is None:
             return False
         with grants_lock:

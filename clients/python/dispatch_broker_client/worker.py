@@ -247,6 +247,7 @@ class Worker:
         #: Set once shutdown began: fetch returns None from then on.
         self.stopping = threading.Event()
         self._closed = threading.Event()
+        self._closing = threading.Event()
         #: LeaseReopened, CancelRequested and HeartbeatFailed, in order.
         self.events: queue.Queue[WorkerEvent] = queue.Queue()
         self._heartbeat: threading.Thread | None = None
@@ -292,7 +293,9 @@ class Worker:
         self.stop()
         if self._closed.is_set():
             return pb.CloseLeaseResponse()
-        lease_id = self.lease_id
+        self._closing.set()
+        with self._reopening:  # a reopen under way finishes first: the lease closed is the last
+            lease_id = self.lease_id
         reply: pb.CloseLeaseResponse
         try:
             reply = self._call(
@@ -332,7 +335,7 @@ class Worker:
         claimed under its lease. None when nothing became ready, or when the worker is stopping."""
         if self.stopping.is_set():
             return None
-        reply = self._with_lease(
+        reply, generation = self._with_lease(
             "FetchTask",
             lambda stub, lease_id, timeout: stub.FetchTask(
                 pb.FetchTaskRequest(lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip)),
@@ -340,17 +343,17 @@ class Worker:
             ),
             wait=wait,
         )
-        return self._grant(reply)
+        return self._grant(reply, generation)
 
     def claim(self, task_id: str) -> Task | None:
         """Immediate dispatch: locks and claims exactly this task if it is ready now."""
-        reply = self._with_lease(
+        reply, generation = self._with_lease(
             "ClaimTask",
             lambda stub, lease_id, timeout: stub.ClaimTask(
                 pb.ClaimTaskRequest(lease_id=lease_id, task_id=task_id), timeout=timeout
             ),
         )
-        return self._grant(reply)
+        return self._grant(reply, generation)
 
     def cancel(self, task_id: str) -> CancelResult:
         """Cancels any task: waiting -> canceled now; running -> its holder is told."""
@@ -365,13 +368,19 @@ class Worker:
         ``install_signal_handlers``); then lets the running task finish, sets its ``cancelled``
         event if it runs longer than ``grace`` seconds after the stop, and closes the lease.
         The handler should ``finish`` (or ``release``) its task; one that does neither has the
-        task released for it. Returns the number of tasks handled."""
+        task released for it. The lease is closed once the handler returns. Returns the number of
+        tasks handled."""
         handled = 0
         try:
             while not self.stopping.is_set():
                 task = self.fetch(wait=wait)
                 if task is None:
                     continue
+                if self.stopping.is_set():
+                    # Granted while shutdown began: back to the queue, not run.
+                    if not task.lost:
+                        task.release()
+                    break
                 handled += 1
                 watchdog = threading.Thread(target=self._grace_watch, args=(task, grace), daemon=True)
                 watchdog.start()
@@ -394,12 +403,19 @@ class Worker:
                     task.cancelled.set()
                 return
 
-    def _grant(self, reply: pb.FetchTaskResponse) -> Task | None:
+    def _grant(self, reply: pb.FetchTaskResponse, generation: int) -> Task | None:
+        """A task for a grant made under the lease of ``generation``: lost at once if the lease was
+        replaced while the call was under way (the replacement could not have adopted it)."""
         if not reply.HasField("task"):
             return None
         task = Task(self, reply.task)
         with self._lock:
-            self._held[task.task_id] = task
+            if self._generation == generation:
+                self._held[task.task_id] = task
+            else:
+                log.warning("a grant of task %s arrived under a replaced lease; it is lost", task.task_id)
+                task._lost = True
+                task.cancelled.set()
         return task
 
     def _forget(self, task_id: str) -> None:
@@ -434,17 +450,20 @@ class Worker:
                 slept += delay
                 attempt += 1
 
-    def _with_lease(self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0) -> T:
+    def _with_lease(
+        self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0
+    ) -> tuple[T, int]:
         """A call made with the current lease id; when the broker no longer knows the lease, opens a
-        new one (once) and makes the call again."""
+        new one (once) and makes the call again. Returns the reply and the lease generation used."""
         reopened = False
         while True:
             with self._lock:
                 lease_id, generation = self._lease_id, self._generation
             try:
-                return self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout), wait=wait)
+                reply = self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout), wait=wait)
+                return reply, generation
             except BrokerError as e:
-                if not e.is_lease_not_found or reopened or self._closed.is_set():
+                if not e.is_lease_not_found or reopened or self._closing.is_set():
                     raise
                 self._reopen(generation, method)
                 reopened = True
@@ -472,15 +491,13 @@ class Worker:
             with self._lock:
                 if self._generation != seen_generation:
                     return
-                old_lease, row = self._lease_id, self._app_status_id
-            try:
-                lease = self._open_lease(row or None)
-            except BrokerError as e:
-                # The broker removed the row it had made for the old lease: start afresh, unless
-                # the row is the worker's own, which must not be swapped silently.
-                if self._configured_app_status or e.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-                lease = self._open_lease(None)
+                old_lease = self._lease_id
+            if self._closing.is_set():
+                return
+            # Only the worker's own (configured) row is reused: a row the broker made belongs to
+            # the old lease until the sweeper ends it, which requeues or fails every task claimed
+            # for that row and deletes it.
+            lease = self._open_lease(self._configured_app_status)
             adopted = {t.task_id: t.fencing_token for t in lease.adopted_tasks}
             self._install(lease)
             kept, lost = [], []

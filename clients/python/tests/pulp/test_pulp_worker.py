@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -151,6 +152,8 @@ def start_workers(n: int, address: str, env: dict[str, str]) -> list[subprocess.
 
 
 def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: dict[str, str]) -> None:
+    from django.utils import timezone
+
     from pulpcore.app.models import AppStatus, Domain, Task
     from pulpcore.app.util import set_domain
     from pulpcore.constants import TASK_FINAL_STATES
@@ -183,7 +186,8 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     assert ran_here.state == "completed", "granted by the broker, run by the API process at once"
     assert not any(r.scan_iter("{pulp}:task:*")), "released once it ran"
     # The long task that gets canceled while running.
-    long_running = dispatch(SLEEP, args=(60,), exclusive_resources=["prn:file.filerepository:C"])
+    # The head of one repository's queue: runs until it is canceled (the incident's blocked head).
+    long_running = dispatch(SLEEP, args=(60,), exclusive_resources=[REPO_R])
     # A queue on one repository, and an immediate task behind it (deferred: R is busy).
     repo_tasks = [dispatch(SLEEP, args=(0.3,), exclusive_resources=[REPO_R]) for _ in range(5)]
     canceled_waiting = dispatch(SLEEP, args=(0.3,), exclusive_resources=[REPO_R])
@@ -202,12 +206,32 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     ]
     set_domain(Domain.objects.get(name="default"))
     cancel_task(canceled_waiting.pk)
+    # An API process that died with an immediate task marked but not started, and one running:
+    # the workers' clean-up of missing processes requeues the first and fails the second.
+    dead_api = AppStatus(name="dead-api", app_type="api", ttl=timedelta(seconds=1))
+    dead_api.save()
+    AppStatus.objects.filter(pk=dead_api.pk).update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    orphan_marked = dispatch(SLEEP, args=(0.1,), exclusive_resources=["prn:file.filerepository:M"])
+    orphan_running = dispatch(SLEEP, args=(0.1,), exclusive_resources=["prn:file.filerepository:N"])
+    Task.objects.filter(pk=orphan_marked.pk).update(app_lock=dead_api)
+    Task.objects.filter(pk=orphan_running.pk).update(app_lock=dead_api, state="running", started_at=timezone.now())
 
     workers = start_workers(2, broker, pulp)
     try:
         wait_for("the long task to run", lambda: Task.objects.get(pk=long_running.pk).state == "running")
+        # While the repository's head runs, the other domain's tasks (newer than the whole
+        # repository queue) are all done by the other worker: no head-of-line blocking.
+        wait_for(
+            "the other domain's tasks",
+            lambda: all(Task.objects.get(pk=t.pk).state == "completed" for t in other_tasks),
+        )
+        assert Task.objects.get(pk=long_running.pk).state == "running"
+        assert not Task.objects.filter(pk__in=[t.pk for t in repo_tasks]).exclude(started_at=None).exists()
         cancel_task(long_running.pk)
-        every = [ran_here, long_running, canceled_waiting, immediate, *repo_tasks, *other_tasks]
+        every = [
+            ran_here, long_running, canceled_waiting, immediate, orphan_marked, orphan_running,
+            *repo_tasks, *other_tasks,
+        ]
         wait_for(
             "every task to reach a final state",
             lambda: not Task.objects.filter(pk__in=[t.pk for t in every]).exclude(state__in=TASK_FINAL_STATES).exists(),
@@ -224,6 +248,10 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     assert states[canceled_waiting.pk].state == "canceled"
     assert states[canceled_waiting.pk].started_at is None, "it never ran"
     assert states[immediate.pk].state == "completed", states[immediate.pk].error
+    assert states[orphan_marked.pk].state == "completed", "requeued from the dead process and run"
+    assert states[orphan_running.pk].state == "failed"
+    assert states[orphan_running.pk].error == {"reason": "Worker has gone missing."}
+    assert not AppStatus.objects.filter(name="dead-api").exists()
     for t in [*repo_tasks, *other_tasks]:
         assert states[t.pk].state == "completed", (t.pk, states[t.pk].state, states[t.pk].error)
     assert codes == [0, 0], "the workers shut down cleanly on SIGTERM"
@@ -234,9 +262,7 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     runs = [states[t.pk] for t in in_order]
     for before, after in zip(runs, runs[1:]):
         assert before.finished_at <= after.started_at, (before.pk, after.pk)
-    # The other domains' tasks did not wait for the repository's queue to drain (a worker took
-    # them while the queue's head ran, although they are newer).
-    assert min(states[t.pk].started_at for t in other_tasks) < runs[-1].started_at
+    assert states[long_running.pk].finished_at <= runs[0].started_at, "the canceled head came first"
 
     # The workers' rows are gone and no lock is left.
     assert not AppStatus.objects.filter(app_type="worker").exists()
