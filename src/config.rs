@@ -2,6 +2,7 @@
 //! front so bad configuration stops the process with one line before anything starts.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -98,6 +99,9 @@ pub struct ServeArgs {
     /// Task store.
     #[command(flatten)]
     pub postgres: PostgresArgs,
+    /// Authentication and TLS.
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Lock store.
     #[command(flatten)]
     pub redis: RedisArgs,
@@ -221,6 +225,26 @@ pub struct MigrateArgs {
     pub notify_trigger: bool,
 }
 
+/// Who may call the broker, and TLS on its gRPC port.
+#[derive(Debug, Clone, Args, Default)]
+pub struct SecurityArgs {
+    /// File holding the bearer token every worker call must carry (`authorization: Bearer
+    /// <token>`); a missing or wrong token gets UNAUTHENTICATED and does nothing. gRPC health and
+    /// KEDA's scaler stay open (protect those with TLS client certificates or the network).
+    /// Unset: no authentication.
+    #[arg(long, env = "DISPATCH_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// PEM certificate chain for TLS on the gRPC port (with --tls-key).
+    #[arg(long, env = "DISPATCH_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "DISPATCH_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle: clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "DISPATCH_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
 /// Options of `health`.
 #[derive(Debug, Clone, Args)]
 pub struct HealthArgs {
@@ -234,6 +258,18 @@ pub struct HealthArgs {
     /// How long to wait for an answer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// PEM CA bundle to verify a TLS broker with (implies TLS).
+    #[arg(long, env = "DISPATCH_HEALTH_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the broker's certificate is checked against.
+    #[arg(long, env = "DISPATCH_HEALTH_TLS_DOMAIN", default_value = "localhost")]
+    pub tls_domain: String,
+    /// Client certificate (PEM) for a broker that requires one, with --tls-key.
+    #[arg(long, env = "DISPATCH_HEALTH_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "DISPATCH_HEALTH_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Options of `sandbox`.
@@ -251,6 +287,9 @@ pub struct SandboxArgs {
     /// How often expired leases are swept.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub sweep_interval: Duration,
+    /// Authentication and TLS, as for `serve`.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// Options of `demo`.

@@ -16,6 +16,7 @@ pub mod leases;
 pub mod locks;
 pub mod metrics;
 pub mod ready;
+pub mod security;
 pub mod server;
 pub mod shutdown;
 pub mod tasks;

@@ -86,6 +86,11 @@ impl Running {
 /// schema lacks something.
 pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     args.validate().map_err(anyhow::Error::msg)?;
+    let serving = Serving {
+        max_per_connection: args.max_requests_per_connection,
+        tls: crate::security::server_tls(&args.security)?,
+        auth: crate::security::BearerAuth::from_args(&args.security)?,
+    };
     let prometheus = crate::metrics::recorder();
     let stats = Arc::new(Stats::default());
     let tasks = Tasks::connect(
@@ -242,7 +247,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         async move { run_background(sweeper, health, shutdown).await }
     });
     let server = tokio::spawn(serve(
-        args.max_requests_per_connection,
+        serving,
         listener,
         service,
         scaler,
@@ -308,8 +313,15 @@ async fn run_background(
     }
 }
 
-async fn serve(
+/// How the gRPC port is served: limits, TLS, authentication.
+struct Serving {
     max_per_connection: usize,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    auth: crate::security::BearerAuth,
+}
+
+async fn serve(
+    serving: Serving,
     listener: tokio::net::TcpListener,
     service: BrokerService,
     scaler: Scaler,
@@ -321,15 +333,19 @@ async fn serve(
     >,
     shutdown: Shutdown,
 ) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = serving.tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         // tower's concurrency limit per connection, shedding (UNAVAILABLE at once) instead of
         // queueing what is over it.
-        .concurrency_limit_per_connection(max_per_connection)
+        .concurrency_limit_per_connection(serving.max_per_connection)
         .load_shed(true)
         .layer(crate::metrics::RpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
-        .add_service(BrokerServer::new(service))
+        .add_service(BrokerServer::with_interceptor(service, serving.auth))
         .add_service(ExternalScalerServer::new(scaler))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.fired().await
@@ -341,9 +357,11 @@ async fn serve(
 pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     let check = async {
-        let channel = tonic::transport::Endpoint::from_shared(args.addr.clone())?
-            .connect()
-            .await?;
+        let mut endpoint = tonic::transport::Endpoint::from_shared(args.addr.clone())?;
+        if let Some(tls) = crate::security::health_tls(args)? {
+            endpoint = endpoint.tls_config(tls)?;
+        }
+        let channel = endpoint.connect().await?;
         let reply = tonic_health::pb::health_client::HealthClient::new(channel)
             .check(tonic_health::pb::HealthCheckRequest {
                 service: String::new(),

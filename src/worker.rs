@@ -48,6 +48,9 @@ pub struct WorkerConfig {
     pub ttl: Duration,
     /// Bearer token sent as `authorization: Bearer <token>` on every call, when set.
     pub token: Option<String>,
+    /// TLS to the broker (CA, server name, and a client identity for mutual TLS); `None` for
+    /// plaintext (`http://` endpoints).
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
     /// The worker's own `core_appstatus` row (a Pulp worker passes its own); `None` lets the
     /// broker create one per lease.
     pub app_status_id: Option<String>,
@@ -67,6 +70,7 @@ impl WorkerConfig {
             versions: BTreeMap::new(),
             ttl: Duration::from_secs(30),
             token: None,
+            tls: None,
             app_status_id: None,
             call_timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
@@ -129,7 +133,9 @@ impl WorkerError {
 /// A mutex's value even if a panicking thread poisoned it (the data stays consistent: every
 /// critical section here is a single insert, remove or copy).
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn is_lease_not_found(status: &Status) -> bool {
@@ -240,11 +246,18 @@ impl Worker {
         config: WorkerConfig,
     ) -> Result<Worker, WorkerError> {
         let endpoint = endpoint.into();
-        let channel = Channel::from_shared(endpoint.clone())
-            .map_err(|e| WorkerError::Endpoint {
+        let mut builder =
+            Channel::from_shared(endpoint.clone()).map_err(|e| WorkerError::Endpoint {
                 endpoint: endpoint.clone(),
                 reason: e.to_string(),
-            })?
+            })?;
+        if let Some(tls) = config.tls.clone() {
+            builder = builder.tls_config(tls).map_err(|e| WorkerError::Endpoint {
+                endpoint: endpoint.clone(),
+                reason: format!("TLS settings: {e}"),
+            })?;
+        }
+        let channel = builder
             .connect_timeout(config.call_timeout)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_while_idle(true)

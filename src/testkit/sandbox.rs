@@ -24,6 +24,7 @@ pub async fn run(args: &SandboxArgs) -> Result<()> {
     serve.metrics_listen = args.metrics_listen;
     serve.lease.min_ttl = args.lease_min_ttl;
     serve.sweep_interval = args.sweep_interval;
+    serve.security = args.security.clone();
     serve.lanes.cutoff = Duration::ZERO;
     let broker = crate::server::start(&serve).await?;
     let line = serde_json::json!({

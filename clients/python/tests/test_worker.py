@@ -197,6 +197,21 @@ def test_open_waits_for_a_broker_that_is_still_starting() -> None:
         stop_sandbox(box)
 
 
+def test_a_broker_with_a_token_rejects_calls_without_it(tmp_path: pathlib.Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("py-secret\n")
+    box = start_sandbox("--auth-token-file", str(token))
+    try:
+        with pytest.raises(BrokerError) as rejected:
+            Worker(box.address, "no-token", ttl=0.9).open()
+        assert rejected.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "bearer token" in rejected.value.message
+        with Worker(box.address, "with-token", ttl=0.9, token="py-secret") as w:
+            assert w.fetch() is None
+    finally:
+        stop_sandbox(box)
+
+
 def test_retry_policy_backs_off_within_its_budget() -> None:
     p = RetryPolicy(initial=0.1, maximum=1.0, max_elapsed=2.5)
     assert p.delay(0, 0.0, 0.0) == pytest.approx(0.05)

@@ -1,0 +1,188 @@
+//! Authentication and TLS: a bearer token on worker calls (health and KEDA's scaler stay open), TLS
+//! with certificates made in the test (rcgen), and mutual TLS. A rejected call changes nothing.
+
+#[path = "support/harness.rs"]
+mod support;
+
+use std::time::Duration;
+
+use dispatch_broker::worker::{Worker, WorkerConfig};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use support::Env;
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+use tonic::Code;
+
+const TOKEN: &str = "s3cret-token-for-the-test";
+
+struct Pki {
+    ca_pem: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+fn pki() -> Pki {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    Pki {
+        ca_pem: ca.pem(),
+        server: leaf(vec!["localhost".into()]),
+        client: leaf(vec!["worker-1".into()]),
+    }
+}
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn config(token: Option<&str>, tls: Option<ClientTlsConfig>) -> WorkerConfig {
+    let mut config = WorkerConfig::new("w");
+    config.token = token.map(str::to_owned);
+    config.tls = tls;
+    config.retry = dispatch_broker::worker::RetryPolicy::none();
+    config.call_timeout = Duration::from_secs(5);
+    config
+}
+
+async fn app_status_rows(env: &Env) -> i64 {
+    env.db
+        .query_one("SELECT count(*) FROM core_appstatus", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn worker_calls_need_the_bearer_token_and_a_rejected_call_does_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = write(&dir, "token", &format!("{TOKEN}\n"));
+    let env = Env::with(|a| a.security.auth_token_file = Some(token_file)).await;
+    let endpoint = format!("http://{}", env.broker().addr);
+    let task = env.task(&["a"]).await;
+
+    for token in [None, Some("wrong")] {
+        let err = Worker::connect(&endpoint, config(token, None))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+        assert!(err.to_string().contains("bearer token"), "{err}");
+    }
+    assert_eq!(app_status_rows(&env).await, 0, "no lease row was made");
+
+    let worker = Worker::connect(&endpoint, config(Some(TOKEN), None))
+        .await
+        .unwrap();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), task.to_string());
+    guard.release().await.unwrap();
+    worker.close().await.unwrap();
+
+    // Health stays open (probes carry no token).
+    let channel = tonic::transport::Endpoint::from_shared(endpoint)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let health = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await;
+    assert!(health.is_ok(), "{health:?}");
+}
+
+#[tokio::test]
+async fn tls_serves_clients_that_trust_the_ca_and_plaintext_gets_nothing() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (
+        write(&dir, "server.pem", &pki.server.0),
+        write(&dir, "server.key", &pki.server.1),
+    );
+    let env = Env::with(|a| {
+        a.security.tls_cert = Some(cert);
+        a.security.tls_key = Some(key);
+    })
+    .await;
+    let port = env.broker().addr.port();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca_pem))
+        .domain_name("localhost");
+    let worker = Worker::connect(format!("https://localhost:{port}"), config(None, Some(tls)))
+        .await
+        .expect("TLS with the right CA");
+    worker.close().await.unwrap();
+
+    let plain = Worker::connect(format!("http://127.0.0.1:{port}"), config(None, None))
+        .await
+        .unwrap_err();
+    // The connection fails below gRPC (tonic reports a transport error).
+    assert!(plain.to_string().contains("transport error"), "{plain}");
+    assert_eq!(app_status_rows(&env).await, 0);
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_a_client_certificate_from_the_ca() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key, ca) = (
+        write(&dir, "server.pem", &pki.server.0),
+        write(&dir, "server.key", &pki.server.1),
+        write(&dir, "ca.pem", &pki.ca_pem),
+    );
+    let env = Env::with(|a| {
+        a.security.tls_cert = Some(cert);
+        a.security.tls_key = Some(key);
+        a.security.tls_client_ca = Some(ca);
+    })
+    .await;
+    let endpoint = format!("https://localhost:{}", env.broker().addr.port());
+    let base = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca_pem))
+        .domain_name("localhost");
+
+    let anonymous = Worker::connect(&endpoint, config(None, Some(base.clone())))
+        .await
+        .unwrap_err();
+    assert!(
+        anonymous.to_string().contains("transport error"),
+        "{anonymous}"
+    );
+    assert_eq!(app_status_rows(&env).await, 0);
+
+    let with_identity = base.identity(Identity::from_pem(&pki.client.0, &pki.client.1));
+    let worker = Worker::connect(&endpoint, config(None, Some(with_identity)))
+        .await
+        .expect("mutual TLS with a certificate from the CA");
+    assert!(worker.next_task(Duration::ZERO).await.unwrap().is_none());
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_empty_or_missing_token_file_stops_the_start_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = write(&dir, "empty", "  \n");
+    let db = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let mut args = support::default_args(&db, "redis://127.0.0.1:1/");
+    args.security.auth_token_file = Some(empty);
+    let err = dispatch_broker::server::start(&args).await.err().unwrap();
+    assert!(err.to_string().contains("is empty"), "{err}");
+    args.security.auth_token_file = Some(dir.path().join("missing"));
+    let err = dispatch_broker::server::start(&args).await.err().unwrap();
+    assert!(
+        err.to_string().contains("cannot read --auth-token-file"),
+        "{err}"
+    );
+}
