@@ -162,6 +162,26 @@ fn names_ports_and_labels_agree() {
             "{key} is not an option of `dispatch-broker serve`"
         );
     }
+    // The token file the ConfigMap names is the auth Secret's key, mounted where it says.
+    let auth = load("auth-secret.yaml");
+    let token_file = configmap["data"]["DISPATCH_AUTH_TOKEN_FILE"].as_str().unwrap();
+    let (dir, file) = token_file.rsplit_once('/').unwrap();
+    let pod = s(&deployment, &["spec", "template", "spec"]);
+    let volume = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"] == auth["metadata"]["name"])
+        .expect("a volume of the auth Secret");
+    assert!(auth["stringData"][volume["secret"]["items"][0]["key"].as_str().unwrap()].is_string());
+    assert_eq!(volume["secret"]["items"][0]["path"].as_str(), Some(file));
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("the auth volume is mounted");
+    assert_eq!(mount["mountPath"].as_str(), Some(dir));
     assert!(secret["stringData"]["DISPATCH_POSTGRES_URL"].is_string());
     assert!(secret["stringData"]["DISPATCH_REDIS_URL"].is_string());
     assert_eq!(
