@@ -8,9 +8,8 @@
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_broker::proto::broker_client::BrokerClient;
-use dispatch_broker::proto::*;
 use dispatch_broker::testkit::{Postgres, Redis};
+use dispatch_broker::worker::{FinalState, Worker, WorkerConfig};
 
 const OTHERS: i32 = 200;
 const LEASES: usize = 10;
@@ -48,9 +47,7 @@ async fn main() {
         let mut args = ServeArgs::with_urls(&url, &redis.url());
         args.lanes.interval = Duration::from_secs(3600);
         let broker = dispatch_broker::server::start(&args).await.unwrap();
-        let mut client = BrokerClient::connect(format!("http://{}", broker.addr))
-            .await
-            .unwrap();
+        let endpoint = format!("http://{}", broker.addr);
         let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
             .unwrap();
@@ -61,26 +58,9 @@ async fn main() {
         )
         .await
         .unwrap();
-        let busy = open(&mut client, "busy").await;
-        let head = client
-            .fetch_task(FetchTaskRequest {
-                lease_id: busy.clone(),
-                wait: None,
-                skip_task_ids: vec![],
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .task
-            .unwrap();
-        client
-            .start_task(StartTaskRequest {
-                lease_id: busy,
-                task_id: head.task_id,
-                fencing_token: head.fencing_token,
-            })
-            .await
-            .unwrap();
+        let busy = Worker::connect(&endpoint, quiet("busy")).await.unwrap();
+        let head = busy.next_task(Duration::ZERO).await.unwrap().unwrap();
+        head.start().await.unwrap();
         db.batch_execute(&format!(
             "BEGIN; SET LOCAL session_replication_role = replica; \
              INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
@@ -94,27 +74,29 @@ async fn main() {
         .await
         .unwrap();
         db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
-        let mut leases = Vec::new();
+        let mut workers = Vec::new();
         for w in 0..LEASES {
-            leases.push(open(&mut client, &format!("w{w}")).await);
+            workers.push(
+                Worker::connect(&endpoint, quiet(&format!("w{w}")))
+                    .await
+                    .unwrap(),
+            );
         }
         let before = broker.stats.snapshot();
         let mut times = Vec::new();
+        let mut held = Vec::new();
         for i in 0..OTHERS as usize {
             let start = Instant::now();
-            let task = client
-                .fetch_task(FetchTaskRequest {
-                    lease_id: leases[i % LEASES].clone(),
-                    wait: None,
-                    skip_task_ids: vec![],
-                })
+            let task = workers[i % LEASES]
+                .next_task(Duration::ZERO)
                 .await
                 .unwrap()
-                .into_inner()
-                .task
                 .expect("another domain's task");
             times.push(start.elapsed());
-            assert_eq!(task.name, "other");
+            assert_eq!(task.task().name, "other");
+            // Held until the round ends (dropping the guard would release it in the background
+            // and make the measured fetches race those releases).
+            held.push(task);
         }
         let cost = broker.stats.snapshot() - before;
         times.sort();
@@ -128,29 +110,27 @@ async fn main() {
             cost.redis_calls as f64 / OTHERS as f64,
             p50.as_secs_f64() / base.as_secs_f64(),
         );
+        for task in held {
+            task.release().await.unwrap();
+        }
+        for w in workers {
+            w.close().await.unwrap();
+        }
+        head.finish(FinalState::Completed, None).await.unwrap();
+        busy.close().await.unwrap();
         broker.shutdown().await.unwrap();
     }
+}
+
+/// A worker whose heartbeats stay out of the measured window (one every 200 s).
+fn quiet(name: &str) -> WorkerConfig {
+    let mut config = WorkerConfig::new(name);
+    config.ttl = Duration::from_secs(600);
+    config
 }
 
 fn redis_flush(redis: &Redis) {
     let _ = std::process::Command::new("redis-cli")
         .args(["-u", &redis.url(), "FLUSHALL"])
         .output();
-}
-
-async fn open(client: &mut BrokerClient<tonic::transport::Channel>, name: &str) -> String {
-    client
-        .open_lease(OpenLeaseRequest {
-            worker_name: name.into(),
-            versions: Default::default(),
-            ttl: Some(prost_types::Duration {
-                seconds: 3600,
-                nanos: 0,
-            }),
-            app_status_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .lease_id
 }

@@ -830,17 +830,24 @@ impl TaskGuard {
             state: state.as_str().to_owned(),
             error: error.unwrap_or_default(),
         };
-        self.shared
-            .call(
-                "FinishTask",
-                Duration::ZERO,
-                self.shared.config.retry,
-                |mut c| {
-                    let request = request.clone();
-                    async move { c.finish_task(request).await }
-                },
-            )
-            .await
+        let result = finish_call(&self.shared, &request).await;
+        if let Err(e) = &result {
+            if transient(e) {
+                let shared = Arc::clone(&self.shared);
+                tracing::warn!(task_id = %self.task.task_id, error = %e, "FinishTask failed; retrying in the background");
+                keep_trying(
+                    &self.shared,
+                    &self.task.task_id,
+                    "FinishTask",
+                    Duration::from_secs(1),
+                    move || {
+                        let (shared, request) = (Arc::clone(&shared), request.clone());
+                        async move { finish_call(&shared, &request).await.map(|_| ()) }
+                    },
+                );
+            }
+        }
+        result
     }
 
     /// Releases the task's locks (ReleaseLocks); for workers that record task state themselves,
@@ -849,7 +856,25 @@ impl TaskGuard {
         self.done = true;
         self.check_held()?;
         self.forget();
-        release(&self.shared, &self.task.task_id, self.fencing_token()).await
+        let (task_id, token) = (self.task.task_id.clone(), self.fencing_token());
+        let result = release(&self.shared, &task_id, token).await;
+        if let Err(e) = &result {
+            if transient(e) {
+                let shared = Arc::clone(&self.shared);
+                tracing::warn!(%task_id, error = %e, "ReleaseLocks failed; retrying in the background");
+                keep_trying(
+                    &self.shared,
+                    &task_id.clone(),
+                    "ReleaseLocks",
+                    Duration::from_secs(1),
+                    move || {
+                        let (shared, task_id) = (Arc::clone(&shared), task_id.clone());
+                        async move { release(&shared, &task_id, token).await.map(|_| ()) }
+                    },
+                );
+            }
+        }
+        result
     }
 
     fn check_held(&self) -> Result<(), WorkerError> {
@@ -864,6 +889,79 @@ impl TaskGuard {
     fn forget(&self) {
         lock(&self.shared.held).remove(&self.task.task_id);
     }
+}
+
+async fn finish_call(
+    shared: &Shared,
+    request: &proto::FinishTaskRequest,
+) -> Result<proto::FinishTaskResponse, WorkerError> {
+    shared
+        .call(
+            "FinishTask",
+            Duration::ZERO,
+            shared.config.retry,
+            |mut c| {
+                let request = request.clone();
+                async move { c.finish_task(request).await }
+            },
+        )
+        .await
+}
+
+/// Failures after which the call may still succeed later (the broker or its backends were
+/// unreachable, or the answer was lost); not the broker's "no" (FAILED_PRECONDITION, NOT_FOUND).
+fn transient(error: &WorkerError) -> bool {
+    matches!(
+        error.code(),
+        Some(Code::Unavailable | Code::DeadlineExceeded | Code::Unknown)
+    )
+}
+
+/// Keeps making `attempt` in the background (every few seconds) until it succeeds, fails for
+/// good, or the lease is closed (closing it ends what it holds): a release or finish that failed
+/// in passing must not leave the task's locks held by a live lease.
+fn keep_trying<F, Fut>(
+    shared: &Arc<Shared>,
+    task_id: &str,
+    what: &'static str,
+    first_delay: Duration,
+    mut attempt: F,
+) where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), WorkerError>> + Send,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(
+            task_id,
+            what,
+            "no runtime to retry in; the locks stay until the lease ends"
+        );
+        return;
+    };
+    let closed = shared.closed.clone();
+    let task_id = task_id.to_owned();
+    runtime.spawn(async move {
+        let mut delay = first_delay;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = closed.cancelled() => return,
+            }
+            match attempt().await {
+                Ok(()) => {
+                    tracing::info!(%task_id, what, "succeeded on a background retry");
+                    return;
+                }
+                Err(e) if transient(&e) => {
+                    delay = (delay * 2).clamp(Duration::from_secs(1), Duration::from_secs(10))
+                }
+                Err(e) => {
+                    tracing::warn!(%task_id, what, error = %e, "background retry ended: the broker said no");
+                    return;
+                }
+            }
+        }
+    });
 }
 
 async fn release(shared: &Shared, task_id: &str, token: u64) -> Result<bool, WorkerError> {
@@ -899,18 +997,16 @@ impl Drop for TaskGuard {
         let task_id = self.task.task_id.clone();
         let token = self.fencing_token();
         let shared = Arc::clone(&self.shared);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
-                runtime.spawn(async move {
-                    if let Err(e) = release(&shared, &task_id, token).await {
-                        tracing::warn!(%task_id, error = %e, "background release failed; the lease's end or the sweeper releases the locks");
-                    }
-                });
-            }
-            Err(_) => {
-                tracing::warn!(%task_id, "task guard dropped outside a runtime; its locks stay until the lease ends");
-            }
-        }
+        tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
+        keep_trying(
+            &self.shared,
+            &task_id.clone(),
+            "ReleaseLocks",
+            Duration::ZERO,
+            move || {
+                let (shared, task_id) = (Arc::clone(&shared), task_id.clone());
+                async move { release(&shared, &task_id, token).await.map(|_| ()) }
+            },
+        );
     }
 }

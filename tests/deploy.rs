@@ -164,7 +164,9 @@ fn names_ports_and_labels_agree() {
     }
     // The token file the ConfigMap names is the auth Secret's key, mounted where it says.
     let auth = load("auth-secret.yaml");
-    let token_file = configmap["data"]["DISPATCH_AUTH_TOKEN_FILE"].as_str().unwrap();
+    let token_file = configmap["data"]["DISPATCH_AUTH_TOKEN_FILE"]
+        .as_str()
+        .unwrap();
     let (dir, file) = token_file.rsplit_once('/').unwrap();
     let pod = s(&deployment, &["spec", "template", "spec"]);
     let volume = pod["volumes"]

@@ -326,6 +326,36 @@ async fn a_task_still_running_when_the_grace_runs_out_is_failed_by_closing_the_l
 }
 
 #[tokio::test]
+async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    let mut impatient = config("w");
+    impatient.retry = dispatch_broker::worker::RetryPolicy {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(50),
+        max_elapsed: Duration::from_millis(200),
+    };
+    let worker = Worker::connect(endpoint(&env), impatient).await.unwrap();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    // The broker goes away (a rolling restart) just as the worker releases.
+    let addr = env.broker().addr;
+    env.broker.take().unwrap().shutdown().await.unwrap();
+    let err = guard.release().await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unavailable), "{err}");
+    // It comes back on the same address; the background retry releases the locks.
+    let mut args = env.args.clone();
+    args.listen = addr;
+    env.broker = Some(dispatch_broker::server::start(&args).await.unwrap());
+    assert!(
+        eventually(LONG, || async { env.locked_tasks().await.is_empty() })
+            .await
+            .is_some(),
+        "the release went through once the broker was back"
+    );
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
 async fn connect_waits_for_a_broker_that_is_still_starting() {
     let port = dispatch_broker::testkit::free_port().unwrap();
     let connecting = tokio::spawn(Worker::connect(

@@ -36,6 +36,8 @@ from ._proto import broker_pb2_grpc as pb_grpc
 log = logging.getLogger("dispatch_broker_client")
 
 NOT_FOUND_KEY = "dispatch-not-found"
+# Failures after which a call may still succeed later (unreachable, or the answer was lost).
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
 FINAL_STATES = ("completed", "failed", "canceled", "skipped")
 
 T = TypeVar("T")
@@ -179,7 +181,9 @@ class Task:
             state=state,
             error=error or "",
         )
-        reply = self._worker._call("FinishTask", lambda stub, timeout: stub.FinishTask(request, timeout=timeout))
+        reply = self._worker._call_or_keep_trying(
+            "FinishTask", self.task_id, lambda stub, timeout: stub.FinishTask(request, timeout=timeout)
+        )
         return str(reply.state)
 
     def release(self) -> bool:
@@ -191,7 +195,9 @@ class Task:
         request = pb.ReleaseLocksRequest(
             lease_id=self._worker.lease_id, task_id=self.task_id, fencing_token=self._token
         )
-        reply = self._worker._call("ReleaseLocks", lambda stub, timeout: stub.ReleaseLocks(request, timeout=timeout))
+        reply = self._worker._call_or_keep_trying(
+            "ReleaseLocks", self.task_id, lambda stub, timeout: stub.ReleaseLocks(request, timeout=timeout)
+        )
         return bool(reply.released)
 
     def __enter__(self) -> Task:
@@ -449,6 +455,34 @@ class Worker:
                 time.sleep(delay)
                 slept += delay
                 attempt += 1
+
+    def _call_or_keep_trying(self, method: str, task_id: str, fn: Callable[[pb_grpc.BrokerStub, float], T]) -> T:
+        """A release or finish: when it fails in passing (the broker unreachable beyond the retry
+        budget, or no answer), it keeps being retried in a background thread until it succeeds,
+        the broker says no, or the lease is closed, so the task's locks are never left held by a
+        live lease; the caller still gets the error."""
+        try:
+            return self._call(method, fn)
+        except BrokerError as e:
+            if e.code not in TRANSIENT:
+                raise
+
+            def retry() -> None:
+                delay = 1.0
+                while not self._closed.wait(delay):
+                    try:
+                        self._call(method, fn)
+                        log.info("%s of task %s succeeded on a background retry", method, task_id)
+                        return
+                    except BrokerError as again:
+                        if again.code not in TRANSIENT:
+                            log.warning("background %s of task %s ended: %s", method, task_id, again)
+                            return
+                    delay = min(delay * 2, 10.0)
+
+            log.warning("%s of task %s failed (%s); retrying in the background", method, task_id, e)
+            threading.Thread(target=retry, name=f"dispatch-retry-{task_id}", daemon=True).start()
+            raise
 
     def _with_lease(
         self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0
