@@ -234,7 +234,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         shutdown.clone(),
     ));
     tokio::spawn(crate::dispatch::wakeups::tick(
-        locks.clone(),
+        // The background pool: its calls are counted with the background work, not with RPCs.
+        sweeper.locks.clone(),
         waiters,
         args.fetch.wake_poll,
         args.fetch.recheck,
