@@ -65,7 +65,10 @@ async fn idle_query_rate(db: &tokio_postgres::Client, window: Duration) -> f64 {
 
 /// Inserts tasks one at a time, each after the previous one was received; returns the latencies
 /// from commit to receipt.
-async fn latencies(db: &tokio_postgres::Client, receipts: &mut mpsc::UnboundedReceiver<Receipt>) -> Vec<Duration> {
+async fn latencies(
+    db: &tokio_postgres::Client,
+    receipts: &mut mpsc::UnboundedReceiver<Receipt>,
+) -> Vec<Duration> {
     let mut out = Vec::new();
     for i in 0..TASKS {
         let id = Uuid::new_v4();
@@ -92,21 +95,24 @@ async fn latencies(db: &tokio_postgres::Client, receipts: &mut mpsc::UnboundedRe
     out
 }
 
+/// Broker workers long-polling with a 30 s wait, as real ones would; stopping one ends its wait.
 async fn broker_fleet(
     endpoint: &str,
     n: usize,
     receipts: mpsc::UnboundedSender<Receipt>,
     stop: Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<()>> {
+) -> (Vec<Worker>, Vec<tokio::task::JoinHandle<()>>) {
     let mut handles = Vec::new();
+    let mut workers = Vec::new();
     for w in 0..n {
         let worker = Worker::connect(endpoint, WorkerConfig::new(format!("bench-{w}")))
             .await
             .unwrap();
+        workers.push(worker.clone());
         let (receipts, stop) = (receipts.clone(), Arc::clone(&stop));
         handles.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
-                match worker.next_task(Duration::from_secs(1)).await {
+                match worker.next_task(Duration::from_secs(30)).await {
                     Ok(Some(task)) => {
                         let _ = receipts.send((task.id().parse().unwrap(), Instant::now()));
                         task.start().await.unwrap();
@@ -119,7 +125,20 @@ async fn broker_fleet(
             worker.close().await.unwrap();
         }));
     }
-    handles
+    (workers, handles)
+}
+
+async fn stop_broker_fleet(
+    stop: &AtomicBool,
+    (workers, handles): (Vec<Worker>, Vec<tokio::task::JoinHandle<()>>),
+) {
+    stop.store(true, Ordering::SeqCst);
+    for w in &workers {
+        w.stop();
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
 }
 
 /// The baseline worker loop (Pulp's Redis worker, reduced to what dispatch needs).
@@ -174,7 +193,11 @@ async fn baseline_worker(
             }
             if locked.len() < names.len() {
                 for key in locked {
-                    let _: i64 = deadpool_redis::redis::cmd("DEL").arg(key).query_async(&mut redis).await.unwrap();
+                    let _: i64 = deadpool_redis::redis::cmd("DEL")
+                        .arg(key)
+                        .query_async(&mut redis)
+                        .await
+                        .unwrap();
                 }
                 continue;
             }
@@ -197,7 +220,11 @@ async fn baseline_worker(
                 got = true;
             }
             for key in locked {
-                let _: i64 = deadpool_redis::redis::cmd("DEL").arg(key).query_async(&mut redis).await.unwrap();
+                let _: i64 = deadpool_redis::redis::cmd("DEL")
+                    .arg(key)
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
             }
             if got {
                 break;
@@ -205,7 +232,10 @@ async fn baseline_worker(
         }
         if !got {
             let jitter = 0.5 + rand::random::<f64>();
-            tokio::time::sleep(Duration::from_secs_f64((fleet as f64 * 10.0 + jitter) / 1000.0)).await;
+            tokio::time::sleep(Duration::from_secs_f64(
+                (fleet as f64 * 10.0 + jitter) / 1000.0,
+            ))
+            .await;
         }
     }
 }
@@ -219,7 +249,9 @@ async fn baseline_fleet(
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let mut clients = Vec::new();
     for _ in 0..BASELINE_CONNECTIONS.min(n) {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
         tokio::spawn(conn);
         clients.push(Arc::new(client));
     }
@@ -267,20 +299,27 @@ async fn stop_all(stop: &AtomicBool, handles: Vec<tokio::task::JoinHandle<()>>) 
 
 #[tokio::main]
 async fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let (latency_workers, herd_workers) = (
         args.first().copied().unwrap_or(100),
         args.get(1).copied().unwrap_or(500),
     );
     eprintln!("starting throwaway PostgreSQL and Redis ...");
-    let (pg, redis) = tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
-        .await
-        .unwrap();
+    let (pg, redis) =
+        tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+            .await
+            .unwrap();
     let url = pg.create_database("idle").unwrap();
-    pg.psql("idle", include_str!("../src/tasks/migrate.sql")).unwrap();
+    pg.psql("idle", include_str!("../src/tasks/migrate.sql"))
+        .unwrap();
     pg.psql("idle", include_str!("../src/tasks/notify_trigger.sql"))
         .unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
     tokio::spawn(conn);
 
     let args = ServeArgs::with_urls(&url, &redis.url());
@@ -294,7 +333,7 @@ async fn main() {
     let fleet = broker_fleet(&endpoint, latency_workers, tx, Arc::clone(&stop)).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let broker_latency = latencies(&db, &mut rx).await;
-    stop_all(&stop, fleet).await;
+    stop_broker_fleet(&stop, fleet).await;
 
     eprintln!("dispatch latency: {latency_workers} baseline workers ...");
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -317,7 +356,7 @@ async fn main() {
         + broker.background_stats.snapshot().postgres_statements
         - statements_before;
     let statement_rate = statements as f64 / started.elapsed().as_secs_f64();
-    stop_all(&stop, fleet).await;
+    stop_broker_fleet(&stop, fleet).await;
 
     eprintln!("herd: {herd_workers} idle baseline workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
@@ -329,7 +368,10 @@ async fn main() {
     println!("| scenario | broker | baseline (Pulp-style polling) | baseline / broker |");
     println!("|---|---:|---:|---:|");
     for (label, p) in [("p50", 0.5), ("p99", 0.99)] {
-        let (b, r) = (percentile(&broker_latency, p), percentile(&baseline_latency, p));
+        let (b, r) = (
+            percentile(&broker_latency, p),
+            percentile(&baseline_latency, p),
+        );
         println!(
             "| dispatch latency {label}, {latency_workers} idle workers, commit to receipt | {} | {} | {:.1}x |",
             ms(b),

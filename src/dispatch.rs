@@ -159,6 +159,19 @@ impl Dispatch {
         let skip = Arc::new(skip);
         // Joined after the first pass found nothing (and `wait` is not over).
         let mut place: Option<Place> = None;
+        // A waiting call that arrives while a pass found nothing for anyone and nothing woke the
+        // queue since joins it without a pass of its own: an idle fleet re-issuing its long
+        // polls costs no queries.
+        if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty() {
+            let seen = self.waiters.generation();
+            // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
+            self.live_lease(lease_id).await?;
+            place = Some(self.join_waiters(seen)?);
+            if !self.wait_turn(place.as_ref(), deadline).await {
+                self.stats.fetch("none_ready");
+                return Ok(None);
+            }
+        }
         loop {
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
@@ -193,32 +206,40 @@ impl Dispatch {
                 self.stats.fetch("none_ready");
                 return Ok(None);
             }
+            let passed = passed_over.load(Ordering::SeqCst);
+            if !passed {
+                self.waiters.note_empty(seen);
+            }
             match &place {
-                None => {
-                    place = Some(self.waiters.join(seen).map_err(|Full(max)| {
-                        Error::ResourceExhausted(format!(
-                            "{max} FetchTask calls are already waiting on this broker \
-                             (--fetch-max-waiters); retry with backoff, or wait for less"
-                        ))
-                    })?);
-                }
-                Some(place) if passed_over.load(Ordering::SeqCst) => place.pass_on(),
+                None => place = Some(self.join_waiters(seen)?),
+                Some(place) if passed => place.pass_on(),
                 Some(_) => {}
             }
-            let Some(waiting) = &place else {
-                continue;
-            };
-            tokio::select! {
-                _ = waiting.turn() => {}
-                _ = tokio::time::sleep_until(deadline) => {
-                    self.stats.fetch("none_ready");
-                    return Ok(None);
-                }
-                _ = self.shutdown.fired() => {
-                    self.stats.fetch("none_ready");
-                    return Ok(None);
-                }
+            if !self.wait_turn(place.as_ref(), deadline).await {
+                self.stats.fetch("none_ready");
+                return Ok(None);
             }
+        }
+    }
+
+    fn join_waiters(&self, seen: u64) -> Result<Place> {
+        self.waiters.join(seen).map_err(|Full(max)| {
+            Error::ResourceExhausted(format!(
+                "{max} FetchTask calls are already waiting on this broker \
+                 (--fetch-max-waiters); retry with backoff, or wait for less"
+            ))
+        })
+    }
+
+    /// Waits for `place`'s turn; false when the deadline passed or the broker shuts down first.
+    async fn wait_turn(&self, place: Option<&Place>, deadline: tokio::time::Instant) -> bool {
+        let Some(place) = place else {
+            return true;
+        };
+        tokio::select! {
+            _ = place.turn() => true,
+            _ = tokio::time::sleep_until(deadline) => false,
+            _ = self.shutdown.fired() => false,
         }
     }
 

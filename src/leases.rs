@@ -12,7 +12,7 @@
 pub mod recovery;
 pub mod sweeper;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -95,6 +95,17 @@ pub struct Leases {
     tasks: Tasks,
     ttl: TtlPolicy,
     stats: Arc<Stats>,
+    canceling: Arc<tokio::sync::Mutex<CancelCache>>,
+}
+
+/// How long one read of the canceling tasks serves heartbeats.
+const CANCEL_CACHE_AGE: Duration = Duration::from_secs(1);
+
+/// Claimed tasks asked to cancel, by the row that claimed them, as last read.
+#[derive(Default)]
+struct CancelCache {
+    read_at: Option<std::time::Instant>,
+    by_row: HashMap<Uuid, Vec<Uuid>>,
 }
 
 impl Leases {
@@ -105,6 +116,7 @@ impl Leases {
             tasks,
             ttl,
             stats,
+            canceling: Arc::default(),
         }
     }
 
@@ -187,11 +199,32 @@ impl Leases {
         let app_status: Uuid = app_status
             .parse()
             .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))?;
-        let cancel_task_ids = self.tasks.heartbeat(app_status).await?;
+        self.tasks.heartbeat(app_status).await?;
+        let cancel_task_ids = self.canceling_for(app_status).await?;
         Ok(Beat {
             expires_at: from_ms(expires_at_ms),
             cancel_task_ids,
         })
+    }
+
+    /// The tasks claimed by `app_status` that were asked to cancel: from one read per second for
+    /// all heartbeats of this replica (concurrent heartbeats wait for that one read).
+    async fn canceling_for(&self, app_status: Uuid) -> Result<Vec<Uuid>> {
+        let mut cache = self.canceling.lock().await;
+        if cache
+            .read_at
+            .is_none_or(|at| at.elapsed() >= CANCEL_CACHE_AGE)
+        {
+            let mut by_row: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+            for (task, row) in self.tasks.canceling().await? {
+                by_row.entry(row).or_default().push(task);
+            }
+            *cache = CancelCache {
+                read_at: Some(std::time::Instant::now()),
+                by_row,
+            };
+        }
+        Ok(cache.by_row.get(&app_status).cloned().unwrap_or_default())
     }
 
     /// CloseLease: ends the lease now, as described in the module docs.

@@ -41,6 +41,8 @@ pub struct Running {
     pub tasks: Tasks,
     /// The background loop (sweeper, reconciler, lock-state checks).
     pub sweeper: Arc<Sweeper>,
+    /// This replica's waiting FetchTask calls.
+    pub waiters: Arc<crate::dispatch::Waiters>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: JoinHandle<()>,
@@ -236,7 +238,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     tokio::spawn(crate::dispatch::wakeups::tick(
         // The background pool: its calls are counted with the background work, not with RPCs.
         sweeper.locks.clone(),
-        waiters,
+        Arc::clone(&waiters),
         args.fetch.wake_poll,
         args.fetch.recheck,
         shutdown.clone(),
@@ -266,6 +268,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         locks,
         tasks,
         sweeper,
+        waiters,
         trigger,
         server,
         background,

@@ -52,8 +52,11 @@ pub mod sql {
     pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
+    pub const CANCELING: &str = include_str!("tasks/canceling.sql");
+
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 23] = [
+        CANCELING,
         FINISH_ORPHAN_CANCELS,
         HIDING,
         LOCK_TARGETS,
@@ -434,10 +437,16 @@ impl Tasks {
     }
 
     /// Refreshes `last_heartbeat`; returns the worker's tasks that were asked to cancel.
-    pub async fn heartbeat(&self, app_status: Uuid) -> Result<Vec<Uuid>, Error> {
-        let rows = self.query(sql::HEARTBEAT, &[&app_status]).await?;
+    pub async fn heartbeat(&self, app_status: Uuid) -> Result<(), Error> {
+        self.query(sql::HEARTBEAT, &[&app_status]).await?;
+        Ok(())
+    }
+
+    /// Every claimed task asked to cancel, with the row that claimed it.
+    pub async fn canceling(&self) -> Result<Vec<(Uuid, Uuid)>, Error> {
+        let rows = self.query(sql::CANCELING, &[]).await?;
         rows.iter()
-            .map(|r| r.try_get(0).map_err(Error::from))
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect()
     }
 

@@ -47,15 +47,11 @@ fn spawn_wait(
     })
 }
 
-/// Waits until the broker has made `n` fetch passes in all (each new call makes one at once).
-async fn passes_reach(env: &Env, n: u64) {
-    eventually(LONG, || async {
-        env.broker().stats.snapshot().fetches >= n
-    })
-    .await
-    .expect("the fetches made their first pass");
-    // Let the calls that found nothing join the queue.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+/// Waits until `n` FetchTask calls wait in the broker's queue.
+async fn waiting_reach(env: &Env, n: usize) {
+    eventually(LONG, || async { env.broker().waiters.len() >= n })
+        .await
+        .expect("the fetches are waiting");
 }
 
 async fn got(handle: tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>>) -> Option<Task> {
@@ -70,9 +66,8 @@ async fn got(handle: tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>
 async fn an_insert_wakes_a_waiting_fetch() {
     let mut env = no_polling().await;
     let lease = env.open("w").await;
-    let before = env.broker().stats.snapshot().fetches;
     let waiting = spawn_wait(&env, &lease);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     assert!(!waiting.is_finished(), "nothing to hand out yet");
     let task = env.task(&["a"]).await;
     let granted = got(waiting)
@@ -91,9 +86,8 @@ async fn pulps_own_wakeup_channel_wakes_a_waiting_fetch() {
         .await
         .unwrap();
     let lease = env.open("w").await;
-    let before = env.broker().stats.snapshot().fetches;
     let waiting = spawn_wait(&env, &lease);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     let task = env.task(&["a"]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -120,9 +114,8 @@ async fn a_release_by_another_lease_wakes_the_waiter() {
     let held = env.fetch(&holder).await.unwrap();
     assert_eq!(id(&held), first);
     let waiter = env.open("waiter").await;
-    let before = env.broker().stats.snapshot().fetches;
     let waiting = spawn_wait(&env, &waiter);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     assert!(!waiting.is_finished());
     env.finish(&holder, &held, "completed").await;
     assert_eq!(
@@ -167,9 +160,8 @@ async fn a_release_through_another_replica_wakes_the_waiter() {
         .unwrap();
     assert_eq!(id(&held), first);
     let waiter = env.open("waiter").await;
-    let before = env.broker().stats.snapshot().fetches;
     let waiting = spawn_wait(&env, &waiter);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     other_client
         .release_locks(dispatch_broker::proto::ReleaseLocksRequest {
             lease_id: holder,
@@ -197,12 +189,11 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
     })
     .await;
     let mut handles = Vec::new();
-    let before = env.broker().stats.snapshot().fetches;
     for n in 0..WAITERS {
         let lease = env.open(&format!("w{n}")).await;
         handles.push(spawn_wait(&env, &lease));
     }
-    passes_reach(&env, before + WAITERS).await;
+    waiting_reach(&env, WAITERS as usize).await;
     let idle_start = env.broker().stats.snapshot().fetches;
     // Ten safety ticks go by with nothing to hand out.
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -229,11 +220,10 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
 async fn the_oldest_task_goes_to_the_longest_waiter() {
     let mut env = no_polling().await;
     let (a, b) = (env.open("first").await, env.open("second").await);
-    let before = env.broker().stats.snapshot().fetches;
     let longest = spawn_wait(&env, &a);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     let newer = spawn_wait(&env, &b);
-    passes_reach(&env, before + 2).await;
+    waiting_reach(&env, 2).await;
     // Two tasks in one statement: one notification.
     env.db
         .batch_execute(
@@ -252,11 +242,10 @@ async fn the_oldest_task_goes_to_the_longest_waiter() {
 async fn a_waiter_that_goes_away_strands_nobody_and_holds_nothing() {
     let mut env = no_polling().await;
     let (a, b) = (env.open("leaves").await, env.open("stays").await);
-    let before = env.broker().stats.snapshot().fetches;
     let leaving = spawn_wait(&env, &a);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     let staying = spawn_wait(&env, &b);
-    passes_reach(&env, before + 2).await;
+    waiting_reach(&env, 2).await;
     leaving.abort(); // the client disconnects while waiting
     let _ = leaving.await;
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -272,10 +261,9 @@ async fn a_waiter_that_goes_away_strands_nobody_and_holds_nothing() {
 async fn waiters_over_the_limit_get_resource_exhausted_and_change_nothing() {
     let mut env = Env::with(|a| a.fetch.max_waiters = 2).await;
     let lease = env.open("w").await;
-    let before = env.broker().stats.snapshot().fetches;
     let _one = spawn_wait(&env, &lease);
     let _two = spawn_wait(&env, &lease);
-    passes_reach(&env, before + 2).await;
+    waiting_reach(&env, 2).await;
     let status = env
         .client
         .fetch_task(wait_request(&lease, LONG))
@@ -297,9 +285,8 @@ async fn waiters_over_the_limit_get_resource_exhausted_and_change_nothing() {
 async fn shutdown_answers_waiting_calls_at_once_with_no_task() {
     let mut env = no_polling().await;
     let lease = env.open("w").await;
-    let before = env.broker().stats.snapshot().fetches;
     let waiting = spawn_wait(&env, &lease);
-    passes_reach(&env, before + 1).await;
+    waiting_reach(&env, 1).await;
     let broker = env.broker.take().unwrap();
     let stopping = tokio::spawn(async move { broker.shutdown().await });
     let answer = tokio::time::timeout(LONG, waiting)
@@ -308,4 +295,37 @@ async fn shutdown_answers_waiting_calls_at_once_with_no_task() {
         .unwrap();
     assert!(matches!(answer, Ok(None)), "{answer:?}");
     stopping.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
+    let mut env = no_polling().await;
+    let first = env.open("first").await;
+    let before = env.broker().stats.snapshot().fetches;
+    let _first = spawn_wait(&env, &first);
+    waiting_reach(&env, 1).await;
+    assert_eq!(env.broker().stats.snapshot().fetches, before + 1);
+    let mut rest = Vec::new();
+    for n in 0..10 {
+        let lease = env.open(&format!("w{n}")).await;
+        rest.push(spawn_wait(&env, &lease));
+    }
+    waiting_reach(&env, 11).await;
+    assert_eq!(
+        env.broker().stats.snapshot().fetches,
+        before + 1,
+        "nothing woke the queue since the first pass found nothing: no new pass"
+    );
+    // An unknown lease is still told at once.
+    let status = env
+        .client
+        .fetch_task(wait_request(&uuid::Uuid::new_v4().to_string(), LONG))
+        .await
+        .expect_err("unknown lease");
+    assert_eq!(status.code(), Code::NotFound);
+    // And they are all served when tasks come.
+    let task = env.task(&["a"]).await;
+    let granted = got(_first).await.expect("the longest waiter got it");
+    assert_eq!(id(&granted), task);
+    env.shutdown().await;
 }

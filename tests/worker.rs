@@ -46,6 +46,42 @@ async fn next_event<T>(
     .expect("the event arrived")
 }
 
+/// Waits until Redis holds no task lock.
+async fn until_unlocked(env: &Env, why: &str) {
+    assert!(
+        eventually(LONG, || async { env.locked_tasks().await.is_empty() })
+            .await
+            .is_some(),
+        "{why}"
+    );
+}
+
+/// `Worker::run` with a handler that starts each task and finishes it after `hold`; shutdown
+/// is signalled as soon as the first task has started.
+fn run_until_first_started(
+    worker: Worker,
+    hold: Duration,
+) -> tokio::task::JoinHandle<Result<u64, WorkerError>> {
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut started_tx = Some(started_tx);
+    tokio::spawn(worker.run(
+        move |guard| {
+            let started = started_tx.take();
+            async move {
+                guard.start().await.unwrap();
+                if let Some(started) = started {
+                    let _ = started.send(());
+                }
+                tokio::time::sleep(hold).await;
+                guard.finish(FinalState::Completed, None).await.unwrap();
+            }
+        },
+        async move {
+            let _ = started_rx.await;
+        },
+    ))
+}
+
 #[tokio::test]
 async fn grants_come_oldest_first_and_finish_or_release_frees_the_locks() {
     let env = Env::new().await;
@@ -231,12 +267,7 @@ async fn a_guard_dropped_without_release_releases_in_the_background() {
     let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
     assert_eq!(env.locked_tasks().await.len(), 1);
     drop(guard);
-    assert!(
-        eventually(LONG, || async { env.locked_tasks().await.is_empty() })
-            .await
-            .is_some(),
-        "the dropped guard's locks were released"
-    );
+    until_unlocked(&env, "the dropped guard's locks were released").await;
     worker.close().await.unwrap();
 }
 
@@ -247,25 +278,8 @@ async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
     let second = env.task(&["b"]).await;
     let worker = connect(&env, "w").await;
     let lease = worker.lease_id();
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut started_tx = Some(started_tx);
-    let run = tokio::spawn(worker.run(
-        move |guard| {
-            let started = started_tx.take();
-            async move {
-                guard.start().await.unwrap();
-                if let Some(started) = started {
-                    let _ = started.send(());
-                }
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                guard.finish(FinalState::Completed, None).await.unwrap();
-            }
-        },
-        async move {
-            // Shutdown arrives while the first task runs.
-            let _ = started_rx.await;
-        },
-    ));
+    // Shutdown arrives while the first task runs.
+    let run = run_until_first_started(worker, Duration::from_millis(300));
     let handled = tokio::time::timeout(LONG, run)
         .await
         .expect("run ended")
@@ -295,25 +309,8 @@ async fn a_task_still_running_when_the_grace_runs_out_is_failed_by_closing_the_l
     let mut short = config("w");
     short.shutdown_grace = Duration::from_millis(200);
     let worker = Worker::connect(endpoint(&env), short).await.unwrap();
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut started_tx = Some(started_tx);
-    let run = tokio::spawn(worker.run(
-        move |guard| {
-            let started = started_tx.take();
-            async move {
-                guard.start().await.unwrap();
-                if let Some(started) = started {
-                    let _ = started.send(());
-                }
-                // Ignores shutdown and cancellation.
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                drop(guard);
-            }
-        },
-        async move {
-            let _ = started_rx.await;
-        },
-    ));
+    // The task ignores shutdown and cancellation.
+    let run = run_until_first_started(worker, Duration::from_secs(3600));
     tokio::time::timeout(LONG, run)
         .await
         .expect("run ended after the grace")
@@ -346,12 +343,7 @@ async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
     let mut args = env.args.clone();
     args.listen = addr;
     env.broker = Some(dispatch_broker::server::start(&args).await.unwrap());
-    assert!(
-        eventually(LONG, || async { env.locked_tasks().await.is_empty() })
-            .await
-            .is_some(),
-        "the release went through once the broker was back"
-    );
+    until_unlocked(&env, "the release went through once the broker was back").await;
     worker.close().await.unwrap();
 }
 

@@ -22,6 +22,9 @@ pub struct Waiters {
     /// Bumped by every wake-up: a fetch that joins after a wake-up it did not see takes a turn
     /// at once.
     generation: AtomicU64,
+    /// The generation at which a pass last found nothing ready for anyone (no task it could
+    /// take, none it passed over for its own reasons); `u64::MAX` when unknown.
+    empty_at: AtomicU64,
     max: usize,
 }
 
@@ -49,6 +52,7 @@ impl Waiters {
         Waiters {
             queue: Mutex::new(Queue::default()),
             generation: AtomicU64::new(0),
+            empty_at: AtomicU64::new(u64::MAX),
             max,
         }
     }
@@ -56,6 +60,19 @@ impl Waiters {
     /// The wake-up count, read before a pass so a wake-up during the pass is not missed.
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Records that a pass that began at generation `seen` found nothing ready for anyone.
+    pub fn note_empty(&self, seen: u64) {
+        self.empty_at.store(seen, Ordering::SeqCst);
+    }
+
+    /// True when a pass found nothing ready for anyone and nothing woke the queue since: a new
+    /// waiting fetch can join the queue without a pass of its own (what it would find is what
+    /// the safety tick or the next wake-up finds).
+    pub fn known_empty(&self) -> bool {
+        let seen = self.empty_at.load(Ordering::SeqCst);
+        seen != u64::MAX && seen == self.generation()
     }
 
     /// Waiting fetches now.
@@ -228,6 +245,23 @@ mod tests {
         w.wake(); // during the joining fetch's pass
         let a = w.join(seen).unwrap();
         assert!(has_turn(&a).await);
+    }
+
+    #[test]
+    fn known_empty_holds_until_the_next_wake_up() {
+        let w = Waiters::new(10);
+        assert!(!w.known_empty(), "unknown at first");
+        w.note_empty(w.generation());
+        assert!(w.known_empty());
+        w.wake();
+        assert!(!w.known_empty(), "something may be ready now");
+        let seen = w.generation();
+        w.wake(); // during the pass
+        w.note_empty(seen);
+        assert!(
+            !w.known_empty(),
+            "a pass that began before a wake-up proves nothing after it"
+        );
     }
 
     #[test]
