@@ -5,10 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
-  echo "the Pulp integration test needs Python 3.10 or newer with venv: install python3 and python3-venv" >&2
-  exit 1
-fi
+scripts/ensure-python.sh
 venv=target/pulp-venv
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "pulpcore==3.123.1" "./clients/python[test]"

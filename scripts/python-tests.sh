@@ -6,16 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing python3 and python3-venv with apt-get ..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq python3 python3-venv >/dev/null
-  else
-    echo "the Python client's tests need Python 3.10 or newer with venv: install python3 and python3-venv" >&2
-    exit 1
-  fi
-fi
+scripts/ensure-python.sh
 
 venv=target/python-venv
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
