@@ -298,18 +298,16 @@ pub struct DemoArgs {
     /// Tasks queued on the one busy repository (the head-of-line block).
     #[arg(long, default_value_t = 2000)]
     pub blocked: usize,
-    /// Tasks queued in another domain behind them.
-    #[arg(long, default_value_t = 20)]
-    pub others: usize,
     /// Simulated workers.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 10)]
     pub workers: usize,
     /// Where the demo broker serves /metrics.
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub metrics_listen: SocketAddr,
-    /// Keep the broker (and its /metrics) up after the exchange, until Ctrl-C.
-    #[arg(long)]
-    pub keep_running: bool,
+    /// Keep the broker (gRPC and /metrics) serving after the exchange, for a person to point a
+    /// client at, until Ctrl-C.
+    #[arg(long, alias = "keep-running")]
+    pub keep: bool,
 }
 
 /// Parses "30s", "500ms", "2m", "1h".

@@ -1,18 +1,25 @@
 //! `dispatch-broker demo`: the head-of-line incident in miniature, on throwaway servers.
 //!
-//! Queues many tasks on one repository, the oldest of them already running on a busy worker,
-//! and tasks of another domain behind them; then lets simulated workers fetch, run and finish
-//! tasks through the broker's gRPC API. The other domain's tasks are handed out at once instead
-//! of waiting behind the blocked head. Ends with what the broker's `/metrics` shows.
+//! Queues 2,000 tasks on one repository, the oldest of them already running on a busy worker, and
+//! a few hundred tasks of other domains behind them; then lets 10 simulated workers (the crate's
+//! worker library) fetch, run and finish tasks, with live progress per domain and the lane
+//! gauge. The other domains' tasks are handed out at once instead of waiting behind the blocked
+//! head. Ends with a summary and what the broker's `/metrics` shows; `--keep` leaves it serving.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use tokio::sync::mpsc;
 
 use crate::config::{DemoArgs, ServeArgs};
 use crate::worker::{FinalState, Worker, WorkerConfig};
 
 const REPO: &str = "prn:python.repository:R0";
+
+/// The other domains of the demo: (domain, repositories, tasks).
+const OTHERS: [(&str, usize, usize); 3] = [("D2", 50, 150), ("D3", 20, 100), ("D4", 100, 100)];
 
 /// Runs the demo.
 pub async fn run(args: &DemoArgs) -> Result<()> {
@@ -40,7 +47,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     client
         .batch_execute(&format!(
             "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), 'pulp_python.sync', 'waiting', \
+             SELECT gen_random_uuid(), 'D1', 'waiting', \
                     ARRAY['{REPO}', 'shared:prn:core.domain:D1'] \
              FROM generate_series(1, {blocked});",
             blocked = args.blocked,
@@ -53,45 +60,113 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         .await?
         .context("the head task")?;
     head.start().await?;
-    client
-        .batch_execute(&format!(
-            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), 'pulp_file.publish', 'waiting', \
-                    ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D2'] \
-             FROM generate_series(1, {others}) AS i;",
-            others = args.others
-        ))
-        .await?;
+    for (domain, repos, count) in OTHERS {
+        client
+            .batch_execute(&format!(
+                "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+                 SELECT gen_random_uuid(), '{domain}', 'waiting', \
+                        ARRAY['prn:file.repository:{domain}-' || (i % {repos}), \
+                              'shared:prn:core.domain:{domain}'] \
+                 FROM generate_series(1, {count}) AS i;"
+            ))
+            .await?;
+    }
     drop(client);
+    let others: usize = OTHERS.iter().map(|o| o.2).sum();
     println!(
-        "queued {} tasks on {REPO} (the oldest one running on busy-worker) and {} tasks of domain D2 behind them",
-        args.blocked, args.others
+        "queued {} tasks on {REPO} in domain D1 (the oldest running on busy-worker) and {others} \
+         tasks of domains D2-D4 behind them; {} workers start",
+        args.blocked, args.workers
     );
 
+    // Progress per domain, and the lane gauge (drawn on a terminal only).
+    let bars = MultiProgress::new();
+    let style = ProgressStyle::with_template("{prefix:>3} [{bar:40}] {pos:>5}/{len:5} {msg}")
+        .expect("a valid template")
+        .progress_chars("=> ");
+    let mut progress = HashMap::new();
+    let d1 = bars.add(ProgressBar::new(args.blocked as u64).with_style(style.clone()));
+    d1.set_prefix("D1");
+    d1.set_message("blocked behind its running head");
+    progress.insert("D1".to_owned(), d1.clone());
+    for (domain, _, count) in OTHERS {
+        let bar = bars.add(ProgressBar::new(count as u64).with_style(style.clone()));
+        bar.set_prefix(domain);
+        progress.insert(domain.to_owned(), bar);
+    }
+    let gauge = bars.add(ProgressBar::new_spinner());
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<String>();
     let started = Instant::now();
-    let mut workers = Vec::new();
+    let mut fleet = Vec::new();
     for n in 0..args.workers {
-        let endpoint = endpoint.clone();
-        workers.push(tokio::spawn(
-            async move { worker(n, endpoint, started).await },
-        ));
+        let worker = Worker::connect(endpoint.clone(), config(&format!("demo-worker-{n}"))).await?;
+        fleet.push(worker.clone());
+        let done = done_tx.clone();
+        tokio::spawn(async move {
+            while let Ok(next) = worker.next_task(Duration::from_secs(1)).await {
+                let Some(task) = next else {
+                    if worker.stopping().is_cancelled() {
+                        break;
+                    }
+                    continue;
+                };
+                if task.start().await.is_err() {
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let domain = task.task().name.clone();
+                if task.finish(FinalState::Completed, None).await.is_ok() {
+                    let _ = done.send(domain);
+                }
+            }
+            let _ = worker.close().await;
+        });
     }
-    let mut handled = 0;
-    for w in workers {
-        handled += w.await.context("worker")??;
+    drop(done_tx);
+    let mut finished = 0;
+    let mut ticker = tokio::time::interval(Duration::from_millis(200));
+    while finished < others {
+        tokio::select! {
+            domain = done_rx.recv() => {
+                let Some(domain) = domain else { break };
+                if let Some(bar) = progress.get(&domain) {
+                    bar.inc(1);
+                }
+                finished += 1;
+            }
+            _ = ticker.tick() => {
+                let g = broker.lanes.current();
+                gauge.set_message(format!(
+                    "lanes {} (live leases {}, waiting_tasks {})",
+                    g.lanes, g.live_leases, g.waiting_tasks()
+                ));
+                gauge.tick();
+            }
+        }
     }
-    println!(
-        "{} workers ran all {handled} D2 tasks in {:.2?}, while {REPO} stayed blocked behind its running head",
-        args.workers,
-        started.elapsed(),
-    );
+    let took = started.elapsed();
+    for w in &fleet {
+        w.stop();
+    }
+    gauge.finish_and_clear();
+    for bar in progress.values() {
+        bar.abandon();
+    }
+    // Let the gauge take in the drained queue before the summary.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let s = broker.stats.snapshot();
     println!(
-        "broker counters: {} fetch passes, {} postgres statements, {} redis calls",
-        s.fetches, s.postgres_statements, s.redis_calls
+        "\n{} workers ran all {others} tasks of D2-D4 in {took:.2?}, while the {} tasks of {REPO} \
+         stayed behind their running head (no head-of-line blocking).",
+        args.workers, args.blocked
     );
-    // Let the gauge see the queue, then show what Prometheus would scrape.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    println!(
+        "broker: {} fetch passes, {} postgres statements, {} redis calls; lane gauge {}",
+        s.fetches,
+        s.postgres_statements,
+        s.redis_calls,
+        broker.lanes.current().lanes
+    );
     println!(
         "\n$ curl http://{}/metrics   (dispatch_* gauges and counters)",
         broker.metrics_addr
@@ -104,8 +179,12 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
             println!("  {line}");
         }
     }
-    if args.keep_running {
-        println!("\nserving until Ctrl-C ...");
+    if args.keep {
+        println!(
+            "\nthe broker keeps serving gRPC on {} (Postgres {url}, Redis {}); Ctrl-C ends it",
+            broker.addr,
+            redis.url()
+        );
         crate::shutdown::os_signal().await;
     }
     head.finish(FinalState::Completed, None).await?;
@@ -122,28 +201,6 @@ fn config(name: &str) -> WorkerConfig {
     let mut config = WorkerConfig::new(name);
     config.versions = [("core".to_string(), "3.123.1".to_string())].into();
     config
-}
-
-/// One simulated worker (the crate's worker library): fetches until nothing is ready for 300 ms,
-/// "runs" each task 20 ms.
-async fn worker(n: usize, endpoint: String, started: Instant) -> Result<usize> {
-    let worker = Worker::connect(endpoint, config(&format!("demo-worker-{n}"))).await?;
-    let mut handled = 0;
-    while let Some(task) = worker.next_task(Duration::from_millis(300)).await? {
-        println!(
-            "  {:>6.0?}  demo-worker-{n} got {:<18} {} (fencing token {})",
-            started.elapsed(),
-            task.task().name,
-            task.task().exclusive_resources.join(","),
-            task.fencing_token()
-        );
-        task.start().await?;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        task.finish(FinalState::Completed, None).await?;
-        handled += 1;
-    }
-    worker.close().await?;
-    Ok(handled)
 }
 
 async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
