@@ -116,7 +116,7 @@ pub struct ServeArgs {
     )]
     pub metrics_listen: SocketAddr,
     /// Calls one client connection may have in flight (waiting fetches included); calls over it
-    /// are shed at once (UNAVAILABLE) instead of queueing.
+    /// are shed at once (RESOURCE_EXHAUSTED) instead of queueing.
     #[arg(
         long,
         env = "DISPATCH_MAX_REQUESTS_PER_CONNECTION",
@@ -258,6 +258,10 @@ pub struct HealthArgs {
     /// How long to wait for an answer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// The health service to ask: "" (the default) is readiness (lock state known, backends
+    /// answering); "dispatch.v1.Broker" is liveness (the process serves).
+    #[arg(long, default_value = "")]
+    pub service: String,
     /// PEM CA bundle to verify a TLS broker with (implies TLS).
     #[arg(long, env = "DISPATCH_HEALTH_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
@@ -343,6 +347,13 @@ impl ServeArgs {
         }
         if self.fetch.recheck.is_zero() || self.fetch.wake_poll.is_zero() {
             return Err("--fetch-recheck and --fetch-wake-poll must be positive".to_owned());
+        }
+        if self.fetch.wake_poll > self.fetch.recheck {
+            return Err(format!(
+                "--fetch-wake-poll ({:?}) must not be longer than --fetch-recheck ({:?}): the safety \
+                 tick is checked at each poll",
+                self.fetch.wake_poll, self.fetch.recheck
+            ));
         }
         if self.fetch.max_waiters == 0 || self.max_requests_per_connection == 0 {
             return Err(

@@ -162,8 +162,8 @@ impl Dispatch {
         // A waiting call that arrives while a pass found nothing for anyone and nothing woke the
         // queue since joins it without a pass of its own: an idle fleet re-issuing its long
         // polls costs no queries.
-        if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty() {
-            let seen = self.waiters.generation();
+        let seen = self.waiters.generation();
+        if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty(seen) {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
             self.live_lease(lease_id).await?;
             place = Some(self.join_waiters(seen)?);
@@ -174,6 +174,9 @@ impl Dispatch {
         }
         loop {
             let seen = self.waiters.generation();
+            if let Some(place) = &place {
+                place.begin_pass();
+            }
             let passed_over = Arc::new(AtomicBool::new(false));
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
@@ -202,18 +205,21 @@ impl Dispatch {
                 }
                 return Ok(Some(grant));
             }
-            if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
-                self.stats.fetch("none_ready");
-                return Ok(None);
-            }
             let passed = passed_over.load(Ordering::SeqCst);
             if !passed {
                 self.waiters.note_empty(seen);
             }
             match &place {
-                None => place = Some(self.join_waiters(seen)?),
                 Some(place) if passed => place.pass_on(),
-                Some(_) => {}
+                Some(place) => place.found_nothing(),
+                None => {}
+            }
+            if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
+                self.stats.fetch("none_ready");
+                return Ok(None);
+            }
+            if place.is_none() {
+                place = Some(self.join_waiters(seen)?);
             }
             if !self.wait_turn(place.as_ref(), deadline).await {
                 self.stats.fetch("none_ready");

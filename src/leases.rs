@@ -215,14 +215,21 @@ impl Leases {
             .read_at
             .is_none_or(|at| at.elapsed() >= CANCEL_CACHE_AGE)
         {
-            let mut by_row: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
-            for (task, row) in self.tasks.canceling().await? {
-                by_row.entry(row).or_default().push(task);
+            // Stamped before the read: while Postgres is slow or down, the heartbeats queued behind
+            // this one serve the last list instead of each repeating the failing read.
+            cache.read_at = Some(std::time::Instant::now());
+            match self.tasks.canceling().await {
+                Ok(rows) => {
+                    let mut by_row: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+                    for (task, row) in rows {
+                        by_row.entry(row).or_default().push(task);
+                    }
+                    cache.by_row = by_row;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading canceling tasks failed; heartbeats report the last list")
+                }
             }
-            *cache = CancelCache {
-                read_at: Some(std::time::Instant::now()),
-                by_row,
-            };
         }
         Ok(cache.by_row.get(&app_status).cloned().unwrap_or_default())
     }

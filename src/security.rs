@@ -39,6 +39,12 @@ impl BearerAuth {
             path.display()
         );
         anyhow::ensure!(
+            !token.starts_with("CHANGE-ME"),
+            "--auth-token-file {} still holds the example token; put a long random one there \
+             (e.g. `openssl rand -hex 32`)",
+            path.display()
+        );
+        anyhow::ensure!(
             token.bytes().all(|b| b.is_ascii_graphic()),
             "--auth-token-file {} holds characters that cannot travel in a header",
             path.display()

@@ -368,7 +368,7 @@ pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
         let channel = endpoint.connect().await?;
         let reply = tonic_health::pb::health_client::HealthClient::new(channel)
             .check(tonic_health::pb::HealthCheckRequest {
-                service: String::new(),
+                service: args.service.clone(),
             })
             .await?
             .into_inner();

@@ -12,8 +12,9 @@
 //! task it held as lost: its guard's cancellation fires, [`TaskGuard::is_lost`] turns true, and a
 //! [`WorkerEvent::LeaseReopened`] lists it. Nothing is kept silently.
 //!
-//! Every call carries a deadline (`call_timeout`, plus the wait of a long poll). `UNAVAILABLE` is
-//! retried with jittered exponential backoff ([`RetryPolicy`]); no other status is.
+//! Every call carries a deadline (`call_timeout`, plus the wait of a long poll). `UNAVAILABLE` and
+//! `RESOURCE_EXHAUSTED` are retried with jittered exponential backoff ([`RetryPolicy`]); no other
+//! status is.
 
 mod retry;
 
@@ -913,7 +914,7 @@ async fn finish_call(
 fn transient(error: &WorkerError) -> bool {
     matches!(
         error.code(),
-        Some(Code::Unavailable | Code::DeadlineExceeded | Code::Unknown)
+        Some(Code::Unavailable | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Unknown)
     )
 }
 

@@ -185,7 +185,7 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
     const WAITERS: u64 = 30;
     let mut env = Env::with(|a| {
         a.fetch.recheck = Duration::from_millis(100);
-        a.fetch.wake_poll = NEVER;
+        a.fetch.wake_poll = Duration::from_millis(20);
     })
     .await;
     let mut handles = Vec::new();
@@ -199,7 +199,7 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let idle_passes = env.broker().stats.snapshot().fetches - idle_start;
     assert!(
-        idle_passes <= 15,
+        (5..=15).contains(&idle_passes),
         "{idle_passes} passes for 10 ticks: each tick wakes one waiter, not all {WAITERS}"
     );
     // They are all still served: 30 tasks go to the 30 waiters.

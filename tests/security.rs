@@ -179,6 +179,10 @@ async fn an_empty_or_missing_token_file_stops_the_start_with_a_reason() {
     args.security.auth_token_file = Some(empty);
     let err = dispatch_broker::server::start(&args).await.err().unwrap();
     assert!(err.to_string().contains("is empty"), "{err}");
+    args.security.auth_token_file =
+        Some(write(&dir, "example", "CHANGE-ME-to-a-long-random-token"));
+    let err = dispatch_broker::server::start(&args).await.err().unwrap();
+    assert!(err.to_string().contains("example token"), "{err}");
     args.security.auth_token_file = Some(dir.path().join("missing"));
     let err = dispatch_broker::server::start(&args).await.err().unwrap();
     assert!(

@@ -40,6 +40,9 @@ struct Slot {
     notify: Notify,
     /// A turn was given and not yet taken.
     turn: AtomicBool,
+    /// A pass is under way whose outcome may concern the waiters behind (it could pass over a
+    /// task that is theirs): if the waiter leaves now, its turn moves on.
+    owes_turn: AtomicBool,
 }
 
 /// The queue is full (`--fetch-max-waiters`).
@@ -67,12 +70,12 @@ impl Waiters {
         self.empty_at.store(seen, Ordering::SeqCst);
     }
 
-    /// True when a pass found nothing ready for anyone and nothing woke the queue since: a new
-    /// waiting fetch can join the queue without a pass of its own (what it would find is what
-    /// the safety tick or the next wake-up finds).
-    pub fn known_empty(&self) -> bool {
-        let seen = self.empty_at.load(Ordering::SeqCst);
-        seen != u64::MAX && seen == self.generation()
+    /// True when a pass that began at generation `seen` (read by the caller first) or earlier
+    /// found nothing ready for anyone and nothing woke the queue since: a new waiting fetch can
+    /// join without a pass of its own (what it would find is what the next wake-up finds).
+    pub fn known_empty(&self, seen: u64) -> bool {
+        let empty = self.empty_at.load(Ordering::SeqCst);
+        empty != u64::MAX && empty == seen
     }
 
     /// Waiting fetches now.
@@ -108,6 +111,7 @@ impl Waiters {
                 id: queue.next_id,
                 notify: Notify::new(),
                 turn: AtomicBool::new(false),
+                owes_turn: AtomicBool::new(false),
             });
             queue.slots.push_back(Arc::clone(&slot));
             slot
@@ -158,14 +162,26 @@ impl Place {
         }
     }
 
+    /// A pass begins: until it is settled, leaving hands the turn on.
+    pub fn begin_pass(&self) {
+        self.slot.owes_turn.store(true, Ordering::SeqCst);
+    }
+
+    /// The pass found nothing for anyone: nobody behind needs the turn.
+    pub fn found_nothing(&self) {
+        self.slot.owes_turn.store(false, Ordering::SeqCst);
+    }
+
     /// Hands a turn to the waiter behind this one (this one keeps its place).
     pub fn pass_on(&self) {
+        self.slot.owes_turn.store(false, Ordering::SeqCst);
         self.waiters.pass_after(self.slot.id);
     }
 
     /// Leaves the queue after a pass that got a task, handing the turn to the next waiter:
     /// more may be ready.
     pub fn leave_after_grant(self) {
+        self.slot.owes_turn.store(false, Ordering::SeqCst);
         let id = self.slot.id;
         self.waiters.pass_after(id);
         // Drop removes the slot; its own turn is not pending.
@@ -181,8 +197,10 @@ impl Drop for Place {
             queue.slots.retain(|s| s.id != self.slot.id);
             queue.slots.front().cloned()
         };
-        // A turn given and never taken moves on, so a wake-up is never lost.
-        if self.slot.turn.load(Ordering::SeqCst) {
+        // A turn given and never taken moves on, and so does one whose pass was not settled
+        // (the caller went away mid-pass, or its deadline came after passing over a task), so
+        // a wake-up is never lost.
+        if self.slot.turn.load(Ordering::SeqCst) || self.slot.owes_turn.load(Ordering::SeqCst) {
             if let Some(front) = front_now {
                 give_turn(&front);
             }
@@ -250,17 +268,37 @@ mod tests {
     #[test]
     fn known_empty_holds_until_the_next_wake_up() {
         let w = Waiters::new(10);
-        assert!(!w.known_empty(), "unknown at first");
+        assert!(!w.known_empty(w.generation()), "unknown at first");
         w.note_empty(w.generation());
-        assert!(w.known_empty());
+        assert!(w.known_empty(w.generation()));
         w.wake();
-        assert!(!w.known_empty(), "something may be ready now");
+        assert!(!w.known_empty(w.generation()), "something may be ready now");
         let seen = w.generation();
         w.wake(); // during the pass
         w.note_empty(seen);
         assert!(
-            !w.known_empty(),
+            !w.known_empty(w.generation()),
             "a pass that began before a wake-up proves nothing after it"
+        );
+    }
+
+    #[tokio::test]
+    async fn leaving_mid_pass_hands_the_turn_on() {
+        let w = Arc::new(Waiters::new(10));
+        let a = w.join(w.generation()).unwrap();
+        let b = w.join(w.generation()).unwrap();
+        w.wake();
+        assert!(has_turn(&a).await);
+        a.begin_pass();
+        drop(a); // the caller went away before its pass was settled
+        assert!(has_turn(&b).await);
+        b.begin_pass();
+        b.found_nothing();
+        let c = w.join(w.generation()).unwrap();
+        drop(b);
+        assert!(
+            !has_turn(&c).await,
+            "a settled empty pass owes nobody a turn"
         );
     }
 

@@ -113,9 +113,14 @@ pub async fn tick(
         }
         since_recheck += poll;
         if waiters.is_empty() {
-            // Nothing to wake; keep the counter current so a waiter arriving later is not woken
-            // for old changes.
-            seen = locks.change_seq().await.ok().or(seen);
+            // Nobody to wake, but a change still ends "known empty": a long poll arriving now must
+            // make a pass of its own.
+            if let Ok(now) = locks.change_seq().await {
+                if seen.is_some_and(|s| s != now) {
+                    waiters.wake();
+                }
+                seen = Some(now);
+            }
             since_recheck = Duration::ZERO;
             continue;
         }

@@ -60,11 +60,13 @@ impl RetryPolicy {
     }
 }
 
-/// Only `UNAVAILABLE` is retried: the broker or its backends could not be reached, and the call
-/// changed nothing. Every other status is the broker's answer (`FAILED_PRECONDITION`: this worker
-/// no longer holds the task; `NOT_FOUND`: reopen the lease; ...) and repeating it cannot help.
+/// Retried: `UNAVAILABLE` (the broker or its backends could not be reached, and the call changed
+/// nothing) and `RESOURCE_EXHAUSTED` (a limit of the broker was reached: too many waiting fetches,
+/// or the call was shed; it did nothing, and backing off is what the broker asks for). Every other
+/// status is the broker's answer (`FAILED_PRECONDITION`: this worker no longer holds the task;
+/// `NOT_FOUND`: reopen the lease; ...) and repeating it cannot help.
 pub fn retryable(code: Code) -> bool {
-    code == Code::Unavailable
+    matches!(code, Code::Unavailable | Code::ResourceExhausted)
 }
 
 /// `period` moved by up to ±10% (`jitter` in [0, 1)), so a fleet's heartbeats spread out.
@@ -78,14 +80,14 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn only_unavailable_is_retried() {
+    fn only_unavailable_and_resource_exhausted_are_retried() {
         assert!(retryable(Code::Unavailable));
+        assert!(retryable(Code::ResourceExhausted));
         for code in [
             Code::FailedPrecondition,
             Code::NotFound,
             Code::InvalidArgument,
             Code::DeadlineExceeded,
-            Code::ResourceExhausted,
             Code::Unauthenticated,
             Code::Internal,
         ] {

@@ -64,6 +64,7 @@ pub fn default_args(db_url: &str, redis_url: &str) -> ServeArgs {
     let mut args = ServeArgs::with_urls(db_url, redis_url);
     args.lease.min_ttl = Duration::from_millis(200);
     args.fetch.recheck = Duration::from_millis(50);
+    args.fetch.wake_poll = Duration::from_millis(25);
     args
 }
 

@@ -10,8 +10,8 @@ The same behaviour as the Rust library ``dispatch_broker::worker``:
   ``core_appstatus`` row if it still exists, keeps the tasks the broker hands back (new fencing
   tokens) and reports every other held task lost (``Task.lost``, ``cancelled`` set, a
   ``LeaseReopened`` event); a lost task's ``start``/``finish``/``release`` raise ``TaskLost``.
-* Every call has a deadline; UNAVAILABLE is retried with jittered exponential backoff, no other
-  status is. Failures raise ``BrokerError`` naming the call, the status and the broker's message.
+* Every call has a deadline; UNAVAILABLE and RESOURCE_EXHAUSTED are retried with jittered
+  exponential backoff, no other status is. Failures raise ``BrokerError`` naming the call, the status and the broker's message.
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ log = logging.getLogger("dispatch_broker_client")
 
 NOT_FOUND_KEY = "dispatch-not-found"
 # Failures after which a call may still succeed later (unreachable, or the answer was lost).
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+TRANSIENT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+)
+# Retried with backoff: unreachable, or a limit of the broker (it did nothing; back off).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 FINAL_STATES = ("completed", "failed", "canceled", "skipped")
 
 T = TypeVar("T")
@@ -446,7 +453,7 @@ class Worker:
                     if key == NOT_FOUND_KEY:
                         not_found = value
                 error = BrokerError(method, code, message, not_found)
-                if code != grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
+                if code not in RETRYABLE or self._closed.is_set():
                     raise error from None
                 delay = policy.delay(attempt, slept, random.random())
                 if delay is None:
