@@ -29,6 +29,16 @@ fn pulp_database() -> String {
     pg.url(&name)
 }
 
+/// A fresh Pulp database and a client on it.
+async fn pulp_database_client() -> (String, tokio_postgres::Client) {
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    (url, db)
+}
+
 async fn schema_fingerprint(db: &tokio_postgres::Client) -> Vec<String> {
     db.query(
         "SELECT 'col ' || table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable \
@@ -65,11 +75,7 @@ async fn pulp_task(db: &tokio_postgres::Client, record: &[&str]) -> Uuid {
 
 #[tokio::test]
 async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
-    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
@@ -103,11 +109,7 @@ async fn lanes_index_def(db: &tokio_postgres::Client) -> Vec<String> {
 
 #[tokio::test]
 async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_else() {
-    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
     // A failed concurrent build leaves an invalid index behind; migrate must replace it.
     db.batch_execute(
