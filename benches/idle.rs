@@ -141,6 +141,18 @@ async fn stop_broker_fleet(
     }
 }
 
+/// Releases the baseline's Redis locks (one DEL).
+async fn unlock(redis: &mut deadpool_redis::Connection, keys: &[String]) {
+    if keys.is_empty() {
+        return;
+    }
+    let _: i64 = deadpool_redis::redis::cmd("DEL")
+        .arg(keys)
+        .query_async(redis)
+        .await
+        .unwrap();
+}
+
 /// The baseline worker loop (Pulp's Redis worker, reduced to what dispatch needs).
 async fn baseline_worker(
     name: String,
@@ -192,13 +204,7 @@ async fn baseline_worker(
                 locked.push(key);
             }
             if locked.len() < names.len() {
-                for key in locked {
-                    let _: i64 = deadpool_redis::redis::cmd("DEL")
-                        .arg(key)
-                        .query_async(&mut redis)
-                        .await
-                        .unwrap();
-                }
+                unlock(&mut redis, &locked).await;
                 continue;
             }
             let claimed = db
@@ -219,13 +225,7 @@ async fn baseline_worker(
                 .unwrap();
                 got = true;
             }
-            for key in locked {
-                let _: i64 = deadpool_redis::redis::cmd("DEL")
-                    .arg(key)
-                    .query_async(&mut redis)
-                    .await
-                    .unwrap();
-            }
+            unlock(&mut redis, &locked).await;
             if got {
                 break;
             }

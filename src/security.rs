@@ -1,6 +1,7 @@
 //! Who may call the broker: the bearer-token check on worker RPCs, and TLS (optionally mutual)
 //! on the gRPC port.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -81,9 +82,6 @@ pub fn server_tls(args: &SecurityArgs) -> anyhow::Result<Option<ServerTlsConfig>
     let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
         return Ok(None);
     };
-    let read = |path: &std::path::PathBuf, what: &str| {
-        std::fs::read(path).with_context(|| format!("cannot read {what} {}", path.display()))
-    };
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
         read(cert, "--tls-cert")?,
         read(key, "--tls-key")?,
@@ -99,14 +97,19 @@ pub fn health_tls(args: &HealthArgs) -> anyhow::Result<Option<ClientTlsConfig>> 
     let Some(ca) = &args.tls_ca else {
         return Ok(None);
     };
-    let read = |path: &std::path::PathBuf| {
-        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
-    };
     let mut tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(read(ca)?))
+        .ca_certificate(Certificate::from_pem(read(ca, "--tls-ca")?))
         .domain_name(args.tls_domain.clone());
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        tls = tls.identity(Identity::from_pem(
+            read(cert, "--tls-cert")?,
+            read(key, "--tls-key")?,
+        ));
     }
     Ok(Some(tls))
+}
+
+/// Reads the file an option names, saying which option when it cannot.
+fn read(path: &Path, option: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read {option} {}", path.display()))
 }

@@ -861,18 +861,8 @@ impl TaskGuard {
         let result = release(&self.shared, &task_id, token).await;
         if let Err(e) = &result {
             if transient(e) {
-                let shared = Arc::clone(&self.shared);
                 tracing::warn!(%task_id, error = %e, "ReleaseLocks failed; retrying in the background");
-                keep_trying(
-                    &self.shared,
-                    &task_id.clone(),
-                    "ReleaseLocks",
-                    Duration::from_secs(1),
-                    move || {
-                        let (shared, task_id) = (Arc::clone(&shared), task_id.clone());
-                        async move { release(&shared, &task_id, token).await.map(|_| ()) }
-                    },
-                );
+                keep_releasing(&self.shared, &task_id, token, Duration::from_secs(1));
             }
         }
         result
@@ -965,6 +955,15 @@ fn keep_trying<F, Fut>(
     });
 }
 
+/// [`keep_trying`] ReleaseLocks for this grant, the first attempt after `first_delay`.
+fn keep_releasing(shared: &Arc<Shared>, task_id: &str, token: u64, first_delay: Duration) {
+    let (retry_shared, retry_task) = (Arc::clone(shared), task_id.to_owned());
+    keep_trying(shared, task_id, "ReleaseLocks", first_delay, move || {
+        let (shared, task_id) = (Arc::clone(&retry_shared), retry_task.clone());
+        async move { release(&shared, &task_id, token).await.map(|_| ()) }
+    });
+}
+
 async fn release(shared: &Shared, task_id: &str, token: u64) -> Result<bool, WorkerError> {
     let lease_id = shared.current().lease_id;
     let request = proto::ReleaseLocksRequest {
@@ -995,19 +994,8 @@ impl Drop for TaskGuard {
         if self.is_lost() || self.held.detached.load(Ordering::SeqCst) {
             return;
         }
-        let task_id = self.task.task_id.clone();
-        let token = self.fencing_token();
-        let shared = Arc::clone(&self.shared);
+        let task_id = &self.task.task_id;
         tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
-        keep_trying(
-            &self.shared,
-            &task_id.clone(),
-            "ReleaseLocks",
-            Duration::ZERO,
-            move || {
-                let (shared, task_id) = (Arc::clone(&shared), task_id.clone());
-                async move { release(&shared, &task_id, token).await.map(|_| ()) }
-            },
-        );
+        keep_releasing(&self.shared, task_id, self.fencing_token(), Duration::ZERO);
     }
 }

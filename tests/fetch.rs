@@ -237,17 +237,8 @@ async fn claim_task_takes_exactly_that_task_when_ready_and_changes_nothing_other
 #[tokio::test]
 async fn claim_task_takes_a_task_marked_with_the_leases_own_row_and_no_other() {
     let mut env = Env::new().await;
-    let (api, other) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
-    for (row, name) in [(api, "api@host"), (other, "other-api@host")] {
-        env.db
-            .execute(
-                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
-                 VALUES ($1, 'api', $2, interval '30 seconds')",
-                &[&row, &name],
-            )
-            .await
-            .unwrap();
-    }
+    let api = env.app_status("api", "api@host").await;
+    let other = env.app_status("api", "other-api@host").await;
     let mine = env.task(&["a"]).await;
     let theirs = env.task(&["b"]).await;
     for (task, row) in [(mine, api), (theirs, other)] {

@@ -591,15 +591,7 @@ async fn claims_without_locks_are_requeued_or_locked_again() {
 #[tokio::test]
 async fn a_task_run_by_a_pulp_api_process_is_left_alone() {
     let mut env = reconciling_env().await;
-    let api = uuid::Uuid::new_v4();
-    env.db
-        .execute(
-            "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
-             VALUES ($1, 'api', 'api@host', interval '30 seconds')",
-            &[&api],
-        )
-        .await
-        .unwrap();
+    let api = env.app_status("api", "api@host").await;
     let immediate = env.task(&["a"]).await;
     env.db
         .execute(

@@ -208,15 +208,7 @@ async fn releasing_a_claimed_task_that_never_started_puts_it_back_in_the_queue()
 #[tokio::test]
 async fn a_pulp_worker_can_bring_its_own_app_status_row() {
     let mut env = Env::new().await;
-    let own = uuid::Uuid::new_v4();
-    env.db
-        .execute(
-            "INSERT INTO core_appstatus (pulp_id, pulp_created, app_type, name, versions, ttl, last_heartbeat) \
-             VALUES ($1, now(), 'worker', 'pulp-worker', ''::hstore, interval '30 seconds', now())",
-            &[&own],
-        )
-        .await
-        .unwrap();
+    let own = env.app_status("worker", "pulp-worker").await;
     let lease = env
         .client
         .open_lease(OpenLeaseRequest {

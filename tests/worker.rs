@@ -222,15 +222,7 @@ async fn after_redis_loses_its_state_the_reopened_lease_adopts_the_running_task(
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
     // The worker's own core_appstatus row (as a Pulp worker has): reopening reuses it.
-    let row = uuid::Uuid::new_v4();
-    env.db
-        .execute(
-            "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
-             VALUES ($1, 'worker', 'w', interval '30 seconds')",
-            &[&row],
-        )
-        .await
-        .unwrap();
+    let row = env.app_status("worker", "w").await;
     let mut with_row = config("w");
     with_row.app_status_id = Some(row.to_string());
     let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();

@@ -112,29 +112,18 @@ pub async fn tick(
             _ = shutdown.fired() => return,
         }
         since_recheck += poll;
+        // A moved counter wakes the longest waiter; with nobody waiting it still ends "known
+        // empty", so a long poll arriving next makes a pass of its own.
+        if let Ok(now) = locks.change_seq().await {
+            if seen.is_some_and(|s| s != now) {
+                waiters.wake();
+                since_recheck = Duration::ZERO;
+            }
+            seen = Some(now);
+        }
         if waiters.is_empty() {
-            // Nobody to wake, but a change still ends "known empty": a long poll arriving now must
-            // make a pass of its own.
-            if let Ok(now) = locks.change_seq().await {
-                if seen.is_some_and(|s| s != now) {
-                    waiters.wake();
-                }
-                seen = Some(now);
-            }
             since_recheck = Duration::ZERO;
-            continue;
-        }
-        match locks.change_seq().await {
-            Ok(now) if Some(now) != seen => {
-                if seen.is_some() {
-                    waiters.wake();
-                    since_recheck = Duration::ZERO;
-                }
-                seen = Some(now);
-            }
-            _ => {}
-        }
-        if since_recheck >= recheck {
+        } else if since_recheck >= recheck {
             since_recheck = Duration::ZERO;
             waiters.wake();
         }

@@ -175,6 +175,21 @@ impl Env {
             .get(0)
     }
 
+    /// Inserts a `core_appstatus` row, as a Pulp process registers itself (`app_type` "worker",
+    /// "api" or "content").
+    pub async fn app_status(&self, app_type: &str, name: &str) -> Uuid {
+        let id = Uuid::new_v4();
+        self.db
+            .execute(
+                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+                 VALUES ($1, $2, $3, interval '30 seconds')",
+                &[&id, &app_type, &name],
+            )
+            .await
+            .expect("insert an app status row");
+        id
+    }
+
     /// Sets a task's state directly, as a Pulp worker does.
     pub async fn set_state(&self, task: Uuid, state: &str) {
         self.db
