@@ -43,3 +43,6 @@ fmt:
 bench:
 	@scripts/ensure-services.sh
 	$(CARGO) bench --bench lanes
+	$(CARGO) bench --bench fetch
+	$(CARGO) bench --bench idle
+	$(CARGO) bench --bench load

@@ -223,6 +223,11 @@ pub struct MigrateArgs {
     /// notifies `pulp_worker_wakeup`, which the broker also listens on. A fresh database gets it.
     #[arg(long)]
     pub notify_trigger: bool,
+    /// On an existing database (e.g. Pulp's), turn off the pending list of the GIN index on
+    /// reserved resources (`ALTER INDEX ... SET (fastupdate = off)`, a storage parameter: the
+    /// index's definition is unchanged). A fresh database gets it.
+    #[arg(long)]
+    pub gin_fastupdate_off: bool,
 }
 
 /// Who may call the broker, and TLS on its gRPC port.

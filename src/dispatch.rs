@@ -96,6 +96,11 @@ struct ScanHint {
     seq: u64,
     taken: Instant,
     after: (DateTime<Utc>, Uuid),
+    /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
+    /// ready, or passed over). A task the pass handed out is not among them: once claimed it is
+    /// skipped by candidates.sql's `held` and counted by every newer task's exact look-up, so
+    /// its finishing (which releases its locks and records its names) need not drop the hint:
+    /// with many workers finishing tasks all the time, hints would otherwise never survive.
     excluded: Vec<String>,
     reserved: Reservations,
     /// Names of claimed or running tasks that hid older waiting tasks from the scan.
@@ -125,6 +130,34 @@ pub struct Dispatch {
     shutdown: Shutdown,
     hint: Arc<Mutex<Option<ScanHint>>>,
     waiters: Arc<Waiters>,
+    /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
+    /// them to it (as if held) instead of all racing for the same head of the queue.
+    in_flight: Arc<Mutex<HashSet<Uuid>>>,
+}
+
+/// A task this replica is trying to grant; dropping it lets other passes try the task again.
+struct InFlight {
+    set: Arc<Mutex<HashSet<Uuid>>>,
+    id: Uuid,
+}
+
+impl InFlight {
+    /// Marks `id` in flight, or `None` when another pass has it.
+    fn take(set: &Arc<Mutex<HashSet<Uuid>>>, id: Uuid) -> Option<InFlight> {
+        let mut tasks = set.lock().ok()?;
+        tasks.insert(id).then(|| InFlight {
+            set: Arc::clone(set),
+            id,
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Ok(mut tasks) = self.set.lock() {
+            tasks.remove(&self.id);
+        }
+    }
 }
 
 impl Dispatch {
@@ -143,6 +176,7 @@ impl Dispatch {
             shutdown,
             hint: Arc::new(Mutex::new(None)),
             waiters: Arc::new(Waiters::new(policy.max_waiters)),
+            in_flight: Arc::new(Mutex::new(HashSet::new())),
             policy,
         }
     }
@@ -293,10 +327,14 @@ impl Dispatch {
         if let Some(h) = usable {
             reserved = h.reserved;
             excluded = h.excluded;
+            // (Only tasks still waiting: see `ScanHint::reserved`.)
             after = Some(h.after);
             hint_taken = h.taken;
             hiding = Some((h.after, h.hiding));
         }
+        // The same, without the tasks this pass hands out: what the hint keeps.
+        let mut reserved_waiting = reserved.clone();
+        let mut excluded_waiting = excluded.clone();
         // Everything before `after` is not ready by the rule, as long as `safe` holds.
         let mut safe = true;
         let mut hint: Option<ScanHint> = None;
@@ -329,28 +367,33 @@ impl Dispatch {
                         passed_over.store(true, Ordering::SeqCst);
                         false
                     }
-                    Verdict::Ready => match self.lock_and_claim(lease_id, &lease, &row).await? {
-                        Attempt::Granted(grant) => {
-                            granted = Some(grant);
-                            true
-                        }
-                        Attempt::Blocked => true,
-                        Attempt::LeaseGone => {
-                            return Err(Error::LeaseNotFound(lease_id.to_string()))
-                        }
-                        Attempt::Lost => {
-                            if safe {
-                                hint = snapshot(after, &excluded, &reserved);
-                                safe = false;
+                    Verdict::Ready => match InFlight::take(&self.in_flight, row.id) {
+                        // Another pass is granting it: it reserves its resources, like a task
+                        // that is held, and whether it stays ready is that pass's business.
+                        None => false,
+                        Some(_mine) => match self.lock_and_claim(lease_id, &lease, &row).await? {
+                            Attempt::Granted(grant) => {
+                                granted = Some(grant);
+                                true
                             }
-                            after = Some((row.created, row.id));
-                            continue;
-                        }
-                        Attempt::NotGranted => false,
+                            Attempt::Blocked => true,
+                            Attempt::LeaseGone => {
+                                return Err(Error::LeaseNotFound(lease_id.to_string()))
+                            }
+                            Attempt::Lost => {
+                                if safe {
+                                    hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                                    safe = false;
+                                }
+                                after = Some((row.created, row.id));
+                                continue;
+                            }
+                            Attempt::NotGranted => false,
+                        },
                     },
                 };
                 if safe && !stays_safe {
-                    hint = snapshot(after, &excluded, &reserved);
+                    hint = snapshot(after, &excluded_waiting, &reserved_waiting);
                     safe = false;
                 }
                 after = Some((row.created, row.id));
@@ -361,6 +404,8 @@ impl Dispatch {
                 if granted.is_some() {
                     break;
                 }
+                reserved_waiting.reserve(&row.candidate.resources);
+                excluded_waiting.extend(row.candidate.resources.conflict_keys());
             }
             if granted.is_some() || last_page {
                 break granted;
@@ -368,7 +413,7 @@ impl Dispatch {
             page = (page * 2).min(self.policy.max_page);
         };
         if safe {
-            hint = snapshot(after, &excluded, &reserved);
+            hint = snapshot(after, &excluded_waiting, &reserved_waiting);
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
             // What hides older tasks from the scan at the hint's position: looked up again

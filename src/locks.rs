@@ -28,7 +28,7 @@ use scripts::Scripts;
 pub enum Error {
     /// No connection could be had from the pool (Redis down or unreachable).
     #[error("redis is unreachable: {0}")]
-    Pool(#[from] deadpool_redis::PoolError),
+    Pool(#[from] deadpool::managed::PoolError<redis::RedisError>),
     /// A command failed on an established connection.
     #[error("redis command failed: {0}")]
     Command(#[from] redis::RedisError),
@@ -140,10 +140,36 @@ struct Knowledge {
     lost: Notify,
 }
 
+/// deadpool-redis's manager, except that a pooled connection is checked (UNWATCH and PING) only
+/// after it sat idle for [`crate::tasks::VERIFY_IDLE_AFTER`]: a busy broker pays no extra round
+/// trip per call. A connection that broke in use is dropped by [`Locks::settle`], and the
+/// multiplexed connection fails at once when its socket has closed.
+pub struct QuickRecycle(deadpool_redis::Manager);
+
+impl deadpool::managed::Manager for QuickRecycle {
+    type Type = redis::aio::MultiplexedConnection;
+    type Error = redis::RedisError;
+
+    async fn create(&self) -> Result<Self::Type, Self::Error> {
+        self.0.create().await
+    }
+
+    async fn recycle(
+        &self,
+        conn: &mut Self::Type,
+        metrics: &deadpool::managed::Metrics,
+    ) -> deadpool::managed::RecycleResult<Self::Error> {
+        if metrics.last_used() < crate::tasks::VERIFY_IDLE_AFTER {
+            return Ok(());
+        }
+        self.0.recycle(conn, metrics).await
+    }
+}
+
 /// Handle on the lock store.
 #[derive(Clone)]
 pub struct Locks {
-    pool: deadpool_redis::Pool,
+    pool: deadpool::managed::Pool<QuickRecycle>,
     keys: Keys,
     scripts: Arc<Scripts>,
     timeout: Duration,
@@ -161,18 +187,19 @@ impl Locks {
         timeout: Duration,
         stats: Arc<Stats>,
     ) -> Result<Self, Error> {
-        let mut config = deadpool_redis::Config::from_url(url);
-        let mut pool_config = deadpool_redis::PoolConfig::new(pool_size);
-        pool_config.timeouts.wait = Some(timeout);
-        pool_config.timeouts.create = Some(timeout);
-        pool_config.timeouts.recycle = Some(timeout);
-        config.pool = Some(pool_config);
-        let pool = config
-            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-            .map_err(|e| Error::Protocol {
-                script: "pool",
-                reply: e.to_string(),
-            })?;
+        let protocol = |e: String| Error::Protocol {
+            script: "pool",
+            reply: e,
+        };
+        let manager = deadpool_redis::Manager::new(url).map_err(|e| protocol(e.to_string()))?;
+        let pool = deadpool::managed::Pool::builder(QuickRecycle(manager))
+            .max_size(pool_size)
+            .runtime(deadpool::Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
+            .build()
+            .map_err(|e| protocol(e.to_string()))?;
         let locks = Locks {
             pool,
             keys: Keys::new(prefix),
@@ -198,14 +225,14 @@ impl Locks {
         let mut conn = self.conn().await?;
         for script in self.scripts.all() {
             self.stats.redis_call();
-            tokio::time::timeout(self.timeout, script.load_async(&mut conn))
+            tokio::time::timeout(self.timeout, script.load_async(&mut *conn))
                 .await
                 .map_err(|_| Error::Timeout(self.timeout))??;
         }
         Ok(())
     }
 
-    async fn conn(&self) -> Result<deadpool_redis::Connection, Error> {
+    async fn conn(&self) -> Result<deadpool::managed::Object<QuickRecycle>, Error> {
         Ok(self.pool.get().await?)
     }
 
@@ -216,7 +243,7 @@ impl Locks {
     ) -> Result<T, Error> {
         self.stats.redis_call();
         let mut conn = self.conn().await?;
-        let outcome = tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn)).await;
+        let outcome = tokio::time::timeout(self.timeout, invocation.invoke_async(&mut *conn)).await;
         self.settle(conn, outcome)
     }
 
@@ -224,7 +251,7 @@ impl Locks {
     async fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, Error> {
         self.stats.redis_call();
         let mut conn = self.conn().await?;
-        let outcome = tokio::time::timeout(self.timeout, cmd.query_async(&mut conn)).await;
+        let outcome = tokio::time::timeout(self.timeout, cmd.query_async(&mut *conn)).await;
         self.settle(conn, outcome)
     }
 
@@ -233,7 +260,7 @@ impl Locks {
     /// answer to another call.
     fn settle<T>(
         &self,
-        conn: deadpool_redis::Connection,
+        conn: deadpool::managed::Object<QuickRecycle>,
         outcome: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
     ) -> Result<T, Error> {
         match outcome {
@@ -244,12 +271,12 @@ impl Locks {
                     || e.is_connection_dropped()
                     || e.is_unrecoverable_error()
                 {
-                    drop(deadpool_redis::Connection::take(conn));
+                    drop(deadpool::managed::Object::take(conn));
                 }
                 Err(Error::Command(e))
             }
             Err(_) => {
-                drop(deadpool_redis::Connection::take(conn));
+                drop(deadpool::managed::Object::take(conn));
                 Err(Error::Timeout(self.timeout))
             }
         }
@@ -372,14 +399,14 @@ impl Locks {
                 .arg(self.keys.all_pattern())
                 .arg("COUNT")
                 .arg(1000)
-                .query_async(&mut conn)
+                .query_async(&mut *conn)
                 .await?;
             let batch: Vec<String> = batch.into_iter().filter(|k| !keep.contains(k)).collect();
             if !batch.is_empty() {
                 self.stats.redis_call();
                 deleted += redis::cmd("DEL")
                     .arg(&batch)
-                    .query_async::<u64>(&mut conn)
+                    .query_async::<u64>(&mut *conn)
                     .await?;
             }
             if next == 0 {
@@ -859,7 +886,7 @@ impl Locks {
         let pattern = format!("{}:task:*", self.keys.tag());
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg(&pattern)
-            .query_async(&mut conn)
+            .query_async(&mut *conn)
             .await?;
         let mut locks = Vec::with_capacity(keys.len());
         for key in keys {
@@ -867,7 +894,7 @@ impl Locks {
                 .arg(&key)
                 .arg("lease")
                 .arg("token")
-                .query_async(&mut conn)
+                .query_async(&mut *conn)
                 .await?;
             // Released between the listing and this read: not held any more.
             if let (Some(lease), Some(token)) = (lease, token) {
@@ -888,17 +915,17 @@ impl Locks {
             let prefix = format!("{}{infix}", self.keys.tag());
             let keys: Vec<String> = redis::cmd("KEYS")
                 .arg(format!("{prefix}*"))
-                .query_async(&mut conn)
+                .query_async(&mut *conn)
                 .await?;
             for key in keys {
                 let holders: Vec<String> = if exclusive {
                     let holder: Option<String> =
-                        redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+                        redis::cmd("GET").arg(&key).query_async(&mut *conn).await?;
                     holder.into_iter().collect()
                 } else {
                     redis::cmd("SMEMBERS")
                         .arg(&key)
-                        .query_async(&mut conn)
+                        .query_async(&mut *conn)
                         .await?
                 };
                 let name = key[prefix.len()..].to_owned();
@@ -914,7 +941,7 @@ impl Locks {
         let mut conn = self.conn().await?;
         let mut keys: Vec<String> = redis::cmd("KEYS")
             .arg(self.keys.all_pattern())
-            .query_async(&mut conn)
+            .query_async(&mut *conn)
             .await?;
         keys.sort();
         Ok(keys)

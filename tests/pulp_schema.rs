@@ -80,7 +80,7 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
         .unwrap();
-    let outcome = tasks.migrate(false, false).await.unwrap();
+    let outcome = tasks.migrate(false, false, false).await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
     assert!(
@@ -122,10 +122,15 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
         .await
         .unwrap();
-    let first = tasks.migrate(true, false).await.unwrap();
+    let first = tasks.migrate(true, false, false).await.unwrap();
     assert!(first.lanes_index_created && !first.created);
-    assert!(first.missing.is_empty() && first.optional.is_empty());
-    let again = tasks.migrate(true, false).await.unwrap();
+    assert!(first.missing.is_empty());
+    assert!(
+        first.optional.len() == 1 && first.optional[0].contains("--gin-fastupdate-off"),
+        "{:?}",
+        first.optional
+    );
+    let again = tasks.migrate(true, false, false).await.unwrap();
     assert!(!again.lanes_index_created, "a valid index is left alone");
 
     let added: Vec<String> = schema_fingerprint(&db)
@@ -144,6 +149,38 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     tokio::spawn(conn);
     assert_eq!(lanes_index_def(&db).await, lanes_index_def(&fresh).await);
     assert_eq!(lanes_index_def(&db).await.len(), 1);
+}
+
+#[tokio::test]
+async fn migrate_gin_fastupdate_off_changes_only_the_index_storage_parameter() {
+    let (url, db) = pulp_database_client().await;
+    let before = schema_fingerprint(&db).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let first = tasks.migrate(false, false, true).await.unwrap();
+    assert!(first.gin_fastupdate_changed && !first.created);
+    assert!(
+        !first
+            .optional
+            .iter()
+            .any(|o| o.contains("--gin-fastupdate-off")),
+        "{:?}",
+        first.optional
+    );
+    let again = tasks.migrate(false, false, true).await.unwrap();
+    assert!(!again.gin_fastupdate_changed, "done once is done");
+    let after = schema_fingerprint(&db).await;
+    let removed: Vec<&String> = before.iter().filter(|i| !after.contains(i)).collect();
+    let added: Vec<&String> = after.iter().filter(|i| !before.contains(i)).collect();
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    assert_eq!(added.len(), 1, "{added:?}");
+    assert_eq!(
+        added[0].replace(" WITH (fastupdate=off)", ""),
+        *removed[0],
+        "only the storage parameter changed"
+    );
+    assert!(removed[0].contains("USING gin (reserved_resources_record)"));
 }
 
 #[tokio::test]

@@ -33,6 +33,8 @@ pub struct Outcome {
     pub lanes_index_created: bool,
     /// True when `--notify-trigger` installed the insert notification trigger now.
     pub notify_trigger_created: bool,
+    /// True when `--gin-fastupdate-off` turned off the GIN index's pending list now.
+    pub gin_fastupdate_changed: bool,
     /// What the broker needs and the database still lacks.
     pub missing: Vec<String>,
     /// What the broker can do without but runs better with, and how to add it.
@@ -68,6 +70,16 @@ pub fn optional(present: &[String]) -> Vec<String> {
                 .to_owned(),
         );
     }
+    if present.iter().any(|p| p.starts_with("index:"))
+        && !present.iter().any(|p| p == "gin-fastupdate-off")
+    {
+        optional.push(
+            "fastupdate = off on the GIN index of reserved resources (set it with \
+             `dispatch-broker migrate --gin-fastupdate-off`; with its pending list on, readiness \
+             look-ups slow down as tasks change state until the next vacuum)"
+                .to_owned(),
+        );
+    }
     optional
 }
 
@@ -85,17 +97,27 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
     .await
     .context("cannot reach PostgreSQL at --postgres-url")?;
     let outcome = tasks
-        .migrate(args.lanes_index, args.notify_trigger)
+        .migrate(
+            args.lanes_index,
+            args.notify_trigger,
+            args.gin_fastupdate_off,
+        )
         .await
         .context("migrate failed")?;
     if outcome.created {
         println!("created core_appstatus, core_task, their indexes and the insert triggers");
-    } else if outcome.lanes_index_created || outcome.notify_trigger_created {
+    } else if outcome.lanes_index_created
+        || outcome.notify_trigger_created
+        || outcome.gin_fastupdate_changed
+    {
         if outcome.lanes_index_created {
             println!("core_task already exists; added the lane gauge's index dispatch_lanes_idx");
         }
         if outcome.notify_trigger_created {
             println!("core_task already exists; added the insert notification trigger dispatch_task_notify");
+        }
+        if outcome.gin_fastupdate_changed {
+            println!("core_task already exists; turned off the pending list of its GIN index on reserved resources");
         }
     } else {
         println!("core_task already exists; changed nothing");

@@ -1,7 +1,8 @@
 -- schema_check.sql: what of the broker's required schema is present.
 -- Returns: one row per present column as 'table.column', plus 'index:<name>' for a GIN index on
 -- core_task(reserved_resources_record), 'extension:hstore', and 'lanes-index' when the optional
--- dispatch_lanes_idx exists and is valid (a failed concurrent build leaves an invalid one).
+-- dispatch_lanes_idx exists and is valid (a failed concurrent build leaves an invalid one), and
+-- 'gin-fastupdate-off' when every such GIN index has its pending list turned off.
 SELECT table_name || '.' || column_name AS item
 FROM information_schema.columns
 WHERE table_schema = current_schema() AND table_name IN ('core_task', 'core_appstatus')
@@ -15,3 +16,13 @@ UNION ALL
 SELECT 'lanes-index' FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
 WHERE c.relname = 'dispatch_lanes_idx' AND c.relnamespace = current_schema()::regnamespace
   AND i.indisvalid
+UNION ALL
+SELECT 'gin-fastupdate-off'
+WHERE EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = current_schema() AND tablename = 'core_task'
+              AND indexdef ILIKE '%USING gin (reserved_resources_record)%')
+  AND NOT EXISTS (
+    SELECT 1 FROM pg_indexes x JOIN pg_class c ON c.relname = x.indexname
+      AND c.relnamespace = current_schema()::regnamespace
+    WHERE x.schemaname = current_schema() AND x.tablename = 'core_task'
+      AND x.indexdef ILIKE '%USING gin (reserved_resources_record)%'
+      AND NOT coalesce('fastupdate=off' = ANY (c.reloptions), false))

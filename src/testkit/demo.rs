@@ -35,7 +35,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     serve.lanes.interval = Duration::from_millis(500);
     let stats = std::sync::Arc::new(crate::metrics::Stats::default());
     let tasks = crate::tasks::Tasks::connect(&url, 2, Duration::from_secs(10), stats).await?;
-    tasks.migrate(false, false).await?;
+    tasks.migrate(false, false, false).await?;
     let broker = crate::server::start(&serve).await?;
     println!(
         "broker: gRPC on {}, metrics on http://{}/metrics",

@@ -17,7 +17,7 @@ pub async fn run(args: &SandboxArgs) -> Result<()> {
     let url = pg.create_database("sandbox")?;
     let stats = std::sync::Arc::new(crate::metrics::Stats::default());
     let tasks = crate::tasks::Tasks::connect(&url, 1, Duration::from_secs(10), stats).await?;
-    tasks.migrate(false, false).await?;
+    tasks.migrate(false, false, false).await?;
     drop(tasks);
     let mut serve = ServeArgs::with_urls(&url, &redis.url());
     serve.listen = args.listen;
