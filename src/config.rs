@@ -132,6 +132,9 @@ pub struct ServeArgs {
     /// Fetch tuning.
     #[command(flatten)]
     pub fetch: FetchArgs,
+
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// How often the sweeper looks for expired leases and finished tasks' locks (one replica at a
     /// time sweeps). A lease's locks are gone at most TTL + this after its last heartbeat.
     #[arg(long, env = "DISPATCH_SWEEP_INTERVAL", default_value = "5s", value_parser = parse_duration)]
@@ -228,6 +231,52 @@ pub struct MigrateArgs {
     /// index's definition is unchanged). A fresh database gets it.
     #[arg(long)]
     pub gin_fastupdate_off: bool,
+}
+
+/// What one request may carry. A request over a limit is refused with a status naming the option
+/// and changes nothing.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct LimitArgs {
+    /// Largest request message, in bytes. gRPC's decoder refuses a larger one (OUT_OF_RANGE)
+    /// before reading it.
+    #[arg(long = "max-message-bytes", env = "DISPATCH_MAX_MESSAGE_BYTES", default_value_t = 1 << 20)]
+    pub message_bytes: usize,
+    /// Most `skip_task_ids` in one FetchTask.
+    #[arg(
+        long = "max-skip-ids",
+        env = "DISPATCH_MAX_SKIP_IDS",
+        default_value_t = 1000
+    )]
+    pub skip_ids: usize,
+    /// Longest worker name, versions component or version, in bytes.
+    #[arg(
+        long = "max-name-bytes",
+        env = "DISPATCH_MAX_NAME_BYTES",
+        default_value_t = 256
+    )]
+    pub name_bytes: usize,
+    /// Most components in an OpenLease's `versions`.
+    #[arg(
+        long = "max-versions",
+        env = "DISPATCH_MAX_VERSIONS",
+        default_value_t = 64
+    )]
+    pub versions: usize,
+    /// Longest FinishTask `error` text, in bytes.
+    #[arg(long = "max-error-bytes", env = "DISPATCH_MAX_ERROR_BYTES", default_value_t = 64 * 1024)]
+    pub error_bytes: usize,
+}
+
+impl Default for LimitArgs {
+    fn default() -> Self {
+        LimitArgs {
+            message_bytes: 1 << 20,
+            skip_ids: 1000,
+            name_bytes: 256,
+            versions: 64,
+            error_bytes: 64 * 1024,
+        }
+    }
 }
 
 /// Who may call the broker, and TLS on its gRPC port.
@@ -328,6 +377,28 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 impl ServeArgs {
     /// Checks what clap cannot; the error is one line naming the option.
     pub fn validate(&self) -> Result<(), String> {
+        let l = &self.limits;
+        if [
+            l.message_bytes,
+            l.skip_ids,
+            l.name_bytes,
+            l.versions,
+            l.error_bytes,
+        ]
+        .contains(&0)
+        {
+            return Err(
+                "--max-message-bytes, --max-skip-ids, --max-name-bytes, --max-versions and \
+                 --max-error-bytes must be at least 1"
+                    .into(),
+            );
+        }
+        if l.error_bytes >= l.message_bytes {
+            return Err(format!(
+                "--max-error-bytes {} must be less than --max-message-bytes {}",
+                l.error_bytes, l.message_bytes
+            ));
+        }
         let prefix = &self.redis.key_prefix;
         if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.contains(char::is_whitespace)
         {

@@ -4,11 +4,10 @@
 
 mod convert;
 
-use std::collections::HashSet;
-
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::config::LimitArgs;
 use crate::dispatch::Dispatch;
 use crate::error::Error;
 use crate::leases::Leases;
@@ -21,12 +20,17 @@ use convert::{duration_or_zero, parse_id, to_timestamp};
 pub struct BrokerService {
     leases: Leases,
     dispatch: Dispatch,
+    limits: LimitArgs,
 }
 
 impl BrokerService {
     /// Wraps the domain services.
-    pub fn new(leases: Leases, dispatch: Dispatch) -> Self {
-        BrokerService { leases, dispatch }
+    pub fn new(leases: Leases, dispatch: Dispatch, limits: LimitArgs) -> Self {
+        BrokerService {
+            leases,
+            dispatch,
+            limits,
+        }
     }
 }
 
@@ -98,7 +102,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::OpenLeaseRequest>,
     ) -> Result<Response<proto::Lease>, Status> {
         let span = rpc_span("OpenLease");
-        let open = convert::open_lease(request.into_inner())?;
+        let open = convert::open_lease(request.into_inner(), &self.limits)?;
         let lease = self.leases.open(open).instrument(span).await?;
         Ok(Response::new(proto::Lease {
             lease_id: lease.lease_id.to_string(),
@@ -157,11 +161,7 @@ impl proto::broker_server::Broker for BrokerService {
         let request = request.into_inner();
         let lease_id = parse_id("lease_id", &request.lease_id)?;
         let wait = duration_or_zero("wait", request.wait)?;
-        let skip = request
-            .skip_task_ids
-            .iter()
-            .map(|id| parse_id("skip_task_ids", id))
-            .collect::<Result<HashSet<_>, _>>()?;
+        let skip = convert::skip_ids(&request.skip_task_ids, &self.limits)?;
         let span = rpc_span("FetchTask");
         span.record("lease_id", tracing::field::display(lease_id));
         let grant = self
@@ -222,7 +222,7 @@ impl proto::broker_server::Broker for BrokerService {
         let lease_id = parse_id("lease_id", &r.lease_id)?;
         let task_id = parse_id("task_id", &r.task_id)?;
         let token = convert::fencing_token(r.fencing_token)?;
-        let finish = convert::finish(r.state, r.error)?;
+        let finish = convert::finish(r.state, r.error, &self.limits)?;
         let span = rpc_span("FinishTask");
         span.record("lease_id", tracing::field::display(lease_id));
         span.record("task_id", tracing::field::display(task_id));

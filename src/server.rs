@@ -90,6 +90,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     args.validate().map_err(anyhow::Error::msg)?;
     let serving = Serving {
         max_per_connection: args.max_requests_per_connection,
+        max_message_bytes: args.limits.message_bytes,
         tls: crate::security::server_tls(&args.security)?,
         auth: crate::security::BearerAuth::from_args(&args.security)?,
     };
@@ -190,7 +191,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     ));
     let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
     let waiters = dispatch.waiters();
-    let service = BrokerService::new(leases, dispatch);
+    let service = BrokerService::new(leases, dispatch, args.limits);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -320,6 +321,7 @@ async fn run_background(
 /// How the gRPC port is served: limits, TLS, authentication.
 struct Serving {
     max_per_connection: usize,
+    max_message_bytes: usize,
     tls: Option<tonic::transport::ServerTlsConfig>,
     auth: crate::security::BearerAuth,
 }
@@ -349,7 +351,10 @@ async fn serve(
         .layer(crate::metrics::RpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
-        .add_service(BrokerServer::with_interceptor(service, serving.auth))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            BrokerServer::new(service).max_decoding_message_size(serving.max_message_bytes),
+            serving.auth,
+        ))
         .add_service(ExternalScalerServer::new(scaler))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.fired().await
