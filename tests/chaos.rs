@@ -1,0 +1,907 @@
+//! The chaos checker: mutual exclusion (DESIGN.md invariant 6) and FIFO readiness while things
+//! break.
+//!
+//! Two broker replicas (the real binary, as processes) share one throwaway PostgreSQL and Redis.
+//! Tasks with random resource sets over a few resources (dense conflicts, shared and exclusive
+//! mixed) are inserted while gRPC workers, spread over both replicas, fetch, hold a task for a
+//! random time and finish it; some release instead, some skip the release and keep going, some
+//! stop heartbeating (a crash), some close their lease mid-task. Faults at random moments: a
+//! replica killed with SIGKILL and restarted, Redis paused (SIGSTOP) for longer than a lease TTL,
+//! Redis killed and restarted empty, PostgreSQL restarted.
+//!
+//! An independent checker records what the clients see and verifies afterwards, with no false
+//! alarms (it uses only what the clients know for certain: a task was held at least from the
+//! moment its grant arrived until the moment its holder last knew its lease was live or sent its
+//! release):
+//! - no two conflicting tasks were held at the same time;
+//! - no task was handed out while an older conflicting task was still waiting for its first grant;
+//! - fencing tokens strictly increase along each resource's grants;
+//! - at the end every task is final or waiting, none is claimed or running, no lock is left.
+//!
+//! `cargo test --test chaos` runs a bounded version (about 30 s); `cargo test --test chaos --
+//! --long [SECONDS] [--seed N]` runs longer and reports tasks, faults and violations. A violation
+//! is printed with the seed and the timeline needed to reproduce it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dispatch_broker::proto::broker_client::BrokerClient;
+use dispatch_broker::proto::*;
+use dispatch_broker::testkit::{free_port, Postgres, Redis};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+use tonic::Code;
+use uuid::Uuid;
+
+const RESOURCES: [&str; 6] = ["r0", "r1", "r2", "r3", "r4", "r5"];
+const TTL: Duration = Duration::from_secs(1);
+const HEARTBEAT: Duration = Duration::from_millis(250);
+const WORKERS: usize = 8;
+
+/// Time since the run began, in milliseconds, for the timeline.
+#[derive(Clone)]
+struct Clock(Instant);
+
+impl Clock {
+    fn ms(&self) -> f64 {
+        self.0.elapsed().as_secs_f64() * 1e3
+    }
+}
+
+/// One grant as its holder saw it.
+#[derive(Debug, Clone)]
+struct Held {
+    task: Uuid,
+    worker: usize,
+    token: u64,
+    exclusive: Vec<String>,
+    shared: Vec<String>,
+    /// When the grant arrived (the server granted it before this).
+    from: f64,
+    /// The last moment the holder knew it still held it (the server released it after this).
+    until: f64,
+    /// When the FetchTask that returned it was sent.
+    asked: f64,
+    how: &'static str,
+}
+
+impl Held {
+    fn conflicts(&self, other: &Held) -> Vec<String> {
+        let mut out = Vec::new();
+        for r in &self.exclusive {
+            if other.exclusive.contains(r) || other.shared.contains(r) {
+                out.push(r.clone());
+            }
+        }
+        for r in &self.shared {
+            if other.exclusive.contains(r) {
+                out.push(r.clone());
+            }
+        }
+        out
+    }
+}
+
+#[derive(Default)]
+struct Record {
+    held: Vec<Held>,
+    faults: Vec<(f64, String)>,
+    counts: BTreeMap<&'static str, u64>,
+}
+
+type Shared = Arc<Mutex<Record>>;
+
+/// Tasks inserted, in commit order, with their resource records.
+type Created = Arc<Mutex<Vec<(Uuid, Vec<String>)>>>;
+
+fn count(record: &Shared, what: &'static str) {
+    *record.lock().unwrap().counts.entry(what).or_default() += 1;
+}
+
+/// A broker replica: the real binary, so it can be killed with SIGKILL.
+struct Replica {
+    port: u16,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Replica {
+    fn start(pg_url: &str, redis_url: &str) -> Replica {
+        let port = free_port().unwrap();
+        let args = vec![
+            "serve".to_string(),
+            "--postgres-url".into(),
+            pg_url.into(),
+            "--redis-url".into(),
+            redis_url.into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
+            "--lease-min-ttl".into(),
+            "200ms".into(),
+            "--sweep-interval".into(),
+            "200ms".into(),
+            "--fetch-recheck".into(),
+            "200ms".into(),
+            "--fetch-wake-poll".into(),
+            "50ms".into(),
+            "--backend-timeout".into(),
+            "500ms".into(),
+        ];
+        let mut replica = Replica {
+            port,
+            args,
+            child: None,
+        };
+        replica.boot();
+        replica
+    }
+
+    fn boot(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::env::temp_dir().join(format!("dispatch-chaos-{}.log", self.port)))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+            .args(&self.args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start dispatch-broker");
+        self.child = Some(child);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn wait_serving(endpoint: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut c) = BrokerClient::connect(endpoint.to_string()).await {
+            if let Err(s) = c
+                .heartbeat(HeartbeatRequest {
+                    lease_id: Uuid::new_v4().to_string(),
+                })
+                .await
+            {
+                if s.code() == Code::NotFound {
+                    return;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "broker at {endpoint} did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What a worker does with a task it holds.
+#[derive(Clone, Copy, Debug)]
+enum Behaviour {
+    Finish,
+    Release,
+    /// Keeps the task (and its locks) without releasing it and fetches on; its lease is closed
+    /// a few fetches later, which is what frees the task.
+    SkipRelease,
+    /// Stops heartbeating and never calls again: a crashed worker.
+    Crash,
+    /// Closes its lease while holding the task.
+    CloseMidTask,
+}
+
+fn behaviour(rng: &mut StdRng) -> Behaviour {
+    match rng.random_range(0..100) {
+        0..75 => Behaviour::Finish,
+        75..85 => Behaviour::Release,
+        85..90 => Behaviour::SkipRelease,
+        90..95 => Behaviour::Crash,
+        _ => Behaviour::CloseMidTask,
+    }
+}
+
+/// A lease with its heartbeat loop; `live_until` is the send time of the last acknowledged
+/// heartbeat (or of OpenLease): the lease was live at least until then.
+struct Lease {
+    id: String,
+    live_until: Arc<Mutex<f64>>,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Lease {
+    async fn open(client: &mut BrokerClient<Channel>, name: &str, clock: &Clock) -> Option<Lease> {
+        let sent = clock.ms();
+        let lease = client
+            .open_lease(OpenLeaseRequest {
+                worker_name: name.into(),
+                versions: Default::default(),
+                ttl: Some(TTL.try_into().unwrap()),
+                app_status_id: String::new(),
+            })
+            .await
+            .ok()?
+            .into_inner();
+        let live_until = Arc::new(Mutex::new(sent));
+        let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (mut c, id, clock) = (client.clone(), lease.lease_id.clone(), clock.clone());
+        let (live, gone, stopped) = (Arc::clone(&live_until), Arc::clone(&lost), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stopped.cancelled() => return,
+                    _ = tokio::time::sleep(HEARTBEAT) => {}
+                }
+                let sent = clock.ms();
+                let beat = tokio::time::timeout(
+                    Duration::from_millis(400),
+                    c.heartbeat(HeartbeatRequest {
+                        lease_id: id.clone(),
+                    }),
+                )
+                .await;
+                match beat {
+                    Ok(Ok(_)) => *live.lock().unwrap() = sent,
+                    Ok(Err(s)) if s.code() == Code::NotFound => {
+                        gone.store(true, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Some(Lease {
+            id: lease.lease_id,
+            live_until,
+            lost,
+            stop,
+        })
+    }
+
+    fn live_until(&self) -> f64 {
+        *self.live_until.lock().unwrap()
+    }
+
+    fn is_lost(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+async fn worker(
+    n: usize,
+    endpoint: String,
+    seed: u64,
+    clock: Clock,
+    record: Shared,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut rng = StdRng::seed_from_u64(seed ^ (n as u64) << 32);
+    let channel = Channel::from_shared(endpoint).unwrap().connect_lazy();
+    let mut client = BrokerClient::new(channel);
+    let name = format!("chaos-{n}");
+    // Tasks kept without release under the current lease: (record index).
+    let mut kept: Vec<usize> = Vec::new();
+    let mut lease: Option<Lease> = None;
+    while !stop.is_cancelled() {
+        let current = match &lease {
+            Some(l) if !l.is_lost() => l,
+            _ => {
+                // A lost lease ends what it kept at the last moment it was known live.
+                if let Some(old) = lease.take() {
+                    end_kept(&record, &mut kept, old.live_until());
+                    old.stop.cancel();
+                }
+                match Lease::open(&mut client, &name, &clock).await {
+                    Some(l) => lease = Some(l),
+                    None => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+                continue;
+            }
+        };
+        if !kept.is_empty() && rng.random_bool(0.3) {
+            // It forgot to release what it kept; the lease ending is what frees them.
+            let sent = clock.ms();
+            current.stop.cancel();
+            let until = match client
+                .close_lease(CloseLeaseRequest {
+                    lease_id: current.id.clone(),
+                })
+                .await
+            {
+                Ok(_) => sent,
+                Err(_) => current.live_until().min(sent),
+            };
+            end_kept(&record, &mut kept, until);
+            lease = None;
+            continue;
+        }
+        let asked = clock.ms();
+        let fetched = tokio::time::timeout(
+            Duration::from_secs(2),
+            client.fetch_task(FetchTaskRequest {
+                lease_id: current.id.clone(),
+                wait: Some(Duration::from_millis(300).try_into().unwrap()),
+                skip_task_ids: vec![],
+            }),
+        )
+        .await;
+        let task = match fetched {
+            Ok(Ok(r)) => match r.into_inner().task {
+                Some(t) => t,
+                None => continue,
+            },
+            Ok(Err(s)) if s.code() == Code::NotFound => {
+                current
+                    .lost
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                continue;
+            }
+            Ok(Err(s)) => {
+                count(
+                    &record,
+                    match s.code() {
+                        Code::Unavailable => "fetch errors: UNAVAILABLE (retried)",
+                        Code::ResourceExhausted => "fetch errors: RESOURCE_EXHAUSTED (retried)",
+                        _ => "fetch errors: other (retried)",
+                    },
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(_) => {
+                count(&record, "fetch calls timed out (retried)");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let from = clock.ms();
+        let task_id: Uuid = task.task_id.parse().unwrap();
+        let index = {
+            let mut r = record.lock().unwrap();
+            r.held.push(Held {
+                task: task_id,
+                worker: n,
+                token: task.fencing_token,
+                exclusive: task.exclusive_resources.clone(),
+                shared: task.shared_resources.clone(),
+                from,
+                until: f64::INFINITY,
+                asked,
+                how: "held",
+            });
+            r.held.len() - 1
+        };
+        let what = behaviour(&mut rng);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
+        let lease_id = current.id.clone();
+        let end = |how: &'static str, until: f64| {
+            let mut r = record.lock().unwrap();
+            let h = &mut r.held[index];
+            h.until = until.max(h.from);
+            h.how = how;
+        };
+        match what {
+            Behaviour::Finish | Behaviour::Release => {
+                let _ = client
+                    .start_task(StartTaskRequest {
+                        lease_id: lease_id.clone(),
+                        task_id: task.task_id.clone(),
+                        fencing_token: task.fencing_token,
+                    })
+                    .await;
+                let sent = clock.ms();
+                let done = if matches!(what, Behaviour::Finish) {
+                    client
+                        .finish_task(FinishTaskRequest {
+                            lease_id,
+                            task_id: task.task_id.clone(),
+                            fencing_token: task.fencing_token,
+                            state: "completed".into(),
+                            error: String::new(),
+                        })
+                        .await
+                        .map(|_| ())
+                } else {
+                    client
+                        .release_locks(ReleaseLocksRequest {
+                            lease_id,
+                            task_id: task.task_id.clone(),
+                            fencing_token: task.fencing_token,
+                        })
+                        .await
+                        .map(|_| ())
+                };
+                match done {
+                    Ok(()) => end(
+                        if matches!(what, Behaviour::Finish) {
+                            "finished"
+                        } else {
+                            "released"
+                        },
+                        sent,
+                    ),
+                    // Not acknowledged: held at least while the lease was known live.
+                    Err(_) => end("end unacknowledged", current.live_until().min(sent)),
+                }
+            }
+            Behaviour::SkipRelease => {
+                count(&record, "releases skipped");
+                kept.push(index);
+            }
+            Behaviour::Crash => {
+                count(&record, "worker crashes");
+                current.stop.cancel();
+                let until = current.live_until();
+                end("holder crashed", until);
+                end_kept(&record, &mut kept, until);
+                lease = None;
+            }
+            Behaviour::CloseMidTask => {
+                count(&record, "leases closed mid-task");
+                let sent = clock.ms();
+                current.stop.cancel();
+                let until = match client
+                    .close_lease(CloseLeaseRequest {
+                        lease_id: lease_id.clone(),
+                    })
+                    .await
+                {
+                    Ok(_) => sent,
+                    Err(_) => current.live_until().min(sent),
+                };
+                end("lease closed", until);
+                end_kept(&record, &mut kept, until);
+                lease = None;
+            }
+        }
+    }
+    if let Some(l) = lease.take() {
+        let sent = clock.ms();
+        l.stop.cancel();
+        let until = match client
+            .close_lease(CloseLeaseRequest {
+                lease_id: l.id.clone(),
+            })
+            .await
+        {
+            Ok(_) => sent,
+            Err(_) => l.live_until().min(sent),
+        };
+        end_kept(&record, &mut kept, until);
+    }
+}
+
+fn end_kept(record: &Shared, kept: &mut Vec<usize>, until: f64) {
+    let mut r = record.lock().unwrap();
+    for i in kept.drain(..) {
+        let h = &mut r.held[i];
+        h.until = until.max(h.from);
+        h.how = "kept until its lease ended";
+    }
+}
+
+/// Inserts tasks at random moments: 1-3 resources each, 30% of them shared.
+async fn inserter(
+    url: String,
+    seed: u64,
+    record: Shared,
+    created: Created,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(31));
+    let mut db: Option<tokio_postgres::Client> = None;
+    while !stop.is_cancelled() {
+        if db.as_ref().is_none_or(|c| c.is_closed()) {
+            db = match tokio_postgres::connect(&url, tokio_postgres::NoTls).await {
+                Ok((c, conn)) => {
+                    tokio::spawn(conn);
+                    Some(c)
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+        }
+        let n = rng.random_range(1..=3);
+        let mut record_entries: Vec<String> = Vec::new();
+        for _ in 0..n {
+            let r = RESOURCES[rng.random_range(0..RESOURCES.len())];
+            if record_entries
+                .iter()
+                .any(|e| e.trim_start_matches("shared:") == r)
+            {
+                continue;
+            }
+            record_entries.push(if rng.random_bool(0.3) {
+                format!("shared:{r}")
+            } else {
+                r.to_string()
+            });
+        }
+        let id = Uuid::new_v4();
+        let inserted = db
+            .as_ref()
+            .unwrap()
+            .execute(
+                "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+                 VALUES ($1, 'chaos', 'waiting', $2)",
+                &[&id, &record_entries],
+            )
+            .await;
+        match inserted {
+            Ok(_) => {
+                created.lock().unwrap().push((id, record_entries));
+                count(&record, "tasks inserted");
+            }
+            Err(_) => db = None,
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(5..40))).await;
+    }
+}
+
+struct Options {
+    seconds: u64,
+    seed: u64,
+    long: bool,
+}
+
+fn options() -> Options {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let long = args.iter().any(|a| a == "--long");
+    let seed_at = args.iter().position(|a| a == "--seed").map(|i| i + 1);
+    let seed: u64 = seed_at
+        .and_then(|i| args.get(i))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    let seconds = args
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != seed_at)
+        .find_map(|(_, a)| a.parse::<u64>().ok())
+        .unwrap_or(if long { 300 } else { 24 });
+    Options {
+        seconds,
+        seed,
+        long,
+    }
+}
+
+fn check(record: &Record, created: &[(Uuid, Vec<String>)]) -> Vec<String> {
+    let mut violations = Vec::new();
+    let held = &record.held;
+    // 1. Mutual exclusion.
+    for (i, a) in held.iter().enumerate() {
+        for b in &held[i + 1..] {
+            if a.task == b.task {
+                continue;
+            }
+            let overlap = a.from < b.until && b.from < a.until;
+            let on = a.conflicts(b);
+            if overlap && !on.is_empty() {
+                violations.push(format!(
+                    "conflicting tasks held at once on {on:?}: {} (worker {}, token {}, {:.1}-{:.1} ms, {}) and {} (worker {}, token {}, {:.1}-{:.1} ms, {})",
+                    a.task, a.worker, a.token, a.from, a.until, a.how,
+                    b.task, b.worker, b.token, b.from, b.until, b.how
+                ));
+            }
+        }
+    }
+    // 2. Fencing tokens increase along each resource's grants (one after the other).
+    let mut by_resource: HashMap<&str, Vec<&Held>> = HashMap::new();
+    for h in held {
+        for r in h.exclusive.iter().chain(&h.shared) {
+            by_resource.entry(r.as_str()).or_default().push(h);
+        }
+    }
+    for (r, grants) in &by_resource {
+        for a in grants {
+            for b in grants {
+                if a.until < b.from
+                    && a.token >= b.token
+                    && (a.exclusive.iter().any(|x| x == r) || b.exclusive.iter().any(|x| x == r))
+                {
+                    violations.push(format!(
+                        "fencing token went back on {r}: {} got {} at {:.1} ms, after {} had {} until {:.1} ms",
+                        b.task, b.token, b.from, a.task, a.token, a.until
+                    ));
+                }
+            }
+        }
+    }
+    // 3. FIFO: no task handed out while an older conflicting task was waiting for its first
+    //    grant (its first grant was asked for only after the newer one had arrived).
+    let position: HashMap<Uuid, usize> = created
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| (*id, i))
+        .collect();
+    let mut first: HashMap<Uuid, &Held> = HashMap::new();
+    for h in held {
+        let e = first.entry(h.task).or_insert(h);
+        if h.from < e.from {
+            *e = h;
+        }
+    }
+    for (task, t) in &first {
+        let Some(&pt) = position.get(task) else {
+            continue;
+        };
+        for (older, u) in &first {
+            let Some(&pu) = position.get(older) else {
+                continue;
+            };
+            if pu < pt && u.asked > t.from && !u.conflicts(t).is_empty() {
+                violations.push(format!(
+                    "{task} was handed out at {:.1} ms while the older conflicting {older} still waited (first asked for at {:.1} ms)",
+                    t.from, u.asked
+                ));
+            }
+        }
+    }
+    violations
+}
+
+/// The checker finds what it must: run on made-up histories with one violation of each kind
+/// (and one clean history), before the real run.
+fn checker_self_test() {
+    let held = |task: u128, token: u64, x: &[&str], s: &[&str], from: f64, until: f64| Held {
+        task: Uuid::from_u128(task),
+        worker: 0,
+        token,
+        exclusive: x.iter().map(|r| r.to_string()).collect(),
+        shared: s.iter().map(|r| r.to_string()).collect(),
+        from,
+        until,
+        asked: from - 1.0,
+        how: "made up",
+    };
+    let created: Vec<(Uuid, Vec<String>)> =
+        (1..=3).map(|i| (Uuid::from_u128(i), Vec::new())).collect();
+    let history = |h: Vec<Held>| Record {
+        held: h,
+        ..Record::default()
+    };
+    // Clean: one after the other, tokens rising, oldest first; two shared holders at once.
+    let clean = history(vec![
+        held(1, 1, &["a"], &[], 0.0, 10.0),
+        held(2, 2, &[], &["a"], 11.0, 20.0),
+        held(3, 3, &[], &["a"], 12.0, 20.0),
+    ]);
+    assert!(
+        check(&clean, &created).is_empty(),
+        "{:?}",
+        check(&clean, &created)
+    );
+    let overlap = history(vec![
+        held(1, 1, &["a"], &[], 0.0, 10.0),
+        held(2, 2, &[], &["a"], 5.0, 20.0),
+    ]);
+    assert!(check(&overlap, &created)
+        .iter()
+        .any(|v| v.contains("held at once")));
+    let token_back = history(vec![
+        held(1, 5, &["a"], &[], 0.0, 10.0),
+        held(2, 3, &["a"], &[], 11.0, 20.0),
+    ]);
+    assert!(check(&token_back, &created)
+        .iter()
+        .any(|v| v.contains("went back")));
+    let unfair = history(vec![
+        held(2, 1, &["a"], &[], 0.0, 10.0),
+        held(1, 2, &["a"], &[], 11.0, 20.0),
+    ]);
+    assert!(check(&unfair, &created)
+        .iter()
+        .any(|v| v.contains("still waited")));
+}
+
+#[tokio::main]
+async fn main() {
+    checker_self_test();
+    let opts = options();
+    let started = Instant::now();
+    println!(
+        "chaos: seed {} for {} s{} (reproduce with `cargo test --test chaos -- {}{} --seed {}`)",
+        opts.seed,
+        opts.seconds,
+        if opts.long { " (long)" } else { "" },
+        if opts.long { "--long " } else { "" },
+        opts.seconds,
+        opts.seed
+    );
+    let (mut pg, mut redis) =
+        tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+            .await
+            .unwrap();
+    let url = pg.create_database("chaos").unwrap();
+    pg.psql("chaos", include_str!("../src/tasks/migrate.sql"))
+        .unwrap();
+    let mut replicas = vec![
+        Replica::start(&url, &redis.url()),
+        Replica::start(&url, &redis.url()),
+    ];
+    for r in &replicas {
+        wait_serving(&r.endpoint()).await;
+    }
+    let clock = Clock(Instant::now());
+    let record: Shared = Arc::new(Mutex::new(Record::default()));
+    let created = Arc::new(Mutex::new(Vec::new()));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut handles = Vec::new();
+    for n in 0..WORKERS {
+        handles.push(tokio::spawn(worker(
+            n,
+            replicas[n % 2].endpoint(),
+            opts.seed,
+            clock.clone(),
+            Arc::clone(&record),
+            stop.clone(),
+        )));
+    }
+    let stop_inserting = tokio_util::sync::CancellationToken::new();
+    let inserting = tokio::spawn(inserter(
+        url.clone(),
+        opts.seed,
+        Arc::clone(&record),
+        Arc::clone(&created),
+        stop_inserting.clone(),
+    ));
+
+    // Faults at random moments, one at a time, each in turn.
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let run_until = Instant::now() + Duration::from_secs(opts.seconds);
+    let mut round = 0usize;
+    let fault = |record: &Shared, what: String| {
+        let at = clock.ms();
+        println!("  {at:>9.1} ms  {what}");
+        record.lock().unwrap().faults.push((at, what));
+    };
+    while Instant::now() + Duration::from_secs(4) < run_until {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2500))).await;
+        match round % 4 {
+            0 => {
+                let which = rng.random_range(0..2);
+                fault(&record, format!("replica {which} killed (SIGKILL)"));
+                replicas[which].kill();
+                tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
+                replicas[which].boot();
+                fault(&record, format!("replica {which} restarted"));
+            }
+            1 => {
+                fault(
+                    &record,
+                    "Redis paused (SIGSTOP) for longer than a lease TTL".into(),
+                );
+                redis.pause();
+                tokio::time::sleep(TTL + Duration::from_millis(rng.random_range(200..800))).await;
+                redis.resume();
+                fault(&record, "Redis resumed".into());
+            }
+            2 => {
+                fault(&record, "Redis killed and restarted empty".into());
+                tokio::task::block_in_place(|| redis.restart()).unwrap();
+            }
+            _ => {
+                fault(&record, "PostgreSQL restarted".into());
+                tokio::task::block_in_place(|| pg.restart()).unwrap();
+            }
+        }
+        round += 1;
+    }
+    tokio::time::sleep(run_until.saturating_duration_since(Instant::now())).await;
+    stop_inserting.cancel();
+    inserting.await.unwrap();
+    stop.cancel();
+    for h in handles {
+        h.await.unwrap();
+    }
+    // Settle: leases of crashed workers expire and are swept, their claims requeued.
+    for r in &replicas {
+        wait_serving(&r.endpoint()).await;
+    }
+    tokio::time::sleep(TTL * 3).await;
+
+    let record = std::mem::take(&mut *record.lock().unwrap());
+    let created = std::mem::take(&mut *created.lock().unwrap());
+    let mut violations = check(&record, &created);
+    // 4. The end state.
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let states: Vec<(String, i64)> = db
+        .query(
+            "SELECT state || CASE WHEN app_lock_id IS NULL THEN '' ELSE ' (claimed)' END, count(*) \
+             FROM core_task GROUP BY 1 ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for (state, n) in &states {
+        if !["completed", "failed", "canceled", "skipped", "waiting"].contains(&state.as_str()) {
+            violations.push(format!("{n} tasks left {state} with no live holder"));
+        }
+    }
+    let client = deadpool_redis::redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let locks: Vec<String> = deadpool_redis::redis::cmd("KEYS")
+        .arg("{dispatch}:[xs]:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    if !locks.is_empty() {
+        violations.push(format!("locks left at the end: {locks:?}"));
+    }
+
+    let tasks_done: i64 = states
+        .iter()
+        .filter(|(s, _)| s == "completed")
+        .map(|(_, n)| n)
+        .sum();
+    println!("\n| figure | value |\n|---|---:|");
+    println!("| duration | {:.1} s |", started.elapsed().as_secs_f64());
+    println!("| seed | {} |", opts.seed);
+    for (what, n) in &record.counts {
+        println!("| {what} | {n} |");
+    }
+    println!("| grants seen by workers | {} |", record.held.len());
+    println!("| tasks completed | {tasks_done} |");
+    let mut fault_counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, f) in &record.faults {
+        if !f.ends_with("restarted") && !f.ends_with("resumed") || f.contains("empty") {
+            *fault_counts.entry(f.clone()).or_default() += 1;
+        }
+    }
+    for (f, n) in &fault_counts {
+        println!("| fault: {f} | {n} |");
+    }
+    println!("| end states | {states:?} |");
+    println!("| violations | {} |", violations.len());
+    if !violations.is_empty() {
+        println!("\nViolations (seed {}):", opts.seed);
+        for v in violations.iter().take(50) {
+            println!("- {v}");
+        }
+        println!("\nTimeline of faults:");
+        for (at, f) in &record.faults {
+            println!("  {at:>9.1} ms  {f}");
+        }
+        println!(
+            "\ntest result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out"
+        );
+        std::process::exit(1);
+    }
+    assert!(
+        record.held.len() > 20,
+        "too little work was done to check anything"
+    );
+    println!("\ntest result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
+}
