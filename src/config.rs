@@ -288,6 +288,15 @@ pub struct SecurityArgs {
     /// Unset: no authentication.
     #[arg(long, env = "DISPATCH_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
+    /// The bearer token itself, instead of --auth-token-file (prefer the environment variable:
+    /// a command-line value shows in the process list).
+    #[arg(
+        long,
+        env = "DISPATCH_AUTH_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "auth_token_file"
+    )]
+    pub auth_token: Option<String>,
     /// PEM certificate chain for TLS on the gRPC port (with --tls-key).
     #[arg(long, env = "DISPATCH_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -481,6 +490,23 @@ mod tests {
     #[test]
     fn cli_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn the_auth_token_and_its_file_exclude_each_other() {
+        let both = Cli::try_parse_from([
+            "dispatch-broker",
+            "serve",
+            "--postgres-url",
+            "postgres://x",
+            "--redis-url",
+            "redis://x",
+            "--auth-token",
+            "t",
+            "--auth-token-file",
+            "/f",
+        ]);
+        assert!(both.is_err());
     }
 
     #[test]

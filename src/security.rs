@@ -28,27 +28,25 @@ impl BearerAuth {
 
     /// Reads the token from `--auth-token-file` (surrounding whitespace trimmed).
     pub fn from_args(args: &SecurityArgs) -> anyhow::Result<Self> {
-        let Some(path) = &args.auth_token_file else {
-            return Ok(BearerAuth::default());
+        let (token, source) = match (&args.auth_token_file, &args.auth_token) {
+            (Some(path), _) => (
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read --auth-token-file {}", path.display()))?,
+                format!("--auth-token-file {}", path.display()),
+            ),
+            (None, Some(token)) => (token.clone(), "--auth-token (DISPATCH_AUTH_TOKEN)".into()),
+            (None, None) => return Ok(BearerAuth::default()),
         };
-        let token = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read --auth-token-file {}", path.display()))?;
         let token = token.trim();
-        anyhow::ensure!(
-            !token.is_empty(),
-            "--auth-token-file {} is empty",
-            path.display()
-        );
+        anyhow::ensure!(!token.is_empty(), "{source} is empty");
         anyhow::ensure!(
             !token.starts_with("CHANGE-ME"),
-            "--auth-token-file {} still holds the example token; put a long random one there \
-             (e.g. `openssl rand -hex 32`)",
-            path.display()
+            "{source} still holds the example token; use a long random one \
+             (e.g. `openssl rand -hex 32`)"
         );
         anyhow::ensure!(
             token.bytes().all(|b| b.is_ascii_graphic()),
-            "--auth-token-file {} holds characters that cannot travel in a header",
-            path.display()
+            "{source} holds characters that cannot travel in a header"
         );
         Ok(BearerAuth::new(Some(token.to_owned())))
     }

@@ -5,9 +5,11 @@
 //! Tasks with random resource sets over a few resources (dense conflicts, shared and exclusive
 //! mixed) are inserted while gRPC workers, spread over both replicas, fetch, hold a task for a
 //! random time and finish it; some release instead, some skip the release and keep going, some
-//! stop heartbeating (a crash), some close their lease mid-task. Faults at random moments: a
-//! replica killed with SIGKILL and restarted, Redis paused (SIGSTOP) for longer than a lease TTL,
-//! Redis killed and restarted empty, PostgreSQL restarted.
+//! stop heartbeating (a crash), some close their lease mid-task. Each worker is a process (this
+//! binary run with `--worker`, reporting what it sees on stdout). Faults at random moments: a
+//! worker process killed with SIGKILL (and started again), a replica killed with SIGKILL and
+//! restarted, Redis paused (SIGSTOP) for longer than a lease TTL, Redis killed and restarted
+//! empty, PostgreSQL restarted.
 //!
 //! An independent checker records what the clients see and verifies afterwards, with no false
 //! alarms (it uses only what the clients know for certain: a task was held at least from the
@@ -41,13 +43,56 @@ const TTL: Duration = Duration::from_secs(1);
 const HEARTBEAT: Duration = Duration::from_millis(250);
 const WORKERS: usize = 8;
 
-/// Time since the run began, in milliseconds, for the timeline.
-#[derive(Clone)]
-struct Clock(Instant);
+/// Time since the run began, in milliseconds, on the wall clock (worker processes share it).
+#[derive(Clone, Copy)]
+struct Clock(f64);
+
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        * 1e3
+}
 
 impl Clock {
     fn ms(&self) -> f64 {
-        self.0.elapsed().as_secs_f64() * 1e3
+        unix_ms() - self.0
+    }
+}
+
+/// Where a worker process reports what it sees: one line per event on stdout, read by the
+/// checker in the parent.
+struct Sink {
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Sink {
+    fn grant(&self, h: &Held) -> usize {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        println!(
+            "G\t{i}\t{}\t{}\t{}\t{}\t{}\t{}",
+            h.task,
+            h.token,
+            h.from,
+            h.asked,
+            h.exclusive.join(","),
+            h.shared.join(",")
+        );
+        i
+    }
+
+    fn end(&self, i: usize, how: &str, until: f64) {
+        println!("E\t{i}\t{until}\t{how}");
+    }
+
+    fn count(&self, what: &str) {
+        println!("C\t{what}");
+    }
+
+    /// The current lease was live at least until `at`.
+    fn live(&self, at: f64) {
+        println!("L\t{at}");
     }
 }
 
@@ -65,7 +110,7 @@ struct Held {
     until: f64,
     /// When the FetchTask that returned it was sent.
     asked: f64,
-    how: &'static str,
+    how: String,
 }
 
 impl Held {
@@ -89,7 +134,7 @@ impl Held {
 struct Record {
     held: Vec<Held>,
     faults: Vec<(f64, String)>,
-    counts: BTreeMap<&'static str, u64>,
+    counts: BTreeMap<String, u64>,
 }
 
 type Shared = Arc<Mutex<Record>>;
@@ -97,8 +142,13 @@ type Shared = Arc<Mutex<Record>>;
 /// Tasks inserted, in commit order, with their resource records.
 type Created = Arc<Mutex<Vec<(Uuid, Vec<String>)>>>;
 
-fn count(record: &Shared, what: &'static str) {
-    *record.lock().unwrap().counts.entry(what).or_default() += 1;
+fn count(record: &Shared, what: &str) {
+    *record
+        .lock()
+        .unwrap()
+        .counts
+        .entry(what.to_string())
+        .or_default() += 1;
 }
 
 /// A broker replica: the real binary, so it can be killed with SIGKILL.
@@ -233,7 +283,12 @@ struct Lease {
 }
 
 impl Lease {
-    async fn open(client: &mut BrokerClient<Channel>, name: &str, clock: &Clock) -> Option<Lease> {
+    async fn open(
+        client: &mut BrokerClient<Channel>,
+        name: &str,
+        clock: &Clock,
+        sink: &Arc<Sink>,
+    ) -> Option<Lease> {
         let sent = clock.ms();
         let lease = client
             .open_lease(OpenLeaseRequest {
@@ -245,10 +300,16 @@ impl Lease {
             .await
             .ok()?
             .into_inner();
+        sink.live(sent);
         let live_until = Arc::new(Mutex::new(sent));
         let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop = tokio_util::sync::CancellationToken::new();
-        let (mut c, id, clock) = (client.clone(), lease.lease_id.clone(), clock.clone());
+        let (mut c, id, clock, sink) = (
+            client.clone(),
+            lease.lease_id.clone(),
+            *clock,
+            Arc::clone(sink),
+        );
         let (live, gone, stopped) = (Arc::clone(&live_until), Arc::clone(&lost), stop.clone());
         tokio::spawn(async move {
             loop {
@@ -265,7 +326,10 @@ impl Lease {
                 )
                 .await;
                 match beat {
-                    Ok(Ok(_)) => *live.lock().unwrap() = sent,
+                    Ok(Ok(_)) => {
+                        *live.lock().unwrap() = sent;
+                        sink.live(sent);
+                    }
                     Ok(Err(s)) if s.code() == Code::NotFound => {
                         gone.store(true, std::sync::atomic::Ordering::SeqCst);
                         return;
@@ -296,7 +360,7 @@ async fn worker(
     endpoint: String,
     seed: u64,
     clock: Clock,
-    record: Shared,
+    sink: Arc<Sink>,
     stop: tokio_util::sync::CancellationToken,
 ) {
     let mut rng = StdRng::seed_from_u64(seed ^ (n as u64) << 32);
@@ -312,10 +376,10 @@ async fn worker(
             _ => {
                 // A lost lease ends what it kept at the last moment it was known live.
                 if let Some(old) = lease.take() {
-                    end_kept(&record, &mut kept, old.live_until());
+                    end_kept(&sink, &mut kept, old.live_until());
                     old.stop.cancel();
                 }
-                match Lease::open(&mut client, &name, &clock).await {
+                match Lease::open(&mut client, &name, &clock, &sink).await {
                     Some(l) => lease = Some(l),
                     None => tokio::time::sleep(Duration::from_millis(100)).await,
                 }
@@ -335,7 +399,7 @@ async fn worker(
                 Ok(_) => sent,
                 Err(_) => current.live_until().min(sent),
             };
-            end_kept(&record, &mut kept, until);
+            end_kept(&sink, &mut kept, until);
             lease = None;
             continue;
         }
@@ -361,49 +425,37 @@ async fn worker(
                 continue;
             }
             Ok(Err(s)) => {
-                count(
-                    &record,
-                    match s.code() {
-                        Code::Unavailable => "fetch errors: UNAVAILABLE (retried)",
-                        Code::ResourceExhausted => "fetch errors: RESOURCE_EXHAUSTED (retried)",
-                        _ => "fetch errors: other (retried)",
-                    },
-                );
+                sink.count(match s.code() {
+                    Code::Unavailable => "fetch errors: UNAVAILABLE (retried)",
+                    Code::ResourceExhausted => "fetch errors: RESOURCE_EXHAUSTED (retried)",
+                    _ => "fetch errors: other (retried)",
+                });
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
             Err(_) => {
-                count(&record, "fetch calls timed out (retried)");
+                sink.count("fetch calls timed out (retried)");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
         let from = clock.ms();
         let task_id: Uuid = task.task_id.parse().unwrap();
-        let index = {
-            let mut r = record.lock().unwrap();
-            r.held.push(Held {
-                task: task_id,
-                worker: n,
-                token: task.fencing_token,
-                exclusive: task.exclusive_resources.clone(),
-                shared: task.shared_resources.clone(),
-                from,
-                until: f64::INFINITY,
-                asked,
-                how: "held",
-            });
-            r.held.len() - 1
-        };
+        let index = sink.grant(&Held {
+            task: task_id,
+            worker: n,
+            token: task.fencing_token,
+            exclusive: task.exclusive_resources.clone(),
+            shared: task.shared_resources.clone(),
+            from,
+            until: f64::INFINITY,
+            asked,
+            how: "held".into(),
+        });
         let what = behaviour(&mut rng);
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
         let lease_id = current.id.clone();
-        let end = |how: &'static str, until: f64| {
-            let mut r = record.lock().unwrap();
-            let h = &mut r.held[index];
-            h.until = until.max(h.from);
-            h.how = how;
-        };
+        let end = |how: &str, until: f64| sink.end(index, how, until);
         match what {
             Behaviour::Finish | Behaviour::Release => {
                 let _ = client
@@ -449,19 +501,19 @@ async fn worker(
                 }
             }
             Behaviour::SkipRelease => {
-                count(&record, "releases skipped");
+                sink.count("releases skipped");
                 kept.push(index);
             }
             Behaviour::Crash => {
-                count(&record, "worker crashes");
+                sink.count("worker crashes");
                 current.stop.cancel();
                 let until = current.live_until();
                 end("holder crashed", until);
-                end_kept(&record, &mut kept, until);
+                end_kept(&sink, &mut kept, until);
                 lease = None;
             }
             Behaviour::CloseMidTask => {
-                count(&record, "leases closed mid-task");
+                sink.count("leases closed mid-task");
                 let sent = clock.ms();
                 current.stop.cancel();
                 let until = match client
@@ -474,7 +526,7 @@ async fn worker(
                     Err(_) => current.live_until().min(sent),
                 };
                 end("lease closed", until);
-                end_kept(&record, &mut kept, until);
+                end_kept(&sink, &mut kept, until);
                 lease = None;
             }
         }
@@ -491,16 +543,140 @@ async fn worker(
             Ok(_) => sent,
             Err(_) => l.live_until().min(sent),
         };
-        end_kept(&record, &mut kept, until);
+        end_kept(&sink, &mut kept, until);
     }
 }
 
-fn end_kept(record: &Shared, kept: &mut Vec<usize>, until: f64) {
+/// A worker process: this test binary run with `--worker`, reporting on stdout.
+struct WorkerProcess {
+    child: tokio::process::Child,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+fn spawn_worker(
+    n: usize,
+    endpoint: &str,
+    seed: u64,
+    clock: Clock,
+    record: &Shared,
+) -> WorkerProcess {
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--worker".to_string(),
+            n.to_string(),
+            endpoint.to_string(),
+            seed.to_string(),
+            clock.0.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a worker process");
+    let stdout = child.stdout.take().unwrap();
+    let reader = tokio::spawn(read_events(n, stdout, Arc::clone(record)));
+    WorkerProcess { child, reader }
+}
+
+impl WorkerProcess {
+    /// Stops it the polite way (its stdin closes; it closes its lease) and waits for it.
+    async fn stop(mut self) {
+        drop(self.child.stdin.take());
+        if tokio::time::timeout(Duration::from_secs(20), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+        self.reader.await.unwrap();
+    }
+
+    /// SIGKILL.
+    async fn kill(mut self) {
+        let _ = self.child.kill().await;
+        self.reader.await.unwrap();
+    }
+}
+
+/// Reads a worker process's events into the record. When the process is gone, what it still
+/// held ends at the last moment its lease was known live.
+async fn read_events(n: usize, stdout: tokio::process::ChildStdout, record: Shared) {
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut index: HashMap<usize, usize> = HashMap::new();
+    let mut live = 0f64;
+    let list = |s: &str| -> Vec<String> {
+        if s.is_empty() {
+            Vec::new()
+        } else {
+            s.split(',').map(String::from).collect()
+        }
+    };
+    while let Ok(Some(line)) = lines.next_line().await {
+        let f: Vec<&str> = line.split('\t').collect();
+        let mut r = record.lock().unwrap();
+        match f.as_slice() {
+            ["G", i, task, token, from, asked, exclusive, shared] => {
+                r.held.push(Held {
+                    task: task.parse().unwrap(),
+                    worker: n,
+                    token: token.parse().unwrap(),
+                    exclusive: list(exclusive),
+                    shared: list(shared),
+                    from: from.parse().unwrap(),
+                    until: f64::INFINITY,
+                    asked: asked.parse().unwrap(),
+                    how: "held".into(),
+                });
+                index.insert(i.parse().unwrap(), r.held.len() - 1);
+            }
+            ["E", i, until, how] => {
+                if let Some(&g) = index.get(&i.parse().unwrap()) {
+                    let until: f64 = until.parse().unwrap();
+                    let h = &mut r.held[g];
+                    h.until = until.max(h.from);
+                    h.how = how.to_string();
+                }
+            }
+            ["C", what] => *r.counts.entry(what.to_string()).or_default() += 1,
+            ["L", at] => live = live.max(at.parse().unwrap()),
+            _ => panic!("worker {n} printed {line:?}"),
+        }
+    }
     let mut r = record.lock().unwrap();
+    for &g in index.values() {
+        let h = &mut r.held[g];
+        if h.until.is_infinite() {
+            h.until = live.max(h.from);
+            h.how = "holder process killed".into();
+        }
+    }
+}
+
+/// `--worker N ENDPOINT SEED EPOCH`: one worker, until its stdin closes.
+async fn worker_process(args: &[String]) {
+    use tokio::io::AsyncReadExt;
+    let n: usize = args[0].parse().unwrap();
+    let seed: u64 = args[2].parse().unwrap();
+    let clock = Clock(args[3].parse().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stopping = stop.clone();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 64];
+        let mut stdin = tokio::io::stdin();
+        while matches!(stdin.read(&mut buf).await, Ok(k) if k > 0) {}
+        stopping.cancel();
+    });
+    let sink = Arc::new(Sink {
+        next: std::sync::atomic::AtomicUsize::new(0),
+    });
+    worker(n, args[1].clone(), seed, clock, sink, stop).await;
+}
+
+fn end_kept(sink: &Sink, kept: &mut Vec<usize>, until: f64) {
     for i in kept.drain(..) {
-        let h = &mut r.held[i];
-        h.until = until.max(h.from);
-        h.how = "kept until its lease ended";
+        sink.end(i, "kept until its lease ended", until);
     }
 }
 
@@ -678,7 +854,7 @@ fn checker_self_test() {
         from,
         until,
         asked: from - 1.0,
-        how: "made up",
+        how: "made up".into(),
     };
     let created: Vec<(Uuid, Vec<String>)> =
         (1..=3).map(|i| (Uuid::from_u128(i), Vec::new())).collect();
@@ -722,6 +898,10 @@ fn checker_self_test() {
 
 #[tokio::main]
 async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--worker") {
+        return worker_process(&args[1..]).await;
+    }
     checker_self_test();
     let opts = options();
     let started = Instant::now();
@@ -748,21 +928,13 @@ async fn main() {
     for r in &replicas {
         wait_serving(&r.endpoint()).await;
     }
-    let clock = Clock(Instant::now());
+    let clock = Clock(unix_ms());
     let record: Shared = Arc::new(Mutex::new(Record::default()));
     let created = Arc::new(Mutex::new(Vec::new()));
-    let stop = tokio_util::sync::CancellationToken::new();
-    let mut handles = Vec::new();
-    for n in 0..WORKERS {
-        handles.push(tokio::spawn(worker(
-            n,
-            replicas[n % 2].endpoint(),
-            opts.seed,
-            clock.clone(),
-            Arc::clone(&record),
-            stop.clone(),
-        )));
-    }
+    let endpoints: Vec<String> = replicas.iter().map(Replica::endpoint).collect();
+    let mut workers: Vec<WorkerProcess> = (0..WORKERS)
+        .map(|n| spawn_worker(n, &endpoints[n % 2], opts.seed, clock, &record))
+        .collect();
     let stop_inserting = tokio_util::sync::CancellationToken::new();
     let inserting = tokio::spawn(inserter(
         url.clone(),
@@ -783,7 +955,20 @@ async fn main() {
     };
     while Instant::now() + Duration::from_secs(4) < run_until {
         tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2500))).await;
-        match round % 4 {
+        match round % 5 {
+            4 => {
+                let n = rng.random_range(0..WORKERS);
+                fault(&record, format!("worker process {n} killed (SIGKILL)"));
+                workers.remove(n).kill().await;
+                let fresh = spawn_worker(
+                    n,
+                    &endpoints[n % 2],
+                    opts.seed ^ round as u64,
+                    clock,
+                    &record,
+                );
+                workers.insert(n, fresh);
+            }
             0 => {
                 let which = rng.random_range(0..2);
                 fault(&record, format!("replica {which} killed (SIGKILL)"));
@@ -816,9 +1001,8 @@ async fn main() {
     tokio::time::sleep(run_until.saturating_duration_since(Instant::now())).await;
     stop_inserting.cancel();
     inserting.await.unwrap();
-    stop.cancel();
-    for h in handles {
-        h.await.unwrap();
+    for w in workers {
+        w.stop().await;
     }
     // Settle: leases of crashed workers expire and are swept, their claims requeued.
     for r in &replicas {
@@ -876,8 +1060,14 @@ async fn main() {
     println!("| tasks completed | {tasks_done} |");
     let mut fault_counts: BTreeMap<String, usize> = BTreeMap::new();
     for (_, f) in &record.faults {
-        if !f.ends_with("restarted") && !f.ends_with("resumed") || f.contains("empty") {
-            *fault_counts.entry(f.clone()).or_default() += 1;
+        let follow_up =
+            (f.starts_with("replica") && f.ends_with("restarted")) || f.ends_with("resumed");
+        if !follow_up {
+            let kind: String = f
+                .chars()
+                .map(|c| if c.is_ascii_digit() { 'N' } else { c })
+                .collect();
+            *fault_counts.entry(kind).or_default() += 1;
         }
     }
     for (f, n) in &fault_counts {

@@ -190,3 +190,25 @@ async fn an_empty_or_missing_token_file_stops_the_start_with_a_reason() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn the_token_can_come_from_dispatch_auth_token_instead_of_a_file() {
+    // What `DISPATCH_AUTH_TOKEN=...` or `--auth-token` gives the parsed options.
+    let env = Env::with(|a| a.security.auth_token = Some(format!(" {TOKEN} "))).await;
+    let endpoint = format!("http://{}", env.broker().addr);
+    let err = Worker::connect(&endpoint, config(Some("wrong"), None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+    let worker = Worker::connect(&endpoint, config(Some(TOKEN), None))
+        .await
+        .unwrap();
+    worker.close().await.unwrap();
+    let db = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let mut args = support::default_args(&db, "redis://127.0.0.1:1/");
+    args.security.auth_token = Some("CHANGE-ME".into());
+    let err = dispatch_broker::server::start(&args).await.err().unwrap();
+    assert!(err.to_string().contains("DISPATCH_AUTH_TOKEN"), "{err}");
+}
