@@ -751,6 +751,18 @@ impl Dispatch {
         let mut put_back = false;
         if let Ok(Ok(app_status)) = self.locks.holder(&lease, &task, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
+                // A running task keeps its locks until its final state is recorded: released
+                // now, it would run unprotected (and its claim without locks would look like
+                // lost Redis writes to the reconciler).
+                if let Some((state, Some(holder))) = self.tasks.state(task_id).await? {
+                    if holder == app_status && (state == "running" || state == "canceling") {
+                        return Err(Error::NotHolder(format!(
+                            "task {task_id} is {state}: record its final state first (FinishTask, \
+                             or Pulp's own set_completed/set_failed), then release; nothing was \
+                             released"
+                        )));
+                    }
+                }
                 self.requeue_claim(task_id, app_status).await?;
                 put_back = true;
             }

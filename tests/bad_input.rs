@@ -54,11 +54,18 @@ async fn world(env: &Env) -> (Vec<String>, BTreeMap<String, Vec<u8>>) {
         {
             continue;
         }
-        let dump: Vec<u8> = redis::cmd("DUMP")
+        let mut dump: Vec<u8> = redis::cmd("DUMP")
             .arg(&key)
             .query_async(&mut conn)
             .await
             .unwrap();
+        // Whether it expires, too (DUMP leaves the TTL out; the time left moves on its own).
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        dump.push(u8::from(ttl >= 0));
         values.insert(key, dump);
     }
     (rows, values)
@@ -101,6 +108,8 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
         ])
         .await;
     let waiting = env.task(&["prn:file.repository:R1"]).await;
+    // Ready: a bad FetchTask or ClaimTask wrongly accepted would take it.
+    let ready = env.task(&["prn:file.repository:R9"]).await;
     let lease = env.open("holder@host").await;
     let other = env.open("other@host").await;
     let t1 = env.fetch(&lease).await.expect("the oldest task");
@@ -143,6 +152,31 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
     })
     .await;
     assert!(swept.is_some(), "the expired lease was swept");
+    let redis_client = redis::Client::open(env.redis.url()).unwrap();
+    let conn = redis_client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let cleared = support::eventually(Duration::from_secs(15), || {
+        let mut conn = conn.clone();
+        let (key, member) = (format!("{{dispatch}}:lease:{expired}"), expired.clone());
+        async move {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let score: Option<f64> = redis::cmd("ZSCORE")
+                .arg("{dispatch}:leases")
+                .arg(&member)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            !exists && score.is_none()
+        }
+    })
+    .await;
+    assert!(cleared.is_some(), "the expired lease left Redis");
 
     let before = world(&env).await;
     let unknown = Uuid::new_v4().to_string();
@@ -411,7 +445,14 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
         "unknown lease",
         Code::NotFound,
         "open a new lease",
-        c.claim_task(claim(&unknown, &waiting.to_string()))
+        c.claim_task(claim(&unknown, &ready.to_string()))
+    );
+    case!(
+        "ClaimTask",
+        "a waiting task that is not ready",
+        Code::Ok,
+        "(succeeded)",
+        c.claim_task(claim(&other, &waiting.to_string()))
     );
 
     // StartTask, FinishTask, ReleaseLocks: only the holder, with its token.
@@ -501,6 +542,13 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
         Code::FailedPrecondition,
         "does not hold",
         c.release_locks(release(&other, &running_id, token))
+    );
+    case!(
+        "ReleaseLocks",
+        "the holder, while its task is running",
+        Code::FailedPrecondition,
+        "record its final state first",
+        c.release_locks(release(&lease, &running_id, token))
     );
 
     // CancelTask

@@ -457,7 +457,7 @@ async fn worker(
         let lease_id = current.id.clone();
         let end = |how: &str, until: f64| sink.end(index, how, until);
         match what {
-            Behaviour::Finish | Behaviour::Release => {
+            Behaviour::Finish => {
                 let _ = client
                     .start_task(StartTaskRequest {
                         lease_id: lease_id.clone(),
@@ -466,38 +466,37 @@ async fn worker(
                     })
                     .await;
                 let sent = clock.ms();
-                let done = if matches!(what, Behaviour::Finish) {
-                    client
-                        .finish_task(FinishTaskRequest {
-                            lease_id,
-                            task_id: task.task_id.clone(),
-                            fencing_token: task.fencing_token,
-                            state: "completed".into(),
-                            error: String::new(),
-                        })
-                        .await
-                        .map(|_| ())
-                } else {
-                    client
-                        .release_locks(ReleaseLocksRequest {
-                            lease_id,
-                            task_id: task.task_id.clone(),
-                            fencing_token: task.fencing_token,
-                        })
-                        .await
-                        .map(|_| ())
-                };
+                let done = client
+                    .finish_task(FinishTaskRequest {
+                        lease_id,
+                        task_id: task.task_id.clone(),
+                        fencing_token: task.fencing_token,
+                        state: "completed".into(),
+                        error: String::new(),
+                    })
+                    .await;
                 match done {
-                    Ok(()) => end(
-                        if matches!(what, Behaviour::Finish) {
-                            "finished"
-                        } else {
-                            "released"
-                        },
-                        sent,
-                    ),
+                    // FinishTask checks the holder: it held the task until then.
+                    Ok(_) => end("finished", sent),
                     // Not acknowledged: held at least while the lease was known live.
                     Err(_) => end("end unacknowledged", current.live_until().min(sent)),
+                }
+            }
+            Behaviour::Release => {
+                // Released before it started: the task goes back to the queue.
+                let sent = clock.ms();
+                let done = client
+                    .release_locks(ReleaseLocksRequest {
+                        lease_id,
+                        task_id: task.task_id.clone(),
+                        fencing_token: task.fencing_token,
+                    })
+                    .await;
+                match done {
+                    // Released now: it held them until then.
+                    Ok(r) if r.get_ref().released => end("released", sent),
+                    // Nothing was held any more (swept meanwhile), or no answer.
+                    _ => end("release found nothing", current.live_until().min(sent)),
                 }
             }
             Behaviour::SkipRelease => {
@@ -506,6 +505,12 @@ async fn worker(
             }
             Behaviour::Crash => {
                 sink.count("worker crashes");
+                // Crash once a heartbeat has shown the lease live with the task held, so the
+                // checker knows the hold lasted (up to 1 s).
+                let waited = Instant::now();
+                while current.live_until() <= from && waited.elapsed() < Duration::from_secs(1) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 current.stop.cancel();
                 let until = current.live_until();
                 end("holder crashed", until);
@@ -641,7 +646,12 @@ async fn read_events(n: usize, stdout: tokio::process::ChildStdout, record: Shar
             }
             ["C", what] => *r.counts.entry(what.to_string()).or_default() += 1,
             ["L", at] => live = live.max(at.parse().unwrap()),
-            _ => panic!("worker {n} printed {line:?}"),
+            // Anything else (a panic message, a log line) is counted, not fatal here.
+            _ => {
+                *r.counts
+                    .entry("worker output lines not understood".into())
+                    .or_default() += 1
+            }
         }
     }
     let mut r = record.lock().unwrap();
@@ -754,11 +764,13 @@ fn options() -> Options {
         .and_then(|i| args.get(i))
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random);
+    // Seconds: the number right after --long (libtest's own options, e.g. --test-threads 1,
+    // are not mistaken for it).
     let seconds = args
         .iter()
-        .enumerate()
-        .filter(|(i, _)| Some(*i) != seed_at)
-        .find_map(|(_, a)| a.parse::<u64>().ok())
+        .position(|a| a == "--long")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse::<u64>().ok())
         .unwrap_or(if long { 300 } else { 24 });
     Options {
         seconds,
@@ -773,12 +785,22 @@ fn check(record: &Record, created: &[(Uuid, Vec<String>)]) -> Vec<String> {
     // 1. Mutual exclusion.
     for (i, a) in held.iter().enumerate() {
         for b in &held[i + 1..] {
-            if a.task == b.task {
+            let overlap = a.from < b.until && b.from < a.until;
+            if !overlap {
                 continue;
             }
-            let overlap = a.from < b.until && b.from < a.until;
+            if a.task == b.task {
+                if a.token != b.token {
+                    violations.push(format!(
+                        "task {} held twice at once: worker {} (token {}, {:.1}-{:.1} ms, {}) and worker {} (token {}, {:.1}-{:.1} ms, {})",
+                        a.task, a.worker, a.token, a.from, a.until, a.how,
+                        b.worker, b.token, b.from, b.until, b.how
+                    ));
+                }
+                continue;
+            }
             let on = a.conflicts(b);
-            if overlap && !on.is_empty() {
+            if !on.is_empty() {
                 violations.push(format!(
                     "conflicting tasks held at once on {on:?}: {} (worker {}, token {}, {:.1}-{:.1} ms, {}) and {} (worker {}, token {}, {:.1}-{:.1} ms, {})",
                     a.task, a.worker, a.token, a.from, a.until, a.how,
@@ -797,7 +819,8 @@ fn check(record: &Record, created: &[(Uuid, Vec<String>)]) -> Vec<String> {
     for (r, grants) in &by_resource {
         for a in grants {
             for b in grants {
-                if a.until < b.from
+                // a's hold was proven to last until before b's grant was asked for.
+                if a.until < b.asked
                     && a.token >= b.token
                     && (a.exclusive.iter().any(|x| x == r) || b.exclusive.iter().any(|x| x == r))
                 {
@@ -823,18 +846,41 @@ fn check(record: &Record, created: &[(Uuid, Vec<String>)]) -> Vec<String> {
             *e = h;
         }
     }
+    // A task never handed out waited all along.
+    let never: Vec<Held> = created
+        .iter()
+        .filter(|(id, _)| !first.contains_key(id))
+        .map(|(id, record)| Held {
+            task: *id,
+            worker: usize::MAX,
+            token: 0,
+            exclusive: record
+                .iter()
+                .filter(|e| !e.starts_with("shared:"))
+                .cloned()
+                .collect(),
+            shared: record
+                .iter()
+                .filter_map(|e| e.strip_prefix("shared:").map(String::from))
+                .collect(),
+            from: f64::INFINITY,
+            until: f64::INFINITY,
+            asked: f64::INFINITY,
+            how: "never handed out".into(),
+        })
+        .collect();
     for (task, t) in &first {
         let Some(&pt) = position.get(task) else {
             continue;
         };
-        for (older, u) in &first {
-            let Some(&pu) = position.get(older) else {
+        for u in first.values().copied().chain(never.iter()) {
+            let Some(&pu) = position.get(&u.task) else {
                 continue;
             };
             if pu < pt && u.asked > t.from && !u.conflicts(t).is_empty() {
                 violations.push(format!(
-                    "{task} was handed out at {:.1} ms while the older conflicting {older} still waited (first asked for at {:.1} ms)",
-                    t.from, u.asked
+                    "{task} was handed out at {:.1} ms while the older conflicting {} still waited (first asked for at {:.1} ms)",
+                    t.from, u.task, u.asked
                 ));
             }
         }
@@ -882,11 +928,29 @@ fn checker_self_test() {
         .any(|v| v.contains("held at once")));
     let token_back = history(vec![
         held(1, 5, &["a"], &[], 0.0, 10.0),
-        held(2, 3, &["a"], &[], 11.0, 20.0),
+        held(2, 3, &["a"], &[], 12.0, 20.0),
     ]);
     assert!(check(&token_back, &created)
         .iter()
         .any(|v| v.contains("went back")));
+    let twice = history(vec![
+        held(1, 1, &["a"], &[], 0.0, 10.0),
+        held(1, 2, &["a"], &[], 5.0, 20.0),
+    ]);
+    assert!(check(&twice, &created)
+        .iter()
+        .any(|v| v.contains("held twice")));
+    let starved = Record {
+        held: vec![held(2, 1, &["a"], &[], 0.0, 10.0)],
+        ..Record::default()
+    };
+    let waiting_older = vec![
+        (Uuid::from_u128(1), vec!["shared:a".to_string()]),
+        (Uuid::from_u128(2), Vec::new()),
+    ];
+    assert!(check(&starved, &waiting_older)
+        .iter()
+        .any(|v| v.contains("still waited")));
     let unfair = history(vec![
         held(2, 1, &["a"], &[], 0.0, 10.0),
         held(1, 2, &["a"], &[], 11.0, 20.0),
@@ -902,17 +966,21 @@ async fn main() {
     if args.first().map(String::as_str) == Some("--worker") {
         return worker_process(&args[1..]).await;
     }
+    if args.iter().any(|a| a == "--list") {
+        println!("chaos: test");
+        return;
+    }
     checker_self_test();
     let opts = options();
     let started = Instant::now();
+    let again = if opts.long {
+        format!("--long {} --seed {}", opts.seconds, opts.seed)
+    } else {
+        format!("--seed {}", opts.seed)
+    };
     println!(
-        "chaos: seed {} for {} s{} (reproduce with `cargo test --test chaos -- {}{} --seed {}`)",
-        opts.seed,
-        opts.seconds,
-        if opts.long { " (long)" } else { "" },
-        if opts.long { "--long " } else { "" },
-        opts.seconds,
-        opts.seed
+        "chaos: seed {} for {} s (reproduce with `cargo test --test chaos -- {again}`)",
+        opts.seed, opts.seconds
     );
     let (mut pg, mut redis) =
         tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
@@ -975,6 +1043,7 @@ async fn main() {
                 replicas[which].kill();
                 tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
                 replicas[which].boot();
+                wait_serving(&replicas[which].endpoint()).await;
                 fault(&record, format!("replica {which} restarted"));
             }
             1 => {
@@ -1036,13 +1105,44 @@ async fn main() {
     }
     let client = deadpool_redis::redis::Client::open(redis.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let locks: Vec<String> = deadpool_redis::redis::cmd("KEYS")
-        .arg("{dispatch}:[xs]:*")
+    let mut locks: Vec<String> = Vec::new();
+    for pattern in [
+        "{dispatch}:[xs]:*",
+        "{dispatch}:task:*",
+        "{dispatch}:lease:*:tasks",
+    ] {
+        let found: Vec<String> = deadpool_redis::redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        locks.extend(found);
+    }
+    let locked: i64 = deadpool_redis::redis::cmd("SCARD")
+        .arg("{dispatch}:locked")
         .query_async(&mut conn)
         .await
         .unwrap();
-    if !locks.is_empty() {
-        violations.push(format!("locks left at the end: {locks:?}"));
+    if !locks.is_empty() || locked > 0 {
+        violations.push(format!(
+            "locks left at the end: {locks:?}, {locked} in {{dispatch}}:locked"
+        ));
+    }
+    let ids: Vec<Uuid> = created.iter().map(|(id, _)| *id).collect();
+    let present: i64 = db
+        .query_one(
+            "SELECT count(*) FROM core_task WHERE pulp_id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    if present != ids.len() as i64 {
+        violations.push(format!(
+            "{} of {} inserted tasks are gone",
+            ids.len() as i64 - present,
+            ids.len()
+        ));
     }
 
     let tasks_done: i64 = states
@@ -1087,6 +1187,10 @@ async fn main() {
         println!(
             "\ntest result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out"
         );
+        // exit() runs no destructors: stop the servers first.
+        drop(replicas);
+        drop(redis);
+        drop(pg);
         std::process::exit(1);
     }
     assert!(
