@@ -276,6 +276,9 @@ async fn incident(setup: &Setup, sizes: &[usize]) {
                     .unwrap_or(INCIDENT_WINDOW)
                     .as_secs_f64(),
             );
+            if b.is_none() {
+                return format!("{blocked}: neither within the window");
+            }
             let bound = if baseline.others_done().is_none() {
                 "more than "
             } else {

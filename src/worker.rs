@@ -199,6 +199,9 @@ struct Held {
     /// Left to the lease's end (shutdown grace ran out): dropping the guard releases nothing,
     /// so closing the lease fails the task instead of leaving it running without a lock.
     detached: AtomicBool,
+    /// StartTask succeeded: the task runs, so a dropped guard fails it instead of releasing it
+    /// (the broker keeps a running task's locks until its final state is recorded).
+    started: AtomicBool,
 }
 
 #[derive(Debug, Clone)]
@@ -493,6 +496,7 @@ impl Worker {
             cancel: CancellationToken::new(),
             lost: AtomicBool::new(lost),
             detached: AtomicBool::new(false),
+            started: AtomicBool::new(false),
         });
         if lost {
             held.cancel.cancel();
@@ -810,8 +814,9 @@ impl TaskGuard {
                 };
                 async move { c.start_task(request).await }
             })
-            .await
-            .map(|_| ())
+            .await?;
+        self.held.started.store(true, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Records the final state (with `error` for a failure) and releases the locks.
@@ -995,6 +1000,31 @@ impl Drop for TaskGuard {
             return;
         }
         let task_id = &self.task.task_id;
+        if self.held.started.load(Ordering::SeqCst) {
+            tracing::warn!(%task_id, "task guard of a running task dropped without finish; failing the task in the background");
+            let request = proto::FinishTaskRequest {
+                lease_id: String::new(),
+                task_id: task_id.clone(),
+                fencing_token: self.fencing_token(),
+                state: FinalState::Failed.as_str().to_owned(),
+                error: "the worker dropped the task without finishing it".to_owned(),
+            };
+            let shared = Arc::clone(&self.shared);
+            keep_trying(
+                &self.shared,
+                task_id,
+                "FinishTask",
+                Duration::ZERO,
+                move || {
+                    let (shared, mut request) = (Arc::clone(&shared), request.clone());
+                    async move {
+                        request.lease_id = shared.current().lease_id;
+                        finish_call(&shared, &request).await.map(|_| ())
+                    }
+                },
+            );
+            return;
+        }
         tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
         keep_releasing(&self.shared, task_id, self.fencing_token(), Duration::ZERO);
     }

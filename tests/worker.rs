@@ -264,6 +264,19 @@ async fn a_guard_dropped_without_release_releases_in_the_background() {
 }
 
 #[tokio::test]
+async fn a_running_tasks_guard_dropped_without_finish_fails_the_task() {
+    let env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    drop(guard);
+    until_unlocked(&env, "the dropped running task's locks were released").await;
+    assert_eq!(env.state(task).await, "failed");
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
 async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
     let mut env = Env::new().await;
     let first = env.task(&["a"]).await;

@@ -144,6 +144,7 @@ class Task:
         self._token = message.fencing_token
         self._lost = False
         self._done = False
+        self._started = False
 
     def __repr__(self) -> str:
         return f"Task({self.task_id!r}, name={self.name!r}, fencing_token={self._token}, lost={self._lost})"
@@ -172,6 +173,7 @@ class Task:
                 timeout=timeout,
             ),
         )
+        self._started = True
 
     def finish(self, state: str = "completed", error: str | None = None) -> str:
         """Records the final state (``error`` for a failure) and releases the locks; returns the
@@ -217,8 +219,14 @@ class Task:
         tb: TracebackType | None,
     ) -> None:
         if not self._done and not self._lost:
-            log.warning("task %s left its block without finish or release; releasing its locks", self.task_id)
-            self.release()
+            if self._started:
+                # The broker keeps a running task's locks until its final state is recorded.
+                log.warning("running task %s left its block without finish; failing it", self.task_id)
+                reason = f"{exc_type.__name__}: {exc}" if exc_type is not None else "left its block without finish"
+                self.finish("failed", error=reason)
+            else:
+                log.warning("task %s left its block without finish or release; releasing its locks", self.task_id)
+                self.release()
 
 
 class Worker:

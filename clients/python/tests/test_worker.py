@@ -126,6 +126,17 @@ def test_leaving_a_task_block_without_finish_releases_it(sandbox: Sandbox, db: D
         again.release()
 
 
+def test_an_exception_in_a_running_tasks_block_fails_the_task(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox) as w:
+        with pytest.raises(RuntimeError, match="boom"):
+            with w.fetch() as task:  # type: ignore[union-attr]
+                task.start()
+                raise RuntimeError("boom")
+        assert db.state(task_id) == "failed"
+        assert w.fetch() is None
+
+
 def test_errors_name_the_call_the_status_and_the_message(sandbox: Sandbox, db: Db) -> None:
     with worker(sandbox) as w:
         with pytest.raises(BrokerError) as bad:
