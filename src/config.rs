@@ -237,8 +237,8 @@ pub struct MigrateArgs {
 /// and changes nothing.
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub struct LimitArgs {
-    /// Largest request message, in bytes. gRPC's decoder refuses a larger one (OUT_OF_RANGE)
-    /// before reading it.
+    /// Largest request message, in bytes. A larger one is refused (RESOURCE_EXHAUSTED) before
+    /// it is read.
     #[arg(long = "max-message-bytes", env = "DISPATCH_MAX_MESSAGE_BYTES", default_value_t = 1 << 20)]
     pub message_bytes: usize,
     /// Most `skip_task_ids` in one FetchTask.

@@ -4,6 +4,7 @@
 
 mod convert;
 
+use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -268,5 +269,78 @@ impl proto::broker_server::Broker for BrokerService {
             state,
             holder_notified,
         }))
+    }
+}
+
+/// Turns gRPC's "decoded message length too large" (`OUT_OF_RANGE` from tonic's decoder) into
+/// `RESOURCE_EXHAUSTED`, the status gRPC gives an oversized request, with a message that names
+/// the option. The request was refused before it was read: nothing changed.
+#[derive(Debug, Clone, Copy)]
+pub struct TooLargeLayer {
+    /// `--max-message-bytes`.
+    pub limit: usize,
+}
+
+impl<S> tower::Layer<S> for TooLargeLayer {
+    type Service = TooLarge<S>;
+    fn layer(&self, inner: S) -> TooLarge<S> {
+        TooLarge {
+            inner,
+            limit: self.limit,
+        }
+    }
+}
+
+/// See [`TooLargeLayer`].
+#[derive(Debug, Clone)]
+pub struct TooLarge<S> {
+    inner: S,
+    limit: usize,
+}
+
+impl<S, B, RB> tower::Service<http::Request<B>> for TooLarge<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let limit = self.limit;
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let mut response = response.await?;
+            let headers = response.headers();
+            // (grpc-message is percent-encoded.)
+            let out_of_range = headers.get("grpc-status").map(|v| v.as_bytes())
+                == Some(b"11".as_slice())
+                && headers.get("grpc-message").is_some_and(|m| {
+                    String::from_utf8_lossy(m.as_bytes())
+                        .replace("%20", " ")
+                        .contains("decoded message length too large")
+                });
+            if out_of_range {
+                let status = Status::resource_exhausted(format!(
+                    "the request is larger than the broker accepts ({limit} bytes, \
+                     --max-message-bytes); send less (fewer skip_task_ids, a shorter error text)"
+                ));
+                let replacement = status.into_http::<()>();
+                for name in ["grpc-status", "grpc-message"] {
+                    if let Some(value) = replacement.headers().get(name) {
+                        response.headers_mut().insert(name, value.clone());
+                    }
+                }
+            }
+            Ok(response)
+        })
     }
 }

@@ -349,6 +349,9 @@ async fn serve(
         .concurrency_limit_per_connection(serving.max_per_connection)
         .load_shed(true)
         .layer(crate::metrics::RpcMetricsLayer)
+        .layer(crate::grpc::TooLargeLayer {
+            limit: serving.max_message_bytes,
+        })
         .add_service(health)
         .add_service(reflection)
         .add_service(tonic::service::interceptor::InterceptedService::new(

@@ -222,8 +222,8 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
     case!(
         "OpenLease",
         "worker_name of 1 MB (message over --max-message-bytes)",
-        Code::OutOfRange,
-        "too large",
+        Code::ResourceExhausted,
+        "--max-message-bytes",
         c.open_lease(open(&megabyte))
     );
     case!(
@@ -324,8 +324,8 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
             (
                 "lease_id of 1 MB",
                 megabyte.clone(),
-                Code::OutOfRange,
-                "too large",
+                Code::ResourceExhausted,
+                "--max-message-bytes",
             ),
             (
                 "unknown lease",
