@@ -346,6 +346,19 @@ impl Lease {
         })
     }
 
+    /// Closes it (its heartbeats stop); returns until when it was certainly live.
+    async fn close(&self, client: &mut BrokerClient<Channel>, clock: &Clock) -> f64 {
+        let sent = clock.ms();
+        self.stop.cancel();
+        let request = CloseLeaseRequest {
+            lease_id: self.id.clone(),
+        };
+        match client.close_lease(request).await {
+            Ok(_) => sent,
+            Err(_) => self.live_until().min(sent),
+        }
+    }
+
     fn live_until(&self) -> f64 {
         *self.live_until.lock().unwrap()
     }
@@ -388,17 +401,7 @@ async fn worker(
         };
         if !kept.is_empty() && rng.random_bool(0.3) {
             // It forgot to release what it kept; the lease ending is what frees them.
-            let sent = clock.ms();
-            current.stop.cancel();
-            let until = match client
-                .close_lease(CloseLeaseRequest {
-                    lease_id: current.id.clone(),
-                })
-                .await
-            {
-                Ok(_) => sent,
-                Err(_) => current.live_until().min(sent),
-            };
+            let until = current.close(&mut client, &clock).await;
             end_kept(&sink, &mut kept, until);
             lease = None;
             continue;
@@ -519,17 +522,7 @@ async fn worker(
             }
             Behaviour::CloseMidTask => {
                 sink.count("leases closed mid-task");
-                let sent = clock.ms();
-                current.stop.cancel();
-                let until = match client
-                    .close_lease(CloseLeaseRequest {
-                        lease_id: lease_id.clone(),
-                    })
-                    .await
-                {
-                    Ok(_) => sent,
-                    Err(_) => current.live_until().min(sent),
-                };
+                let until = current.close(&mut client, &clock).await;
                 end("lease closed", until);
                 end_kept(&sink, &mut kept, until);
                 lease = None;
@@ -537,17 +530,7 @@ async fn worker(
         }
     }
     if let Some(l) = lease.take() {
-        let sent = clock.ms();
-        l.stop.cancel();
-        let until = match client
-            .close_lease(CloseLeaseRequest {
-                lease_id: l.id.clone(),
-            })
-            .await
-        {
-            Ok(_) => sent,
-            Err(_) => l.live_until().min(sent),
-        };
+        let until = l.close(&mut client, &clock).await;
         end_kept(&sink, &mut kept, until);
     }
 }
