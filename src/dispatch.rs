@@ -754,16 +754,21 @@ impl Dispatch {
                 // A running task keeps its locks until its final state is recorded: released
                 // now, it would run unprotected (and its claim without locks would look like
                 // lost Redis writes to the reconciler).
-                if let Some((state, Some(holder))) = self.tasks.state(task_id).await? {
-                    if holder == app_status && (state == "running" || state == "canceling") {
-                        return Err(Error::NotHolder(format!(
-                            "task {task_id} is {state}: record its final state first (FinishTask, \
-                             or Pulp's own set_completed/set_failed), then release; nothing was \
-                             released"
-                        )));
-                    }
+                let (requeued, running) = self
+                    .tasks
+                    .unclaim_unless_running(task_id, app_status)
+                    .await?;
+                if running {
+                    return Err(Error::NotHolder(format!(
+                        "task {task_id} is running: record its final state first (FinishTask, \
+                         or Pulp's own set_completed/set_failed), then release; nothing was \
+                         released"
+                    )));
                 }
-                self.requeue_claim(task_id, app_status).await?;
+                if requeued {
+                    self.note_requeue().await;
+                    tracing::info!(%task_id, "released before start; task back in the queue");
+                }
                 put_back = true;
             }
         }

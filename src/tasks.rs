@@ -374,10 +374,21 @@ impl Tasks {
 
     /// Puts a claimed, not started task back in the queue; true when it went back.
     pub async fn unclaim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
-        Ok(!self
-            .query(sql::UNCLAIM, &[&task, &app_status])
-            .await?
-            .is_empty())
+        Ok(self.unclaim_unless_running(task, app_status).await?.0)
+    }
+
+    /// [`Tasks::unclaim`], also saying whether the task is running (or canceling) under this
+    /// worker row, in which case it was left alone: `(requeued, running_here)`.
+    pub async fn unclaim_unless_running(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+    ) -> Result<(bool, bool), Error> {
+        let rows = self.query(sql::UNCLAIM, &[&task, &app_status]).await?;
+        let row = rows
+            .first()
+            .ok_or_else(|| Error::Schema("unclaim.sql returned no row".into()))?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
     /// Marks a claimed task running; `None` when it is not this holder's waiting task.
