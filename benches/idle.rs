@@ -13,13 +13,14 @@
 //!
 //! Run: `cargo bench --bench idle` (or `-- LATENCY_WORKERS HERD_WORKERS`). Prints a Markdown table.
 
-mod common;
+#[path = "support/fleets.rs"]
+mod fleets;
 
 use std::time::{Duration, Instant};
 
-use common::{baseline_fleet, broker_fleet, ms, percentile, ratio, Receipt};
 use dispatch_broker::config::ServeArgs;
 use dispatch_broker::testkit::{Postgres, Redis};
+use fleets::{baseline_fleet, broker_fleet, ms, percentile, ratio, Receipt};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 

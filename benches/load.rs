@@ -1,5 +1,5 @@
-//! Load scenarios, broker against the Pulp-style baseline (see `common`), in the same process on
-//! the same throwaway PostgreSQL and Redis.
+//! Load scenarios, broker against the Pulp-style baseline (see `support/fleets.rs`), in the
+//! same process on the same throwaway PostgreSQL and Redis.
 //!
 //! - **Incident** (head-of-line blocking): one repository (R0, domain D1) has N waiting tasks
 //!   behind its oldest one, which is running; 200 tasks of four other domains (D2-D5) wait behind
@@ -14,16 +14,17 @@
 //! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`.
 //! Prints Markdown tables.
 
-mod common;
+#[path = "support/fleets.rs"]
+mod fleets;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{baseline_fleet, broker_fleet, ms, percentile, ratio, redis_flush, Fleet, Receipt};
 use dispatch_broker::config::ServeArgs;
 use dispatch_broker::testkit::{Postgres, Redis};
 use dispatch_broker::worker::{FinalState, Worker, WorkerConfig};
+use fleets::{baseline_fleet, broker_fleet, ms, percentile, ratio, redis_flush, Fleet, Receipt};
 use plotters::prelude::*;
 use tokio::sync::mpsc;
 
@@ -76,7 +77,7 @@ impl Setup {
 struct Run {
     /// Every task done, in order, with its time since the fleet started.
     done: Vec<(Duration, String)>,
-    stats: std::sync::Arc<common::FleetStats>,
+    stats: std::sync::Arc<fleets::FleetStats>,
 }
 
 impl Run {
@@ -187,9 +188,9 @@ async fn incident_baseline(setup: &Setup, blocked: usize) -> Run {
     let pool = deadpool_redis::Config::from_url(setup.redis.url())
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
-    let head_locks = common::baseline_lock_args(&HEAD.map(String::from));
+    let head_locks = fleets::baseline_lock_args(&HEAD.map(String::from));
     let mut conn = pool.get().await.unwrap();
-    assert!(common::baseline_locks(&mut conn, "head-holder", &head_locks, true).await);
+    assert!(fleets::baseline_locks(&mut conn, "head-holder", &head_locks, true).await);
     insert_incident(&db, blocked).await;
     let (tx, rx) = mpsc::unbounded_channel();
     let started = Instant::now();
@@ -206,7 +207,7 @@ async fn incident_baseline(setup: &Setup, blocked: usize) -> Run {
         db.batch_execute("UPDATE core_task SET state = 'completed', finished_at = now() WHERE state = 'running' AND app_lock_id IS NULL")
             .await
             .unwrap();
-        common::baseline_locks(&mut conn, "head-holder", &head_locks, false).await;
+        fleets::baseline_locks(&mut conn, "head-holder", &head_locks, false).await;
     });
     let run = collect(fleet, rx, started, INCIDENT_WINDOW, |_| false).await;
     finish_head.await.unwrap();
