@@ -647,13 +647,18 @@ impl Dispatch {
         tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
     }
 
-    /// Puts a claimed task that never started back in the queue (no-op otherwise).
-    async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<()> {
-        if self.tasks.unclaim(task_id, app_status).await? {
+    /// Puts a claimed task that never started back in the queue (no-op otherwise); true when
+    /// the task is running (or canceling) under `app_status` instead, and so was left alone.
+    async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<bool> {
+        let (requeued, running) = self
+            .tasks
+            .unclaim_unless_running(task_id, app_status)
+            .await?;
+        if requeued {
             self.note_requeue().await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
-        Ok(())
+        Ok(running)
     }
 
     /// Records that a claimed task went back to the queue (scan hints may have passed it).
@@ -754,20 +759,12 @@ impl Dispatch {
                 // A running task keeps its locks until its final state is recorded: released
                 // now, it would run unprotected (and its claim without locks would look like
                 // lost Redis writes to the reconciler).
-                let (requeued, running) = self
-                    .tasks
-                    .unclaim_unless_running(task_id, app_status)
-                    .await?;
-                if running {
+                if self.requeue_claim(task_id, app_status).await? {
                     return Err(Error::NotHolder(format!(
                         "task {task_id} is running: record its final state first (FinishTask, \
                          or Pulp's own set_completed/set_failed), then release; nothing was \
                          released"
                     )));
-                }
-                if requeued {
-                    self.note_requeue().await;
-                    tracing::info!(%task_id, "released before start; task back in the queue");
                 }
                 put_back = true;
             }
