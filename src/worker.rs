@@ -839,18 +839,8 @@ impl TaskGuard {
         let result = finish_call(&self.shared, &request).await;
         if let Err(e) = &result {
             if transient(e) {
-                let shared = Arc::clone(&self.shared);
                 tracing::warn!(task_id = %self.task.task_id, error = %e, "FinishTask failed; retrying in the background");
-                keep_trying(
-                    &self.shared,
-                    &self.task.task_id,
-                    "FinishTask",
-                    Duration::from_secs(1),
-                    move || {
-                        let (shared, request) = (Arc::clone(&shared), request.clone());
-                        async move { finish_call(&shared, &request).await.map(|_| ()) }
-                    },
-                );
+                keep_finishing(&self.shared, request, Duration::from_secs(1));
             }
         }
         result
@@ -960,6 +950,19 @@ fn keep_trying<F, Fut>(
     });
 }
 
+/// Retries a FinishTask in the background (see [`keep_trying`]), under the lease current at each
+/// attempt, as [`keep_releasing`] does.
+fn keep_finishing(shared: &Arc<Shared>, request: proto::FinishTaskRequest, first_delay: Duration) {
+    let (retry_shared, task_id) = (Arc::clone(shared), request.task_id.clone());
+    keep_trying(shared, &task_id, "FinishTask", first_delay, move || {
+        let (shared, mut request) = (Arc::clone(&retry_shared), request.clone());
+        async move {
+            request.lease_id = shared.current().lease_id;
+            finish_call(&shared, &request).await.map(|_| ())
+        }
+    });
+}
+
 /// [`keep_trying`] ReleaseLocks for this grant, the first attempt after `first_delay`.
 fn keep_releasing(shared: &Arc<Shared>, task_id: &str, token: u64, first_delay: Duration) {
     let (retry_shared, retry_task) = (Arc::clone(shared), task_id.to_owned());
@@ -1009,20 +1012,7 @@ impl Drop for TaskGuard {
                 state: FinalState::Failed.as_str().to_owned(),
                 error: "the worker dropped the task without finishing it".to_owned(),
             };
-            let shared = Arc::clone(&self.shared);
-            keep_trying(
-                &self.shared,
-                task_id,
-                "FinishTask",
-                Duration::ZERO,
-                move || {
-                    let (shared, mut request) = (Arc::clone(&shared), request.clone());
-                    async move {
-                        request.lease_id = shared.current().lease_id;
-                        finish_call(&shared, &request).await.map(|_| ())
-                    }
-                },
-            );
+            keep_finishing(&self.shared, request, Duration::ZERO);
             return;
         }
         tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
