@@ -9,6 +9,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use uuid::Uuid;
+
 /// The prefix that marks shared access in `reserved_resources_record`.
 pub const SHARED_PREFIX: &str = "shared:";
 
@@ -49,10 +51,37 @@ impl Resources {
 
     /// True when `self` and `other` conflict.
     pub fn conflicts_with(&self, other: &Resources) -> bool {
-        self.exclusive
+        self.conflicts(other).next().is_some()
+    }
+
+    /// Every resource on which `self` and `other` conflict, with the mode each needs it in: one
+    /// needs it exclusively and the other in any mode. (The one statement of "conflict" that
+    /// everything else asks.)
+    pub fn conflicts<'a>(&'a self, other: &'a Resources) -> impl Iterator<Item = Conflict<'a>> {
+        let exclusive = self.exclusive.iter().filter_map(move |r| {
+            let theirs = if other.exclusive.contains(r) {
+                Mode::Exclusive
+            } else if other.shared.contains(r) {
+                Mode::Shared
+            } else {
+                return None;
+            };
+            Some(Conflict {
+                resource: r,
+                mine: Mode::Exclusive,
+                theirs,
+            })
+        });
+        let shared = self
+            .shared
             .iter()
-            .any(|r| other.exclusive.contains(r) || other.shared.contains(r))
-            || self.shared.iter().any(|r| other.exclusive.contains(r))
+            .filter(move |r| other.exclusive.contains(r))
+            .map(|r| Conflict {
+                resource: r,
+                mine: Mode::Shared,
+                theirs: Mode::Exclusive,
+            });
+        exclusive.chain(shared)
     }
 
     /// C(T): the record entries whose presence in another task's `reserved_resources_record`
@@ -70,12 +99,53 @@ impl Resources {
     }
 }
 
+/// How a task needs a resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// Alone (a bare name in the record).
+    Exclusive,
+    /// Alongside other shared users (`shared:NAME`).
+    Shared,
+}
+
+impl Mode {
+    /// `exclusive` or `shared`, as the API and the CLI say it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Exclusive => "exclusive",
+            Mode::Shared => "shared",
+        }
+    }
+}
+
+/// One resource two tasks (or a task and a held lock) conflict on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conflict<'a> {
+    /// The resource name (without `shared:`).
+    pub resource: &'a str,
+    /// How the task asking needs it.
+    pub mine: Mode,
+    /// How the other task (or lock) needs it.
+    pub theirs: Mode,
+}
+
 /// Resources reserved by the tasks seen so far in queue order (each incomplete task reserves its
-/// resources even when it cannot run), plus those of held locks: name -> reserved exclusively.
+/// resources even when it cannot run), plus those of held locks: name -> how it is reserved.
 /// One hash look-up per name (foldhash: the gauge's hot loop hashes every record entry).
 #[derive(Debug, Clone, Default)]
 pub struct Reservations {
-    names: HashMap<String, bool, foldhash::fast::RandomState>,
+    names: HashMap<String, Reserved, foldhash::fast::RandomState>,
+}
+
+/// How one resource is reserved, and (for the gauge's survey) who is at the head of its queue
+/// and how many tasks wait behind it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Reserved {
+    exclusive: bool,
+    /// Tasks seen after the head that conflict on this resource.
+    behind: u32,
+    /// The first task that reserved it, when the caller named its tasks.
+    head: Option<Uuid>,
 }
 
 impl Reservations {
@@ -92,15 +162,29 @@ impl Reservations {
 
     /// True when `name` is reserved exclusively.
     fn is_exclusive(&self, name: &str) -> bool {
-        self.names.get(name).copied().unwrap_or(false)
+        self.names.get(name).is_some_and(|r| r.exclusive)
     }
 
-    /// Reserves `name` (exclusively or shared) for everything that comes later; exclusive wins.
-    fn reserve_name(&mut self, name: &str, exclusive: bool) {
+    /// Reserves `name` for everything that comes later (exclusive wins), on behalf of task
+    /// `id`; counts the task as waiting behind `name` when an earlier task's reservation
+    /// conflicts with it.
+    fn reserve_name(&mut self, name: &str, exclusive: bool, id: Option<Uuid>) {
         match self.names.get_mut(name) {
-            Some(held) => *held |= exclusive,
+            Some(held) => {
+                if (exclusive || held.exclusive) && (id.is_none() || held.head != id) {
+                    held.behind = held.behind.saturating_add(1);
+                }
+                held.exclusive |= exclusive;
+            }
             None => {
-                self.names.insert(name.to_owned(), exclusive);
+                self.names.insert(
+                    name.to_owned(),
+                    Reserved {
+                        exclusive,
+                        behind: 0,
+                        head: id,
+                    },
+                );
             }
         }
     }
@@ -108,12 +192,28 @@ impl Reservations {
     /// Reserves `resources` for everything that comes later.
     pub fn reserve(&mut self, resources: &Resources) {
         for name in &resources.exclusive {
-            self.reserve_name(name, true);
+            self.reserve_name(name, true, None);
         }
         for name in &resources.shared {
-            self.reserve_name(name, false);
+            self.reserve_name(name, false, None);
         }
     }
+
+    /// Reserves a held lock on one resource.
+    pub fn reserve_lock(&mut self, name: &str, mode: Mode) {
+        self.reserve_name(name, mode == Mode::Exclusive, None);
+    }
+}
+
+/// A resource with tasks waiting behind it (the survey of the gauge's pass).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockedResource {
+    /// The resource name (without `shared:`).
+    pub resource: String,
+    /// Incomplete tasks after the head of its queue that conflict on it.
+    pub waiting: u32,
+    /// The oldest incomplete task that needs it: the head of its queue.
+    pub head: Uuid,
 }
 
 /// Counts lanes over incomplete tasks streamed in `(pulp_created, pulp_id)` order: a task is a
@@ -138,6 +238,16 @@ impl LaneCounter {
     /// the same decision as [`LaneCounter::push`] without building [`Resources`], and without
     /// allocating for a resource already reserved (the hot loop of the gauge).
     pub fn push_record<S: AsRef<str>>(&mut self, record: &[S]) {
+        self.push_entries(None, record);
+    }
+
+    /// [`LaneCounter::push_record`] for a named task: also surveys the queues (the head of
+    /// each resource's queue and how many tasks wait behind it, [`LaneCounter::most_blocked`]).
+    pub fn push_task<S: AsRef<str>>(&mut self, id: Uuid, record: &[S]) {
+        self.push_entries(Some(id), record);
+    }
+
+    fn push_entries<S: AsRef<str>>(&mut self, id: Option<Uuid>, record: &[S]) {
         let reserved = &self.reserved;
         let blocked = record
             .iter()
@@ -150,8 +260,8 @@ impl LaneCounter {
         }
         for entry in record {
             match entry.as_ref().strip_prefix(SHARED_PREFIX) {
-                Some(name) => self.reserved.reserve_name(name, false),
-                None => self.reserved.reserve_name(entry.as_ref(), true),
+                Some(name) => self.reserved.reserve_name(name, false, id),
+                None => self.reserved.reserve_name(entry.as_ref(), true, id),
             }
         }
     }
@@ -159,6 +269,31 @@ impl LaneCounter {
     /// Lanes counted so far.
     pub fn lanes(&self) -> u64 {
         self.lanes
+    }
+
+    /// The `n` resources with the most tasks waiting behind their head (most first, then by
+    /// name), among those fed with [`LaneCounter::push_task`] that have any.
+    pub fn most_blocked(&self, n: usize) -> Vec<BlockedResource> {
+        let mut blocked: Vec<BlockedResource> = self
+            .reserved
+            .names
+            .iter()
+            .filter_map(|(name, r)| {
+                Some(BlockedResource {
+                    resource: name.clone(),
+                    waiting: r.behind,
+                    head: r.head?,
+                })
+            })
+            .filter(|b| b.waiting > 0)
+            .collect();
+        blocked.sort_unstable_by(|a, b| {
+            b.waiting
+                .cmp(&a.waiting)
+                .then_with(|| a.resource.cmp(&b.resource))
+        });
+        blocked.truncate(n);
+        blocked
     }
 }
 
@@ -191,6 +326,60 @@ pub enum Verdict {
     Skipped,
 }
 
+/// Everything that keeps one candidate from one lease, judged all at once (ExplainTask reports
+/// every reason; dispatch acts on the first, [`Obstacles::verdict`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Obstacles {
+    /// An older incomplete task conflicts with it.
+    pub older: bool,
+    /// Something reserved (a held lock, an older unready task seen in this pass) conflicts.
+    pub reserved: bool,
+    /// The worker asked to skip it.
+    pub skipped: bool,
+    /// The lease's component versions do not satisfy the task's.
+    pub incompatible: bool,
+}
+
+impl Obstacles {
+    /// The verdict dispatch acts on: the first obstacle in rule order, or ready.
+    pub fn verdict(&self) -> Verdict {
+        if self.older {
+            Verdict::BlockedByOlder
+        } else if self.reserved {
+            Verdict::BlockedByReserved
+        } else if self.skipped {
+            Verdict::Skipped
+        } else if self.incompatible {
+            Verdict::Incompatible
+        } else {
+            Verdict::Ready
+        }
+    }
+
+    /// True when the task is ready by the rule (no older task, no reservation conflicts),
+    /// whatever this lease's versions or wishes.
+    pub fn ready_by_rule(&self) -> bool {
+        !self.older && !self.reserved
+    }
+}
+
+/// Every obstacle between one candidate and one lease.
+pub fn obstacles(
+    candidate: &Candidate,
+    reserved: &Reservations,
+    lease_versions: &BTreeMap<String, String>,
+) -> Obstacles {
+    Obstacles {
+        older: candidate.older_conflicts > 0,
+        reserved: reserved.conflicts_with(&candidate.resources),
+        skipped: candidate.skipped,
+        incompatible: !candidate
+            .versions
+            .as_ref()
+            .is_some_and(|needed| is_compatible(needed, lease_versions)),
+    }
+}
+
 /// Judges one candidate for one lease. Candidates must be judged oldest first, and every
 /// candidate that is not handed out must be passed to [`Reservations::reserve`] before the next
 /// one is judged: a task that cannot run still reserves its resources.
@@ -199,21 +388,7 @@ pub fn judge(
     reserved: &Reservations,
     lease_versions: &BTreeMap<String, String>,
 ) -> Verdict {
-    if candidate.older_conflicts > 0 {
-        Verdict::BlockedByOlder
-    } else if reserved.conflicts_with(&candidate.resources) {
-        Verdict::BlockedByReserved
-    } else if candidate.skipped {
-        Verdict::Skipped
-    } else if !candidate
-        .versions
-        .as_ref()
-        .is_some_and(|needed| is_compatible(needed, lease_versions))
-    {
-        Verdict::Incompatible
-    } else {
-        Verdict::Ready
-    }
+    obstacles(candidate, reserved, lease_versions).verdict()
 }
 
 /// Pulp's compatibility rule: every component the task names must be present in the worker's

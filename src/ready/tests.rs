@@ -172,3 +172,151 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn conflicts_name_the_resource_and_both_modes() {
+    let t = res(&["a", "shared:b", "shared:c", "d"]);
+    let other = res(&["shared:a", "b", "shared:c"]);
+    let found: Vec<(String, Mode, Mode)> = t
+        .conflicts(&other)
+        .map(|c| (c.resource.to_owned(), c.mine, c.theirs))
+        .collect();
+    assert_eq!(
+        found,
+        vec![
+            ("a".into(), Mode::Exclusive, Mode::Shared),
+            ("b".into(), Mode::Shared, Mode::Exclusive),
+        ]
+    );
+    assert_eq!(t.conflicts(&res(&["shared:c", "e"])).count(), 0);
+}
+
+#[test]
+fn obstacles_report_every_reason_and_the_verdict_takes_the_first() {
+    let lease = map(&[("core", "3.0")]);
+    let c = Candidate {
+        resources: res(&["a"]),
+        older_conflicts: 2,
+        versions: Some(map(&[("core", "3.123")])),
+        skipped: false,
+    };
+    let mut held = Reservations::default();
+    held.reserve_lock("a", Mode::Shared);
+    let o = obstacles(&c, &held, &lease);
+    assert_eq!(
+        o,
+        Obstacles {
+            older: true,
+            reserved: true,
+            skipped: false,
+            incompatible: true
+        }
+    );
+    assert_eq!(o.verdict(), Verdict::BlockedByOlder);
+    assert!(!o.ready_by_rule());
+    // A shared lock does not block a shared request.
+    let shared = Candidate {
+        resources: res(&["shared:a"]),
+        older_conflicts: 0,
+        versions: Some(BTreeMap::new()),
+        skipped: false,
+    };
+    assert_eq!(judge(&shared, &held, &lease), Verdict::Ready);
+}
+
+#[test]
+fn the_survey_finds_the_head_of_line_blocking_resource() {
+    // The incident: R0's head runs, many tasks wait behind it; another domain flows freely.
+    let ids: Vec<Uuid> = (0..8).map(|_| Uuid::new_v4()).collect();
+    let mut counter = LaneCounter::default();
+    for id in &ids[..5] {
+        counter.push_task(*id, &["R0", "shared:dom-a"]);
+    }
+    counter.push_task(ids[5], &["R1", "shared:dom-b"]);
+    counter.push_task(ids[6], &["R2", "shared:dom-b"]);
+    counter.push_task(ids[7], &["R1"]);
+    let top = counter.most_blocked(10);
+    assert_eq!(
+        top,
+        vec![
+            BlockedResource {
+                resource: "R0".into(),
+                waiting: 4,
+                head: ids[0]
+            },
+            BlockedResource {
+                resource: "R1".into(),
+                waiting: 1,
+                head: ids[5]
+            },
+        ]
+    );
+    assert_eq!(counter.most_blocked(1).len(), 1);
+    assert_eq!(counter.lanes(), 3);
+}
+
+/// The survey's reference: per resource, its users in queue order; the head is the first, and a
+/// later user waits behind it when it or some earlier user needs the resource exclusively.
+fn survey_reference(queue: &[Resources]) -> BTreeMap<String, (u32, usize)> {
+    let mut out: BTreeMap<String, (u32, usize)> = BTreeMap::new();
+    let mut exclusive_seen: std::collections::HashSet<String> = Default::default();
+    for (i, t) in queue.iter().enumerate() {
+        let uses = t
+            .exclusive
+            .iter()
+            .map(|r| (r, true))
+            .chain(t.shared.iter().map(|r| (r, false)));
+        for (r, excl) in uses {
+            match out.get_mut(r) {
+                None => {
+                    out.insert(r.clone(), (0, i));
+                }
+                Some((waiting, _)) => {
+                    if excl || exclusive_seen.contains(r) {
+                        *waiting += 1;
+                    }
+                }
+            }
+            if excl {
+                exclusive_seen.insert(r.clone());
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #[test]
+    fn the_survey_matches_its_reference(queue in arb_queue()) {
+        let ids: Vec<Uuid> = queue.iter().map(|_| Uuid::new_v4()).collect();
+        let mut counter = LaneCounter::default();
+        for (id, t) in ids.iter().zip(&queue) {
+            let record: Vec<String> = t.exclusive.iter().cloned()
+                .chain(t.shared.iter().map(|s| format!("{SHARED_PREFIX}{s}")))
+                .collect();
+            counter.push_task(*id, &record);
+        }
+        let expected: Vec<BlockedResource> = {
+            let mut v: Vec<BlockedResource> = survey_reference(&queue)
+                .into_iter()
+                .filter(|(_, (waiting, _))| *waiting > 0)
+                .map(|(resource, (waiting, head))| BlockedResource { resource, waiting, head: ids[head] })
+                .collect();
+            v.sort_by(|a, b| b.waiting.cmp(&a.waiting).then_with(|| a.resource.cmp(&b.resource)));
+            v
+        };
+        prop_assert_eq!(counter.most_blocked(usize::MAX), expected);
+        prop_assert_eq!(counter.lanes(), lanes_reference(&queue));
+    }
+
+    #[test]
+    fn conflicts_with_is_exactly_some_conflict(a in arb_queue(), b in arb_queue()) {
+        for (x, y) in a.iter().zip(b.iter()) {
+            let named: Vec<_> = x.conflicts(y).collect();
+            prop_assert_eq!(!named.is_empty(), x.conflicts_with(y));
+            for c in named {
+                prop_assert!(c.mine == Mode::Exclusive || c.theirs == Mode::Exclusive);
+            }
+        }
+    }
+}
