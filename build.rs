@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .compile_protos(
             &[
                 "proto/dispatch/v1/broker.proto",
+                "proto/dispatch/v1/admin.proto",
                 "proto/externalscaler.proto",
             ],
             &["proto"],

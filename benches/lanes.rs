@@ -15,6 +15,8 @@ use dispatch_broker::tasks::Tasks;
 use dispatch_broker::testkit::Postgres;
 
 const RUNS: usize = 3;
+/// Blocked resources the gauge's survey keeps (as the broker does).
+const SURVEY: usize = dispatch_broker::lanes::SURVEY_KEEP;
 
 fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -106,7 +108,8 @@ async fn main() {
         let (mut broker_mem, mut reference_mem) = (0, 0);
         let (mut broker_lanes, mut reference_lanes) = (0, 0);
         for _ in 0..RUNS {
-            let (lanes, took, mem) = measure(tasks.lanes(Duration::ZERO)).await;
+            let (lanes, took, mem) =
+                measure(async { tasks.lanes(Duration::ZERO, SURVEY).await.map(|s| s.lanes) }).await;
             broker_lanes = lanes.unwrap();
             broker_times.push(took);
             broker_mem = broker_mem.max(mem);

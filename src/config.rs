@@ -297,6 +297,21 @@ pub struct SecurityArgs {
         conflicts_with = "auth_token_file"
     )]
     pub auth_token: Option<String>,
+    /// File holding the admin token: the credential of the operator's API (`dispatch.v1.Admin`:
+    /// explain, leases, locks, blocked, revoke, force-release). A worker's token gets
+    /// PERMISSION_DENIED there. Unset while --auth-token-file or --tls-client-ca is set: the
+    /// admin API is off. Unset with no authentication at all: the admin API is open, like the
+    /// rest (a development set-up).
+    #[arg(long, env = "DISPATCH_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The admin token itself, instead of --admin-token-file.
+    #[arg(
+        long,
+        env = "DISPATCH_ADMIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "admin_token_file"
+    )]
+    pub admin_token: Option<String>,
     /// PEM certificate chain for TLS on the gRPC port (with --tls-key).
     #[arg(long, env = "DISPATCH_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

@@ -21,6 +21,13 @@ pub enum Error {
         "core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty"
     )]
     AppStatusNotFound(Uuid),
+    /// No lock is held on the resource.
+    #[error("no lock is held on {0}; `dispatch-broker locks` lists the held ones")]
+    LockNotFound(String),
+    /// An operator's action was refused because it would be unsafe; the message says why and
+    /// what to do instead.
+    #[error("{0}")]
+    Refused(String),
     /// The caller does not hold what it acts on (wrong lease, stale fencing token, task moved on).
     #[error("{0}")]
     NotHolder(String),

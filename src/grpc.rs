@@ -2,7 +2,10 @@
 //! becomes INVALID_ARGUMENT with a message a person can act on, before anything changes), calls
 //! `leases` and `dispatch`, and maps domain errors to statuses in one exhaustive match.
 
+mod admin;
 mod convert;
+
+pub use admin::AdminService;
 
 use tonic::codegen::http;
 use tonic::{Request, Response, Status};
@@ -48,7 +51,8 @@ impl From<Error> for Status {
             Error::LeaseNotFound(_) => not_found(message, NOT_FOUND_LEASE),
             Error::TaskNotFound(_) => not_found(message, NOT_FOUND_TASK),
             Error::AppStatusNotFound(_) => not_found(message, NOT_FOUND_APP_STATUS),
-            Error::NotHolder(_) => Status::failed_precondition(message),
+            Error::LockNotFound(_) => not_found(message, NOT_FOUND_LOCK),
+            Error::NotHolder(_) | Error::Refused(_) => Status::failed_precondition(message),
             Error::ResourceExhausted(_) => Status::resource_exhausted(message),
             Error::Redis(e) => match e {
                 locks::Error::Pool(_)
@@ -75,6 +79,8 @@ pub const NOT_FOUND_KEY: &str = "dispatch-not-found";
 pub const NOT_FOUND_LEASE: &str = "lease";
 /// [`NOT_FOUND_KEY`]: the task does not exist.
 pub const NOT_FOUND_TASK: &str = "task";
+/// [`NOT_FOUND_KEY`]: no lock is held on the resource (ForceRelease).
+pub const NOT_FOUND_LOCK: &str = "lock";
 /// [`NOT_FOUND_KEY`]: the core_appstatus row named in OpenLease does not exist.
 pub const NOT_FOUND_APP_STATUS: &str = "app-status";
 

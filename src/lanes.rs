@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use crate::error::Result;
 use crate::locks::Locks;
 use crate::metrics;
+use crate::ready::BlockedResource;
 use crate::shutdown::Shutdown;
 use crate::tasks::Tasks;
 
@@ -61,6 +62,34 @@ impl Gauge {
     }
 }
 
+/// How many of the most blocked resources each computation keeps (BlockedResources serves
+/// from them).
+pub const SURVEY_KEEP: usize = 100;
+
+/// The survey of blocked resources as stored beside the lane count: `[[resource, waiting,
+/// head], ...]`.
+pub fn encode_survey(blocked: &[BlockedResource]) -> String {
+    let rows: Vec<serde_json::Value> = blocked
+        .iter()
+        .map(|b| serde_json::json!([b.resource, b.waiting, b.head.to_string()]))
+        .collect();
+    serde_json::Value::Array(rows).to_string()
+}
+
+/// Reads what [`encode_survey`] wrote; rows it cannot read are left out.
+pub fn decode_survey(json: &str) -> Vec<BlockedResource> {
+    let rows: Vec<(String, u32, String)> = serde_json::from_str(json).unwrap_or_default();
+    rows.into_iter()
+        .filter_map(|(resource, waiting, head)| {
+            Some(BlockedResource {
+                resource,
+                waiting,
+                head: head.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
 /// Tuning of the gauge.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
@@ -96,6 +125,35 @@ impl Lanes {
     /// The value served now.
     pub fn current(&self) -> Gauge {
         *self.state.borrow()
+    }
+
+    /// The survey of blocked resources from the last computation (any replica's), and its age;
+    /// `None` before the first computation.
+    pub async fn survey(&self) -> Result<Option<(Vec<BlockedResource>, Duration)>> {
+        let (json, at, now) = self.locks.blocked_survey().await?;
+        Ok(json.map(|json| {
+            (
+                decode_survey(&json),
+                Duration::from_millis((now - at).max(0) as u64),
+            )
+        }))
+    }
+
+    /// Computes the lane count and the survey now, whoever computed them last (an operator
+    /// asking for blocked resources before the first computation, and tests).
+    pub async fn compute_now(&self) -> Result<()> {
+        let survey = self.tasks.lanes(self.config.cutoff, SURVEY_KEEP).await?;
+        let stamp = self
+            .locks
+            .store_lanes(survey.lanes, &encode_survey(&survey.blocked))
+            .await?;
+        self.state.send_modify(|g| {
+            g.lanes = survey.lanes;
+            g.computed_at_ms = stamp;
+            g.observed_at_ms = stamp;
+            g.observed_locally = Some(Instant::now());
+        });
+        Ok(())
     }
 
     /// Watches the served value.
@@ -158,15 +216,8 @@ impl Lanes {
                 .await?
         {
             let started = Instant::now();
-            let lanes = self.tasks.lanes(self.config.cutoff).await?;
-            let stamp = self.locks.store_lanes(lanes).await?;
-            tracing::debug!(lanes, took = ?started.elapsed(), "lanes computed");
-            self.state.send_modify(|g| {
-                g.lanes = lanes;
-                g.computed_at_ms = stamp;
-                g.observed_at_ms = stamp;
-                g.observed_locally = Some(Instant::now());
-            });
+            self.compute_now().await?;
+            tracing::debug!(lanes = self.current().lanes, took = ?started.elapsed(), "lanes computed");
         }
         Ok(())
     }

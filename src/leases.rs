@@ -237,20 +237,28 @@ impl Leases {
     /// CloseLease: ends the lease now, as described in the module docs.
     pub async fn close(&self, lease_id: Uuid) -> Result<Closed> {
         let closed = self
-            .end(&lease_id.to_string(), CLOSED_WHILE_RUNNING, None)
+            .end(&lease_id.to_string(), CLOSED_WHILE_RUNNING, None, "close")
             .await?
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
         tracing::info!(%lease_id, released = closed.released_locks, requeued = closed.requeued_tasks, failed = closed.failed_tasks, "lease closed");
         Ok(closed)
     }
 
+    /// RevokeLease (an operator's order): ends the lease now as the sweeper would, live or
+    /// expired, failing its running tasks with `reason`. `None` when the lease is unknown.
+    pub async fn revoke(&self, lease_id: &str, reason: &str) -> Result<Option<Closed>> {
+        self.end(lease_id, reason, None, "revoke").await
+    }
+
     /// Ends a lease: expire, end its tasks in Postgres, release its locks. `None` when the lease
-    /// is unknown, or (for a sweeper) when the sweeper lock was lost meanwhile.
+    /// is unknown, or (for a sweeper) when the sweeper lock was lost meanwhile. `path` labels
+    /// the released locks in the metrics.
     pub(crate) async fn end(
         &self,
         lease_id: &str,
         reason: &str,
         sweeper: Option<&str>,
+        path: &'static str,
     ) -> Result<Option<Closed>> {
         let Some(ending) = self.locks.expire_now(lease_id, sweeper.is_some()).await? else {
             if sweeper.is_some() {
@@ -285,7 +293,6 @@ impl Leases {
             None if sweeper.is_none() => 0,
             _ => return Ok(None),
         };
-        let path = if sweeper.is_some() { "sweep" } else { "close" };
         self.stats.locks_released(path, u64::from(released));
         Ok(Some(Closed {
             released_locks: released,

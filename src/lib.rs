@@ -6,6 +6,7 @@
 //! in `lua/`. The readiness rule (`ready`) is pure and shared by everything that decides.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod config;
 pub mod dispatch;
 pub mod error;

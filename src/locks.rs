@@ -9,6 +9,7 @@
 
 pub mod keys;
 mod scripts;
+mod views;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +23,7 @@ use crate::metrics::Stats;
 use crate::ready::Resources;
 pub use keys::Keys;
 use scripts::Scripts;
+pub use views::{HeldLock, LeasePage, LeaseView};
 
 /// Failures of the lock store.
 #[derive(Debug, thiserror::Error)]
@@ -836,10 +838,17 @@ impl Locks {
         Ok(set.is_some())
     }
 
-    /// Publishes a lane count; returns its stamp (ms, server time).
-    pub async fn store_lanes(&self, lanes: u64) -> Result<i64, Error> {
-        self.run(self.scripts.store_lanes.key(self.keys.lanes()).arg(lanes))
-            .await
+    /// Publishes a lane count and the survey of blocked resources (JSON) from the same pass;
+    /// returns its stamp (ms, server time).
+    pub async fn store_lanes(&self, lanes: u64, survey: &str) -> Result<i64, Error> {
+        self.run(
+            self.scripts
+                .store_lanes
+                .key(self.keys.lanes())
+                .arg(lanes)
+                .arg(survey),
+        )
+        .await
     }
 
     /// Which of these tasks hold a lock.

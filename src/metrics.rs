@@ -27,7 +27,8 @@ pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
 pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements";
 /// Redis calls per fetch pass.
 pub const FETCH_REDIS_CALLS: &str = "dispatch_fetch_redis_calls";
-/// Locks released, by path (`release`, `finish`, `cancel`, `close`, `sweep`, `fetch_failure`).
+/// Locks released, by path (`release`, `finish`, `cancel`, `close`, `sweep`, `revoke`,
+/// `force_release`, `fetch_failure`).
 pub const LOCKS_RELEASED_TOTAL: &str = "dispatch_locks_released_total";
 /// Expired leases swept.
 pub const LEASES_SWEPT_TOTAL: &str = "dispatch_leases_swept_total";
@@ -49,6 +50,9 @@ pub const LIVE_LEASES: &str = "dispatch_live_leases";
 pub const LANE_AGE_SECONDS: &str = "dispatch_lane_age_seconds";
 /// Failed refreshes of the lane gauge.
 pub const LANE_ERRORS_TOTAL: &str = "dispatch_lane_errors_total";
+
+/// Audited operator actions, by action (`revoke_lease`, `force_release`).
+pub const ADMIN_ACTIONS_TOTAL: &str = "dispatch_admin_actions_total";
 
 /// Describes every metric once, at start-up.
 pub fn describe() {
@@ -95,6 +99,10 @@ pub fn describe() {
         "Age of the served lane count."
     );
     describe_counter!(LANE_ERRORS_TOTAL, "Failed refreshes of the lane gauge.");
+    describe_counter!(
+        ADMIN_ACTIONS_TOTAL,
+        "Audited operator actions (revoke_lease, force_release)."
+    );
 }
 
 static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
@@ -144,6 +152,11 @@ pub async fn serve(
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Counts one audited operator action.
+pub fn admin_action(action: &'static str) {
+    metrics::counter!(ADMIN_ACTIONS_TOTAL, "action" => action).increment(1);
 }
 
 /// Publishes the lane gauge.

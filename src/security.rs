@@ -26,29 +26,126 @@ impl BearerAuth {
         }
     }
 
-    /// Reads the token from `--auth-token-file` (surrounding whitespace trimmed).
+    /// Reads the token from `--auth-token-file` or `--auth-token` (surrounding whitespace
+    /// trimmed).
     pub fn from_args(args: &SecurityArgs) -> anyhow::Result<Self> {
-        let (token, source) = match (&args.auth_token_file, &args.auth_token) {
-            (Some(path), _) => (
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read --auth-token-file {}", path.display()))?,
-                format!("--auth-token-file {}", path.display()),
-            ),
-            (None, Some(token)) => (token.clone(), "--auth-token (DISPATCH_AUTH_TOKEN)".into()),
-            (None, None) => return Ok(BearerAuth::default()),
+        let token = read_token(
+            args.auth_token_file.as_deref(),
+            args.auth_token.as_deref(),
+            "auth-token",
+            "AUTH_TOKEN",
+        )?;
+        Ok(BearerAuth::new(token))
+    }
+}
+
+/// Reads a token from its file option or its value option, checked for what cannot work.
+fn read_token(
+    file: Option<&Path>,
+    value: Option<&str>,
+    option: &str,
+    env: &str,
+) -> anyhow::Result<Option<String>> {
+    let (token, source) = match (file, value) {
+        (Some(path), _) => (
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read --{option}-file {}", path.display()))?,
+            format!("--{option}-file {}", path.display()),
+        ),
+        (None, Some(token)) => (token.to_owned(), format!("--{option} (DISPATCH_{env})")),
+        (None, None) => return Ok(None),
+    };
+    let token = token.trim();
+    anyhow::ensure!(!token.is_empty(), "{source} is empty");
+    anyhow::ensure!(
+        !token.starts_with("CHANGE-ME"),
+        "{source} still holds the example token; use a long random one \
+         (e.g. `openssl rand -hex 32`)"
+    );
+    anyhow::ensure!(
+        token.bytes().all(|b| b.is_ascii_graphic()),
+        "{source} holds characters that cannot travel in a header"
+    );
+    Ok(Some(token.to_owned()))
+}
+
+/// The name of whoever passed [`AdminAuth`], put in the request's extensions for the audit.
+#[derive(Debug, Clone)]
+pub struct Actor(pub String);
+
+/// Guards the admin API: the admin token opens it; a worker's token gets PERMISSION_DENIED. With
+/// no authentication configured at all it is open (actor "anonymous"); with worker
+/// authentication but no admin token it is off.
+#[derive(Clone, Default)]
+pub struct AdminAuth {
+    admin: Option<Arc<[u8]>>,
+    worker: Option<Arc<[u8]>>,
+    /// Any authentication is configured (a worker token or client certificates).
+    guarded: bool,
+}
+
+impl AdminAuth {
+    /// Reads `--admin-token-file`/`--admin-token` beside the worker token.
+    pub fn from_args(args: &SecurityArgs) -> anyhow::Result<Self> {
+        let admin = read_token(
+            args.admin_token_file.as_deref(),
+            args.admin_token.as_deref(),
+            "admin-token",
+            "ADMIN_TOKEN",
+        )?;
+        let worker = read_token(
+            args.auth_token_file.as_deref(),
+            args.auth_token.as_deref(),
+            "auth-token",
+            "AUTH_TOKEN",
+        )?;
+        anyhow::ensure!(
+            admin.is_none() || admin != worker,
+            "the admin token equals the worker token; give the admin API its own token"
+        );
+        Ok(AdminAuth {
+            guarded: worker.is_some() || args.tls_client_ca.is_some(),
+            admin: admin.map(|t| Arc::from(t.into_bytes())),
+            worker: worker.map(|t| Arc::from(t.into_bytes())),
+        })
+    }
+}
+
+impl tonic::service::Interceptor for AdminAuth {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let given = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| t.as_bytes().to_vec());
+        let is = |token: &Option<Arc<[u8]>>, given: &[u8]| {
+            token.as_ref().is_some_and(|t| bool::from(given.ct_eq(t)))
         };
-        let token = token.trim();
-        anyhow::ensure!(!token.is_empty(), "{source} is empty");
-        anyhow::ensure!(
-            !token.starts_with("CHANGE-ME"),
-            "{source} still holds the example token; use a long random one \
-             (e.g. `openssl rand -hex 32`)"
-        );
-        anyhow::ensure!(
-            token.bytes().all(|b| b.is_ascii_graphic()),
-            "{source} holds characters that cannot travel in a header"
-        );
-        Ok(BearerAuth::new(Some(token.to_owned())))
+        let actor =
+            match (&given, &self.admin) {
+                (Some(given), _) if is(&self.admin, given) => "admin-token",
+                (Some(given), _) if is(&self.worker, given) => {
+                    return Err(Status::permission_denied(
+                        "this is a worker's token; the admin API needs the admin token (the \
+                     broker's --admin-token-file; the CLI reads DISPATCH_ADMIN_TOKEN)",
+                    ))
+                }
+                (_, None) if self.guarded => {
+                    return Err(Status::permission_denied(
+                        "the admin API is off on this broker: start it with --admin-token-file \
+                     (or DISPATCH_ADMIN_TOKEN) and call with that token",
+                    ))
+                }
+                (_, None) => "anonymous",
+                _ => return Err(Status::unauthenticated(
+                    "missing or wrong admin token: send `authorization: Bearer <token>` with the \
+                     broker's --admin-token-file token (the CLI reads DISPATCH_ADMIN_TOKEN or \
+                     --admin-token-file)",
+                )),
+            };
+        request.extensions_mut().insert(Actor(actor.to_owned()));
+        Ok(request)
     }
 }
 

@@ -11,7 +11,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::config::ServeArgs;
 use crate::dispatch::{Dispatch, FetchPolicy};
 use crate::externalscaler::external_scaler_server::ExternalScalerServer;
-use crate::grpc::BrokerService;
+use crate::grpc::{AdminService, BrokerService};
 use crate::keda::Scaler;
 use crate::lanes::{LaneConfig, Lanes};
 use crate::leases::recovery::Recovery;
@@ -19,6 +19,7 @@ use crate::leases::sweeper::Sweeper;
 use crate::leases::{Leases, TtlPolicy};
 use crate::locks::Locks;
 use crate::metrics::Stats;
+use crate::proto::admin_server::AdminServer;
 use crate::proto::broker_server::BrokerServer;
 use crate::shutdown::{self, Shutdown, Trigger};
 use crate::tasks::Tasks;
@@ -93,6 +94,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         max_message_bytes: args.limits.message_bytes,
         tls: crate::security::server_tls(&args.security)?,
         auth: crate::security::BearerAuth::from_args(&args.security)?,
+        admin_auth: crate::security::AdminAuth::from_args(&args.security)?,
     };
     let prometheus = crate::metrics::recorder();
     let stats = Arc::new(Stats::default());
@@ -191,6 +193,17 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     ));
     let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
     let waiters = dispatch.waiters();
+    let admin = AdminService::new(
+        crate::admin::Admin::new(
+            tasks.clone(),
+            locks.clone(),
+            leases.clone(),
+            Arc::clone(&lanes),
+            Arc::clone(&waiters),
+            Arc::clone(&stats),
+        ),
+        args.limits,
+    );
     let service = BrokerService::new(leases, dispatch, args.limits);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -254,6 +267,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         serving,
         listener,
         service,
+        admin,
         scaler,
         health_service,
         reflection,
@@ -324,12 +338,14 @@ struct Serving {
     max_message_bytes: usize,
     tls: Option<tonic::transport::ServerTlsConfig>,
     auth: crate::security::BearerAuth,
+    admin_auth: crate::security::AdminAuth,
 }
 
 async fn serve(
     serving: Serving,
     listener: tokio::net::TcpListener,
     service: BrokerService,
+    admin: AdminService,
     scaler: Scaler,
     health: tonic_health::pb::health_server::HealthServer<
         impl tonic_health::pb::health_server::Health,
@@ -357,6 +373,10 @@ async fn serve(
         .add_service(tonic::service::interceptor::InterceptedService::new(
             BrokerServer::new(service).max_decoding_message_size(serving.max_message_bytes),
             serving.auth,
+        ))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            AdminServer::new(admin).max_decoding_message_size(serving.max_message_bytes),
+            serving.admin_auth,
         ))
         .add_service(ExternalScalerServer::new(scaler))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {

@@ -54,10 +54,12 @@ pub mod sql {
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
     pub const CANCELING: &str = include_str!("tasks/canceling.sql");
+    pub const OLDER_CONFLICTS: &str = include_str!("tasks/older_conflicts.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         CANCELING,
+        OLDER_CONFLICTS,
         FINISH_ORPHAN_CANCELS,
         HIDING,
         LOCK_TARGETS,
@@ -177,6 +179,30 @@ pub struct ClaimedTask {
     pub worker_ttl_ms: i64,
     /// The worker's component versions.
     pub worker_versions: BTreeMap<String, String>,
+}
+
+/// An older incomplete task that conflicts with an explained one.
+#[derive(Debug, Clone)]
+pub struct OlderTask {
+    /// `pulp_id`.
+    pub id: Uuid,
+    /// `state`.
+    pub state: String,
+    /// `name`.
+    pub name: String,
+    /// Its resources.
+    pub resources: Resources,
+    /// `pulp_created`.
+    pub created: DateTime<Utc>,
+}
+
+/// What one pass of the lane gauge found.
+#[derive(Debug, Clone, Default)]
+pub struct Survey {
+    /// The lane count.
+    pub lanes: u64,
+    /// The resources with the most tasks waiting behind the head of their queue, most first.
+    pub blocked: Vec<crate::ready::BlockedResource>,
 }
 
 /// Handle on the task store.
@@ -557,8 +583,9 @@ impl Tasks {
     }
 
     /// Counts lanes: streams the records of incomplete tasks older than `cutoff` in queue order
-    /// through `ready::LaneCounter`, so memory stays flat whatever the number of tasks.
-    pub async fn lanes(&self, cutoff: Duration) -> Result<u64, Error> {
+    /// through `ready::LaneCounter`, so memory stays flat whatever the number of tasks. The same
+    /// pass surveys the queues: the `keep` resources with the most tasks waiting behind them.
+    pub async fn lanes(&self, cutoff: Duration, keep: usize) -> Result<Survey, Error> {
         use futures::TryStreamExt;
         let mut client = self.client().await?;
         let statement = client.prepare_cached(sql::LANES).await?;
@@ -578,10 +605,39 @@ impl Tasks {
         let mut counter = crate::ready::LaneCounter::default();
         while let Some(row) = rows.try_next().await? {
             let record: Option<Vec<&str>> = row.try_get(0)?;
-            counter.push_record(record.as_deref().unwrap_or_default());
+            let id: Uuid = row.try_get(1)?;
+            counter.push_task(id, record.as_deref().unwrap_or_default());
         }
         self.timed(tx.commit()).await?;
-        Ok(counter.lanes())
+        Ok(Survey {
+            lanes: counter.lanes(),
+            blocked: counter.most_blocked(keep),
+        })
+    }
+
+    /// The `limit` oldest incomplete tasks older than `task` whose records overlap `keys` (its
+    /// conflict keys), for ExplainTask.
+    pub async fn older_conflicts(
+        &self,
+        task: Uuid,
+        keys: &[String],
+        limit: i64,
+    ) -> Result<Vec<OlderTask>, Error> {
+        let rows = self
+            .query(sql::OLDER_CONFLICTS, &[&task, &keys, &limit])
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let record: Vec<String> = r.try_get(3)?;
+                Ok(OlderTask {
+                    id: r.try_get(0)?,
+                    state: r.try_get(1)?,
+                    name: r.try_get(2)?,
+                    resources: Resources::from_record(&record),
+                    created: r.try_get(4)?,
+                })
+            })
+            .collect()
     }
 
     /// Among `held` entries (what a scan skipped by), the names that hide a waiting task older

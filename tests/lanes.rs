@@ -70,7 +70,7 @@ proptest! {
             let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
                 .await
                 .unwrap();
-            let broker = tasks.lanes(Duration::ZERO).await.unwrap();
+            let broker = tasks.lanes(Duration::ZERO, 10).await.unwrap().lanes;
             let reference = pulp_reference(&db).await;
             assert_eq!(broker, reference, "{rows:?}");
         });

@@ -34,6 +34,9 @@ pub(super) struct Scripts {
     pub rebuild_begin: Script,
     pub rebuild_end: Script,
     pub note_changes: Script,
+    pub blocked_survey: Script,
+    pub lock_table: Script,
+    pub lease_table: Script,
 }
 
 impl Scripts {
@@ -56,10 +59,13 @@ impl Scripts {
             rebuild_begin: script!("rebuild_begin.lua"),
             rebuild_end: script!("rebuild_end.lua"),
             note_changes: script!("note_changes.lua"),
+            blocked_survey: script!("blocked_survey.lua"),
+            lock_table: script!("lock_table.lua"),
+            lease_table: script!("lease_table.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 17] {
+    pub fn all(&self) -> [&Script; 20] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -78,6 +84,9 @@ impl Scripts {
             &self.rebuild_begin,
             &self.rebuild_end,
             &self.note_changes,
+            &self.blocked_survey,
+            &self.lock_table,
+            &self.lease_table,
         ]
     }
 }

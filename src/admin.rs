@@ -1,0 +1,664 @@
+//! The operator's view: why a task waits, who holds what, which resources block the most tasks,
+//! and the two audited ways out (revoking a lease, releasing a lock whose holder is gone).
+//!
+//! Every judgement here calls `ready` (the rule dispatch uses); this module only gathers the
+//! facts (the task and its older conflicts from Postgres, held locks and live leases from Redis)
+//! and names them. Reads never walk all tasks or scan the Redis keyspace: their cost is the
+//! explained task's older conflicts, the locks held and the leases alive. The only writes are
+//! `revoke` and `force_release`, which take the sweeper's own paths and are audited (a warn log
+//! line, a counter, and the record returned to the caller). No other way to remove a lock
+//! exists.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::dispatch::{Waiters, FINAL_STATES};
+use crate::error::{Error, Result};
+use crate::lanes::Lanes;
+use crate::leases::{from_ms, Leases};
+use crate::locks::{HeldLock, LeaseView, Locks};
+use crate::metrics::Stats;
+use crate::ready::{self, BlockedResource, Mode, Reservations, Resources};
+use crate::tasks::{parse_versions, Tasks};
+
+/// Live leases an explanation weighs at most (a fleet far larger than any seen).
+const MAX_LEASES_WEIGHED: usize = 10_000;
+
+/// The operator's view over one broker's stores.
+#[derive(Clone)]
+pub struct Admin {
+    tasks: Tasks,
+    locks: Locks,
+    leases: Leases,
+    lanes: Arc<Lanes>,
+    waiters: Arc<Waiters>,
+    stats: Arc<Stats>,
+}
+
+/// Who holds a lock (or has a task).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The task whose lock it is.
+    pub task_id: String,
+    /// The holding lease.
+    pub lease_id: String,
+    /// The lease's worker; `None` when the lease record is gone.
+    pub worker: Option<String>,
+    /// The grant's fencing token.
+    pub fencing_token: u64,
+    /// The lease's expiry; `None` when the lease record is gone.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The lease is alive now (Redis server time).
+    pub lease_alive: bool,
+}
+
+impl Holder {
+    fn of(lock: &HeldLock, now_ms: i64) -> Holder {
+        Holder {
+            task_id: lock.task_id.clone(),
+            lease_id: lock.lease_id.clone(),
+            worker: lock.worker.clone(),
+            fencing_token: lock.fencing_token,
+            lease_expires_at: lock.lease_expires_ms.map(from_ms),
+            lease_alive: lock.lease_expires_ms.is_some_and(|e| e > now_ms),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let worker = self.worker.as_deref().unwrap_or("(lease record gone)");
+        let life = match (self.lease_alive, self.lease_expires_at) {
+            (true, Some(at)) => format!("alive until {}", at.format("%H:%M:%S")),
+            (false, Some(at)) => format!("expired at {}, not yet swept", at.format("%H:%M:%S")),
+            _ => "lease gone".to_owned(),
+        };
+        format!(
+            "worker {worker} (lease {}, fencing token {}, {life})",
+            self.lease_id, self.fencing_token
+        )
+    }
+}
+
+/// The locks held on one resource in one mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceLock {
+    /// The resource.
+    pub resource: String,
+    /// How it is held.
+    pub mode: Mode,
+    /// Its holders, oldest grant first.
+    pub holders: Vec<Holder>,
+}
+
+/// An older incomplete task that conflicts with the explained one.
+#[derive(Debug, Clone)]
+pub struct Older {
+    /// `pulp_id`.
+    pub id: Uuid,
+    /// `state`.
+    pub state: String,
+    /// `name`.
+    pub name: String,
+    /// `pulp_created`.
+    pub created: DateTime<Utc>,
+    /// The resources it conflicts on: (name, how the explained task wants it, how this one
+    /// needs it).
+    pub conflicts: Vec<(String, Mode, Mode)>,
+}
+
+/// Why a task is where it is.
+#[derive(Debug, Clone)]
+pub struct Explanation {
+    /// `pulp_id`.
+    pub task_id: Uuid,
+    /// `name`.
+    pub name: String,
+    /// `state`.
+    pub state: String,
+    /// `pulp_created`.
+    pub created: DateTime<Utc>,
+    /// Its resources.
+    pub resources: Resources,
+    /// Its component versions (`None`: unreadable, so no worker qualifies).
+    pub versions: Option<BTreeMap<String, String>>,
+    /// One line for a person.
+    pub summary: String,
+    /// Waiting, unclaimed, and ready by the rule.
+    pub ready: bool,
+    /// Who has it (claimed or running).
+    pub holder: Option<Holder>,
+    /// The oldest older incomplete tasks that conflict with it.
+    pub older: Vec<Older>,
+    /// How many older incomplete tasks conflict with it.
+    pub older_total: u64,
+    /// Held locks that conflict with it.
+    pub conflicting_locks: Vec<ResourceLock>,
+    /// Live leases now.
+    pub live_leases: u32,
+    /// There are live leases and none can run it.
+    pub incompatible_with_every_live_lease: bool,
+}
+
+/// One page of something, with where the next begins.
+#[derive(Debug, Clone)]
+pub struct Page<T> {
+    /// This page.
+    pub items: Vec<T>,
+    /// The token of the next page; `None` on the last.
+    pub next: Option<String>,
+    /// Items matching on all pages.
+    pub total: u64,
+}
+
+/// A lease as ListLeases shows it.
+#[derive(Debug, Clone)]
+pub struct LeaseSummary {
+    /// The lease as Redis holds it.
+    pub lease: LeaseView,
+    /// Its worker's versions.
+    pub versions: BTreeMap<String, String>,
+    /// Alive now.
+    pub alive: bool,
+}
+
+/// A resource from the gauge's survey, with its head explained now.
+#[derive(Debug, Clone)]
+pub struct Blocked {
+    /// The resource and how many tasks wait behind its head.
+    pub survey: BlockedResource,
+    /// The head, explained now; `None` when it was deleted since the survey.
+    pub head: Option<Explanation>,
+}
+
+/// The survey of blocked resources.
+#[derive(Debug, Clone)]
+pub struct BlockedReport {
+    /// Most waiting first.
+    pub resources: Vec<Blocked>,
+    /// How old the survey is.
+    pub age: Duration,
+}
+
+/// What an audited action did, as logged, counted and returned.
+#[derive(Debug, Clone)]
+pub struct AuditRecord {
+    /// `revoke_lease` or `force_release`.
+    pub action: &'static str,
+    /// Who asked (the credential's name).
+    pub actor: String,
+    /// The lease or resource acted on.
+    pub target: String,
+    /// Why, as given.
+    pub reason: String,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// What changed.
+    pub outcome: String,
+}
+
+/// What an audited release did.
+#[derive(Debug, Clone, Default)]
+pub struct Released {
+    /// Task locks released.
+    pub locks: u32,
+    /// Claimed tasks put back in the queue.
+    pub requeued: u32,
+    /// Running tasks failed with the reason.
+    pub failed: u32,
+}
+
+/// Logs and counts an audited action: the one place an operator's write is recorded.
+fn audit(record: &AuditRecord) {
+    crate::metrics::admin_action(record.action);
+    tracing::warn!(
+        action = record.action,
+        actor = %record.actor,
+        target = %record.target,
+        reason = %record.reason,
+        outcome = %record.outcome,
+        "admin action"
+    );
+}
+
+impl Admin {
+    /// The operator's view over these stores; `waiters` are woken after a release.
+    pub fn new(
+        tasks: Tasks,
+        locks: Locks,
+        leases: Leases,
+        lanes: Arc<Lanes>,
+        waiters: Arc<Waiters>,
+        stats: Arc<Stats>,
+    ) -> Self {
+        Admin {
+            tasks,
+            locks,
+            leases,
+            lanes,
+            waiters,
+            stats,
+        }
+    }
+
+    /// ExplainTask: listing at most `max_older` older conflicting tasks.
+    pub async fn explain(&self, task_id: Uuid, max_older: usize) -> Result<Explanation> {
+        let task = self
+            .tasks
+            .task(task_id)
+            .await?
+            .ok_or(Error::TaskNotFound(task_id))?;
+        let (now_ms, held) = self.locks.lock_table().await?;
+        let own = task_id.to_string();
+        let holder = held
+            .iter()
+            .find(|l| l.task_id == own)
+            .map(|l| Holder::of(l, now_ms));
+        let candidate = &task.row.candidate;
+        let mut explanation = Explanation {
+            task_id,
+            name: task.row.name.clone(),
+            state: task.state.clone(),
+            created: task.row.created,
+            resources: candidate.resources.clone(),
+            versions: candidate.versions.clone(),
+            summary: String::new(),
+            ready: false,
+            holder,
+            older: Vec::new(),
+            older_total: 0,
+            conflicting_locks: Vec::new(),
+            live_leases: 0,
+            incompatible_with_every_live_lease: false,
+        };
+        let held_by = |e: &Explanation| {
+            e.holder
+                .as_ref()
+                .map(Holder::describe)
+                .unwrap_or_else(|| "no lock: the reconciler puts it back or rebuilds".into())
+        };
+        if FINAL_STATES.contains(&task.state.as_str()) {
+            explanation.summary = match &explanation.holder {
+                None => format!("{}: finished, holds nothing", task.state),
+                Some(h) => format!(
+                    "{}: finished, but its lock is still held by {}; the reconciler releases it",
+                    task.state,
+                    h.describe()
+                ),
+            };
+            return Ok(explanation);
+        }
+        if task.state != "waiting" {
+            explanation.summary = format!("{} on {}", task.state, held_by(&explanation));
+            return Ok(explanation);
+        }
+        if let Some(app_status) = task.app_lock_id {
+            explanation.summary = format!(
+                "claimed (worker row {app_status}), not started yet: {}",
+                held_by(&explanation)
+            );
+            return Ok(explanation);
+        }
+
+        // Waiting and unclaimed: every reason, judged by the rule.
+        explanation.older_total = candidate.older_conflicts.max(0) as u64;
+        if explanation.older_total > 0 && max_older > 0 {
+            let keys = candidate.resources.conflict_keys();
+            explanation.older = self
+                .tasks
+                .older_conflicts(task_id, &keys, max_older as i64)
+                .await?
+                .into_iter()
+                .map(|o| Older {
+                    conflicts: candidate
+                        .resources
+                        .conflicts(&o.resources)
+                        .map(|c| (c.resource.to_owned(), c.mine, c.theirs))
+                        .collect(),
+                    id: o.id,
+                    state: o.state,
+                    name: o.name,
+                    created: o.created,
+                })
+                .collect();
+        }
+        let mut reserved = Reservations::default();
+        let mut conflicting: BTreeMap<(String, Mode), Vec<Holder>> = BTreeMap::new();
+        for lock in &held {
+            let locked = Resources {
+                exclusive: lock.exclusive.clone(),
+                shared: lock.shared.clone(),
+            };
+            for c in candidate.resources.conflicts(&locked) {
+                reserved.reserve_lock(c.resource, c.theirs);
+                conflicting
+                    .entry((c.resource.to_owned(), c.theirs))
+                    .or_default()
+                    .push(Holder::of(lock, now_ms));
+            }
+        }
+        explanation.conflicting_locks = conflicting
+            .into_iter()
+            .map(|((resource, mode), mut holders)| {
+                holders.sort_by_key(|h| h.fencing_token);
+                ResourceLock {
+                    resource,
+                    mode,
+                    holders,
+                }
+            })
+            .collect();
+        let leases = self
+            .locks
+            .lease_table("", false, "", MAX_LEASES_WEIGHED)
+            .await?;
+        explanation.live_leases = leases.leases.len() as u32;
+        let rule = ready::obstacles(candidate, &reserved, &BTreeMap::new());
+        let compatible = leases
+            .leases
+            .iter()
+            .filter(|l| {
+                let versions = parse_versions(&l.versions).unwrap_or_default();
+                !ready::obstacles(candidate, &reserved, &versions).incompatible
+            })
+            .count();
+        explanation.ready = rule.ready_by_rule();
+        explanation.incompatible_with_every_live_lease =
+            !leases.leases.is_empty() && compatible == 0;
+        explanation.summary = summary(&explanation);
+        Ok(explanation)
+    }
+
+    /// ListLeases.
+    pub async fn leases(
+        &self,
+        worker_contains: &str,
+        include_expired: bool,
+        page_size: usize,
+        after: &str,
+    ) -> Result<Page<LeaseSummary>> {
+        // One more than the page: whether it exists says whether there is a next page.
+        let page = self
+            .locks
+            .lease_table(worker_contains, include_expired, after, page_size + 1)
+            .await?;
+        let now = page.now_ms;
+        let mut items: Vec<LeaseSummary> = page
+            .leases
+            .into_iter()
+            .map(|lease| LeaseSummary {
+                versions: parse_versions(&lease.versions).unwrap_or_default(),
+                alive: lease.expires_ms > now,
+                lease,
+            })
+            .collect();
+        let next = if items.len() > page_size {
+            items.truncate(page_size);
+            items.last().map(|l| l.lease.lease_id.clone())
+        } else {
+            None
+        };
+        Ok(Page {
+            items,
+            next,
+            total: page.total,
+        })
+    }
+
+    /// ListLocks: resources whose name starts with `prefix`, oldest grant first.
+    pub async fn locks(
+        &self,
+        prefix: &str,
+        page_size: usize,
+        after: Option<&str>,
+    ) -> Result<Page<ResourceLock>> {
+        let (now_ms, held) = self.locks.lock_table().await?;
+        let mut by_resource: BTreeMap<(String, Mode), Vec<Holder>> = BTreeMap::new();
+        for lock in &held {
+            let modes = lock
+                .exclusive
+                .iter()
+                .map(|r| (r, Mode::Exclusive))
+                .chain(lock.shared.iter().map(|r| (r, Mode::Shared)));
+            for (resource, mode) in modes.filter(|(r, _)| r.starts_with(prefix)) {
+                by_resource
+                    .entry((resource.clone(), mode))
+                    .or_default()
+                    .push(Holder::of(lock, now_ms));
+            }
+        }
+        let mut all: Vec<ResourceLock> = by_resource
+            .into_iter()
+            .map(|((resource, mode), mut holders)| {
+                holders.sort_by_key(|h| h.fencing_token);
+                ResourceLock {
+                    resource,
+                    mode,
+                    holders,
+                }
+            })
+            .collect();
+        all.sort_by(|a, b| lock_order(a).cmp(&lock_order(b)));
+        let total = all.len() as u64;
+        let start = match after {
+            Some(token) => {
+                let after = parse_page_token(token)?;
+                all.iter()
+                    .position(|l| lock_order(l) > (after.0, after.1.as_str(), after.2))
+                    .unwrap_or(all.len())
+            }
+            None => 0,
+        };
+        let items: Vec<ResourceLock> = all.into_iter().skip(start).take(page_size + 1).collect();
+        let (items, next) = if items.len() > page_size {
+            let items: Vec<ResourceLock> = items.into_iter().take(page_size).collect();
+            let next = items.last().map(page_token);
+            (items, next)
+        } else {
+            (items, None)
+        };
+        Ok(Page { items, next, total })
+    }
+
+    /// BlockedResources: the survey of the gauge's last pass, each head explained now.
+    pub async fn blocked(&self, limit: usize) -> Result<BlockedReport> {
+        let survey = match self.lanes.survey().await? {
+            Some(survey) => survey,
+            None => {
+                // Nothing computed yet (a fresh Redis): compute it now, once.
+                self.lanes.compute_now().await?;
+                self.lanes.survey().await?.unwrap_or_default()
+            }
+        };
+        let (resources, age) = survey;
+        let mut out = Vec::new();
+        for survey in resources.into_iter().take(limit) {
+            let head = match self.explain(survey.head, 3).await {
+                Ok(e) => Some(e),
+                Err(Error::TaskNotFound(_)) => None,
+                Err(e) => return Err(e),
+            };
+            out.push(Blocked { survey, head });
+        }
+        Ok(BlockedReport {
+            resources: out,
+            age,
+        })
+    }
+
+    /// RevokeLease: the sweeper's path for one lease, now, whether it is alive or not.
+    pub async fn revoke(
+        &self,
+        actor: &str,
+        lease_id: Uuid,
+        reason: &str,
+    ) -> Result<(AuditRecord, Released)> {
+        let closed = self
+            .leases
+            .revoke(&lease_id.to_string(), reason)
+            .await?
+            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        self.waiters.wake();
+        let released = Released {
+            locks: closed.released_locks,
+            requeued: closed.requeued_tasks,
+            failed: closed.failed_tasks,
+        };
+        let record = AuditRecord {
+            action: "revoke_lease",
+            actor: actor.to_owned(),
+            target: lease_id.to_string(),
+            reason: reason.to_owned(),
+            at: Utc::now(),
+            outcome: outcome(&released),
+        };
+        audit(&record);
+        Ok((record, released))
+    }
+
+    /// ForceRelease: frees the locks on `resource` when none of its holders' leases is alive:
+    /// an expired lease is ended as the sweeper would end it; a lock whose lease record is gone
+    /// is released and its task put back (claimed) or failed (running) with the reason.
+    pub async fn force_release(
+        &self,
+        actor: &str,
+        resource: &str,
+        reason: &str,
+    ) -> Result<(AuditRecord, Vec<Holder>, Released)> {
+        let (now_ms, held) = self.locks.lock_table().await?;
+        let holders: Vec<Holder> = held
+            .iter()
+            .filter(|l| {
+                l.exclusive.iter().any(|r| r == resource) || l.shared.iter().any(|r| r == resource)
+            })
+            .map(|l| Holder::of(l, now_ms))
+            .collect();
+        if holders.is_empty() {
+            return Err(Error::LockNotFound(resource.to_owned()));
+        }
+        if let Some(live) = holders.iter().find(|h| h.lease_alive) {
+            return Err(Error::Refused(format!(
+                "{resource} is held by task {} under a live lease: {}. ForceRelease frees only \
+                 locks whose lease is expired or gone; if that worker is really gone, revoke its \
+                 lease first (dispatch-broker revoke {} --reason ...)",
+                live.task_id,
+                live.describe(),
+                live.lease_id
+            )));
+        }
+        let mut released = Released::default();
+        let mut ended_leases: Vec<&str> = Vec::new();
+        for h in &holders {
+            if h.lease_expires_at.is_some() {
+                if ended_leases.contains(&h.lease_id.as_str()) {
+                    continue;
+                }
+                ended_leases.push(&h.lease_id);
+                if let Some(closed) = self.leases.revoke(&h.lease_id, reason).await? {
+                    released.locks += closed.released_locks;
+                    released.requeued += closed.requeued_tasks;
+                    released.failed += closed.failed_tasks;
+                }
+                continue;
+            }
+            // The lease record is gone: release this task's lock and end its claim.
+            if self.locks.force_release(&h.task_id).await?.is_some() {
+                released.locks += 1;
+                self.stats.locks_released("force_release", 1);
+            }
+            let Ok(task) = h.task_id.parse::<Uuid>() else {
+                continue;
+            };
+            if let Some((_, Some(app_status))) = self.tasks.state(task).await? {
+                let ended = self
+                    .tasks
+                    .end_lease_tasks(app_status, &[task], reason, false)
+                    .await?;
+                released.requeued += ended.requeued;
+                released.failed += ended.failed;
+                self.locks.note_changes(&["*"]).await?;
+            }
+        }
+        self.waiters.wake();
+        let record = AuditRecord {
+            action: "force_release",
+            actor: actor.to_owned(),
+            target: resource.to_owned(),
+            reason: reason.to_owned(),
+            at: Utc::now(),
+            outcome: outcome(&released),
+        };
+        audit(&record);
+        Ok((record, holders, released))
+    }
+}
+
+/// The one line an explanation of a waiting, unclaimed task opens with.
+fn summary(e: &Explanation) -> String {
+    let mut reasons = Vec::new();
+    if e.older_total > 0 {
+        reasons.push(format!(
+            "waiting behind {} older conflicting task{}",
+            e.older_total,
+            if e.older_total == 1 { "" } else { "s" }
+        ));
+    }
+    let locks: usize = e.conflicting_locks.iter().map(|l| l.holders.len()).sum();
+    if locks > 0 {
+        reasons.push(format!(
+            "{locks} held lock{} conflict{}",
+            if locks == 1 { "" } else { "s" },
+            if locks == 1 { "s" } else { "" }
+        ));
+    }
+    if e.incompatible_with_every_live_lease {
+        reasons.push("no live worker's versions satisfy it".into());
+    } else if e.live_leases == 0 {
+        reasons.push("no worker is connected (no live lease)".into());
+    }
+    match (e.ready, reasons.is_empty()) {
+        (true, true) => "ready: the next FetchTask of a compatible worker gets it".into(),
+        (true, false) => format!("ready by the rule, but {}", reasons.join("; ")),
+        (false, _) => reasons.join("; "),
+    }
+}
+
+fn outcome(r: &Released) -> String {
+    format!(
+        "{} lock(s) released, {} task(s) requeued, {} task(s) failed",
+        r.locks, r.requeued, r.failed
+    )
+}
+
+/// ListLocks order: oldest grant first (fencing tokens only grow), then resource and mode.
+fn lock_order(l: &ResourceLock) -> (u64, &str, Mode) {
+    let oldest = l.holders.first().map(|h| h.fencing_token).unwrap_or(0);
+    (oldest, l.resource.as_str(), l.mode)
+}
+
+/// A ListLocks page token: the sort key of the last resource shown.
+fn page_token(l: &ResourceLock) -> String {
+    let (token, resource, mode) = lock_order(l);
+    format!("{token}:{}:{resource}", mode.as_str())
+}
+
+fn parse_page_token(token: &str) -> Result<(u64, String, Mode)> {
+    let bad = || {
+        Error::InvalidArgument(format!(
+            "page_token {:?} is not one ListLocks returned; pass next_page_token unchanged, or \
+             nothing for the first page",
+            token.chars().take(40).collect::<String>()
+        ))
+    };
+    let mut parts = token.splitn(3, ':');
+    let fence = parts.next().and_then(|t| t.parse().ok()).ok_or_else(bad)?;
+    let mode = match parts.next() {
+        Some("exclusive") => Mode::Exclusive,
+        Some("shared") => Mode::Shared,
+        _ => return Err(bad()),
+    };
+    let resource = parts.next().ok_or_else(bad)?.to_owned();
+    Ok((fence, resource, mode))
+}

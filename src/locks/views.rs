@@ -1,0 +1,166 @@
+//! Reads of the lock state for the operator's view (`admin`): who holds what, which leases
+//! live, and the survey of blocked resources the lane gauge stored. Each read is one script
+//! whose cost is what is held (locks, leases), never the number of tasks or a keyspace scan.
+//! Nothing here writes.
+
+use deadpool_redis::redis::Value;
+
+use super::{int, protocol, text, Error, Locks};
+
+/// One held task lock and its holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLock {
+    /// The task whose lock it is.
+    pub task_id: String,
+    /// The lease holding it.
+    pub lease_id: String,
+    /// The fencing token of the grant (grants are ordered by it: smaller is older).
+    pub fencing_token: u64,
+    /// Resources held exclusively.
+    pub exclusive: Vec<String>,
+    /// Resources held shared.
+    pub shared: Vec<String>,
+    /// The holding lease's worker; `None` when the lease record is gone.
+    pub worker: Option<String>,
+    /// The holding lease's expiry (ms, Redis server time); `None` when the lease record is gone.
+    pub lease_expires_ms: Option<i64>,
+}
+
+/// One lease as ListLeases shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseView {
+    /// The lease id.
+    pub lease_id: String,
+    /// Expiry (ms, Redis server time).
+    pub expires_ms: i64,
+    /// The worker's name.
+    pub worker: String,
+    /// The worker row (core_appstatus) it claims tasks for.
+    pub app_status_id: String,
+    /// The worker's component versions (JSON object text).
+    pub versions: String,
+    /// Tasks whose locks it holds.
+    pub task_ids: Vec<String>,
+    /// The locks it holds, as record entries (`name`, `shared:name`).
+    pub locks: Vec<String>,
+}
+
+/// One page of leases.
+#[derive(Debug, Clone, Default)]
+pub struct LeasePage {
+    /// Redis server time (ms), to judge expiries by.
+    pub now_ms: i64,
+    /// Leases matching the filter, on all pages.
+    pub total: u64,
+    /// This page, in lease id order.
+    pub leases: Vec<LeaseView>,
+}
+
+impl Locks {
+    /// Every held task lock with its holder, and Redis server time (ms).
+    pub async fn lock_table(&self) -> Result<(i64, Vec<HeldLock>), Error> {
+        let reply: Vec<Value> = self
+            .run(
+                self.scripts
+                    .lock_table
+                    .key(self.keys.locked())
+                    .key(self.keys.leases())
+                    .arg(self.keys.tag()),
+            )
+            .await?;
+        let now = int(reply.first()).ok_or_else(|| protocol("lock_table", &reply))?;
+        let rows = &reply[1..];
+        if rows.len() % 7 != 0 {
+            return Err(protocol("lock_table", &reply));
+        }
+        let names = |v: &Value| -> Vec<String> {
+            text(Some(v))
+                .map(|joined| {
+                    joined
+                        .split('\n')
+                        .filter(|n| !n.is_empty())
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let locks = rows
+            .chunks(7)
+            .map(|r| {
+                let worker = text(r.get(5)).unwrap_or_default();
+                let gone = worker.is_empty() && int(r.get(6)).unwrap_or(0) == 0;
+                HeldLock {
+                    task_id: text(r.first()).unwrap_or_default(),
+                    lease_id: text(r.get(1)).unwrap_or_default(),
+                    fencing_token: int(r.get(2)).unwrap_or(0).max(0) as u64,
+                    exclusive: names(&r[3]),
+                    shared: names(&r[4]),
+                    worker: (!gone).then_some(worker),
+                    lease_expires_ms: (!gone).then(|| int(r.get(6)).unwrap_or(0)),
+                }
+            })
+            .collect();
+        Ok((now, locks))
+    }
+
+    /// One page of leases, in lease id order after `after`: live ones, or also those expired
+    /// but not yet swept; `worker_contains` filters by worker name ("" for all).
+    pub async fn lease_table(
+        &self,
+        worker_contains: &str,
+        include_expired: bool,
+        after: &str,
+        page_size: usize,
+    ) -> Result<LeasePage, Error> {
+        let reply: Vec<Value> = self
+            .run(
+                self.scripts
+                    .lease_table
+                    .key(self.keys.leases())
+                    .arg(self.keys.tag())
+                    .arg(worker_contains)
+                    .arg(if include_expired { "1" } else { "0" })
+                    .arg(after)
+                    .arg(page_size),
+            )
+            .await?;
+        let (Some(now_ms), Some(total)) = (int(reply.first()), int(reply.get(1))) else {
+            return Err(protocol("lease_table", &reply));
+        };
+        let strings = |v: Option<&Value>| -> Vec<String> {
+            match v {
+                Some(Value::Array(items)) => items.iter().filter_map(|i| text(Some(i))).collect(),
+                _ => Vec::new(),
+            }
+        };
+        let mut leases = Vec::new();
+        for entry in &reply[2..] {
+            let Value::Array(f) = entry else {
+                return Err(protocol("lease_table", &reply));
+            };
+            leases.push(LeaseView {
+                lease_id: text(f.first()).unwrap_or_default(),
+                expires_ms: int(f.get(1)).unwrap_or(0),
+                worker: text(f.get(2)).unwrap_or_default(),
+                app_status_id: text(f.get(3)).unwrap_or_default(),
+                versions: text(f.get(4)).unwrap_or_else(|| "{}".into()),
+                task_ids: strings(f.get(5)),
+                locks: strings(f.get(6)),
+            });
+        }
+        Ok(LeasePage {
+            now_ms,
+            total: total.max(0) as u64,
+            leases,
+        })
+    }
+
+    /// The survey of blocked resources the last lane computation stored: `(JSON or None,
+    /// computed-at ms, now ms)`.
+    pub async fn blocked_survey(&self) -> Result<(Option<String>, i64, i64), Error> {
+        let (survey, at, now): (String, i64, i64) = self
+            .run(&self.scripts.blocked_survey.key(self.keys.lanes()))
+            .await?;
+        Ok(((!survey.is_empty()).then_some(survey), at, now))
+    }
+}
