@@ -36,6 +36,139 @@ pub enum Command {
     /// as one JSON line, and serve until SIGTERM, Ctrl-C or the end of stdin: for trying a
     /// client, and for the Python client's tests.
     Sandbox(SandboxArgs),
+    /// Why is this task not running? Its state and, when it waits, every reason: older tasks
+    /// in its way, held locks, workers' versions. (Admin API; needs the admin token.)
+    Explain(ExplainArgs),
+    /// Leases (one per worker incarnation) with their versions, expiry, tasks and locks.
+    Leases(LeasesArgs),
+    /// Held locks by resource, with mode and holders, oldest grant first.
+    Locks(LocksArgs),
+    /// The resources with the most tasks waiting behind them, and what holds up each head.
+    Blocked(BlockedArgs),
+    /// Revoke a lease as the sweeper would: release its locks, requeue its claimed tasks, fail
+    /// its running tasks with the reason. Audited.
+    Revoke(RevokeArgs),
+    /// Release the locks on a resource whose holder cannot be reached: only when the holding
+    /// lease is expired or gone. Audited.
+    ForceRelease(ForceReleaseArgs),
+}
+
+/// How the admin commands reach a broker.
+#[derive(Debug, Clone, Args)]
+pub struct AdminClientArgs {
+    /// The broker's gRPC address.
+    #[arg(long, env = "DISPATCH_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// File holding the admin token (the broker's --admin-token-file).
+    #[arg(long, env = "DISPATCH_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The admin token itself (prefer the environment variable).
+    #[arg(
+        long,
+        env = "DISPATCH_ADMIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "admin_token_file"
+    )]
+    pub admin_token: Option<String>,
+    /// PEM CA bundle to verify a TLS broker with (implies TLS).
+    #[arg(long, env = "DISPATCH_CLIENT_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the broker's certificate is checked against.
+    #[arg(long, env = "DISPATCH_CLIENT_TLS_DOMAIN", default_value = "localhost")]
+    pub tls_domain: String,
+    /// Client certificate (PEM) for a broker that requires one, with --tls-key.
+    #[arg(long, env = "DISPATCH_CLIENT_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "DISPATCH_CLIENT_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// How long to wait for the broker.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Print JSON (one document) instead of tables, for scripts.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `explain`.
+#[derive(Debug, Clone, Args)]
+pub struct ExplainArgs {
+    /// The task's pulp_id.
+    pub task_id: String,
+    /// How many older conflicting tasks to list (the total is always shown).
+    #[arg(long, default_value_t = 10)]
+    pub max_conflicts: u32,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `leases`.
+#[derive(Debug, Clone, Args)]
+pub struct LeasesArgs {
+    /// Only workers whose name contains this.
+    #[arg(long, default_value = "")]
+    pub worker: String,
+    /// Also leases that expired and are not swept yet.
+    #[arg(long)]
+    pub include_expired: bool,
+    /// Leases per page.
+    #[arg(long, default_value_t = 50)]
+    pub page_size: u32,
+    /// Where to start: the token the previous page printed.
+    #[arg(long, default_value = "")]
+    pub page_token: String,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `locks`.
+#[derive(Debug, Clone, Args)]
+pub struct LocksArgs {
+    /// Only resources whose name starts with this.
+    #[arg(default_value = "")]
+    pub prefix: String,
+    /// Resources per page.
+    #[arg(long, default_value_t = 50)]
+    pub page_size: u32,
+    /// Where to start: the token the previous page printed.
+    #[arg(long, default_value = "")]
+    pub page_token: String,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `blocked`.
+#[derive(Debug, Clone, Args)]
+pub struct BlockedArgs {
+    /// How many resources to show.
+    #[arg(long, default_value_t = 10)]
+    pub limit: u32,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `revoke`.
+#[derive(Debug, Clone, Args)]
+pub struct RevokeArgs {
+    /// The lease to revoke (`dispatch-broker leases` lists them).
+    pub lease_id: String,
+    /// Why: logged, counted, and stored as the failure reason of its running tasks.
+    #[arg(long)]
+    pub reason: String,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `force-release`.
+#[derive(Debug, Clone, Args)]
+pub struct ForceReleaseArgs {
+    /// The resource whose locks to release (`dispatch-broker locks` lists them).
+    pub resource: String,
+    /// Why: logged, counted, and stored as the failure reason of tasks that were running.
+    #[arg(long)]
+    pub reason: String,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
 }
 
 /// Logging options.

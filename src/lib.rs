@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod cli;
 pub mod config;
 pub mod dispatch;
 pub mod error;

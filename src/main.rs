@@ -14,6 +14,12 @@ async fn main() -> std::process::ExitCode {
         Command::Health(args) => dispatch_broker::server::probe(&args).await,
         Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
         Command::Sandbox(args) => dispatch_broker::testkit::sandbox::run(&args).await,
+        Command::Explain(args) => dispatch_broker::cli::explain(&args).await,
+        Command::Leases(args) => dispatch_broker::cli::leases(&args).await,
+        Command::Locks(args) => dispatch_broker::cli::locks(&args).await,
+        Command::Blocked(args) => dispatch_broker::cli::blocked(&args).await,
+        Command::Revoke(args) => dispatch_broker::cli::revoke(&args).await,
+        Command::ForceRelease(args) => dispatch_broker::cli::force_release(&args).await,
     };
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
