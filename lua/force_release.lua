@@ -1,5 +1,6 @@
 -- force_release.lua: releases one task's locks whoever holds them. Used when the task itself is
--- over (canceled while waiting), never on a caller's say-so alone.
+-- over (canceled while waiting, finished: the reconciler), and by the audited ForceRelease only
+-- for a lock whose lease record is gone; never while the holding lease lives.
 --
 -- KEYS[1]  PREFIX:task:<task_id>   the task lock
 -- ARGV     prefix (with hash tag), task_id
