@@ -179,6 +179,7 @@ impl Leases {
         if !adopted.is_empty() {
             tracing::warn!(%lease_id, %app_status_id, tasks = adopted.len(), "new lease took over locks rebuilt after redis lost its state");
         }
+        self.stats.lease_opened();
         tracing::info!(%lease_id, worker = %request.worker_name, %app_status_id, ?ttl, "lease opened");
         Ok(Lease {
             lease_id,

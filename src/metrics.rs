@@ -54,6 +54,31 @@ pub const LANE_ERRORS_TOTAL: &str = "dispatch_lane_errors_total";
 /// Audited operator actions, by action (`revoke_lease`, `force_release`).
 pub const ADMIN_ACTIONS_TOTAL: &str = "dispatch_admin_actions_total";
 
+/// Leases opened through this replica (per replica: how the fleet spreads over replicas).
+pub const LEASES_OPENED_TOTAL: &str = "dispatch_leases_opened_total";
+
+/// Every metric name above (the dashboard test checks its queries against this list).
+pub const ALL: &[&str] = &[
+    POSTGRES_STATEMENTS_TOTAL,
+    REDIS_CALLS_TOTAL,
+    FETCH_TOTAL,
+    FETCH_POSTGRES_STATEMENTS,
+    FETCH_REDIS_CALLS,
+    LOCKS_RELEASED_TOTAL,
+    LEASES_SWEPT_TOTAL,
+    LOCKS_RECONCILED_TOTAL,
+    LOCK_STATE_REBUILDS_TOTAL,
+    RPC_DURATION_SECONDS,
+    BACKEND_ERRORS_TOTAL,
+    LANES,
+    WAITING_TASKS,
+    LIVE_LEASES,
+    LANE_AGE_SECONDS,
+    LANE_ERRORS_TOTAL,
+    ADMIN_ACTIONS_TOTAL,
+    LEASES_OPENED_TOTAL,
+];
+
 /// Describes every metric once, at start-up.
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -99,6 +124,7 @@ pub fn describe() {
         "Age of the served lane count."
     );
     describe_counter!(LANE_ERRORS_TOTAL, "Failed refreshes of the lane gauge.");
+    describe_counter!(LEASES_OPENED_TOTAL, "Leases opened through this replica.");
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
         "Audited operator actions (revoke_lease, force_release)."
@@ -259,6 +285,11 @@ impl Stats {
         metrics::counter!(LOCKS_RELEASED_TOTAL, "path" => path).increment(n);
     }
 
+    /// Counts one lease opened through this replica.
+    pub fn lease_opened(&self) {
+        metrics::counter!(LEASES_OPENED_TOTAL).increment(1);
+    }
+
     /// Counts one swept lease.
     pub fn lease_swept(&self) {
         self.leases_swept.fetch_add(1, Ordering::Relaxed);
@@ -360,5 +391,22 @@ where
                 .record(started.elapsed().as_secs_f64());
             response
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn all_lists_every_metric_name() {
+        let source = include_str!("metrics.rs");
+        let declared: Vec<&str> = source
+            .lines()
+            .filter_map(|l| l.strip_prefix("pub const "))
+            .filter_map(|l| l.split('"').nth(1))
+            .collect();
+        assert!(declared.len() > 10);
+        for name in declared {
+            assert!(super::ALL.contains(&name), "{name} is missing from ALL");
+        }
     }
 }

@@ -162,12 +162,8 @@ fn names_ports_and_labels_agree() {
             "{key} is not an option of `dispatch-broker serve`"
         );
     }
-    // The token file the ConfigMap names is the auth Secret's key, mounted where it says.
+    // Each token file the ConfigMap names is a key of the auth Secret, mounted where it says.
     let auth = load("auth-secret.yaml");
-    let token_file = configmap["data"]["DISPATCH_AUTH_TOKEN_FILE"]
-        .as_str()
-        .unwrap();
-    let (dir, file) = token_file.rsplit_once('/').unwrap();
     let pod = s(&deployment, &["spec", "template", "spec"]);
     let volume = pod["volumes"]
         .as_sequence()
@@ -175,15 +171,27 @@ fn names_ports_and_labels_agree() {
         .iter()
         .find(|v| v["secret"]["secretName"] == auth["metadata"]["name"])
         .expect("a volume of the auth Secret");
-    assert!(auth["stringData"][volume["secret"]["items"][0]["key"].as_str().unwrap()].is_string());
-    assert_eq!(volume["secret"]["items"][0]["path"].as_str(), Some(file));
     let mount = pod["containers"][0]["volumeMounts"]
         .as_sequence()
         .unwrap()
         .iter()
         .find(|m| m["name"] == volume["name"])
         .expect("the auth volume is mounted");
-    assert_eq!(mount["mountPath"].as_str(), Some(dir));
+    for option in ["DISPATCH_AUTH_TOKEN_FILE", "DISPATCH_ADMIN_TOKEN_FILE"] {
+        let token_file = configmap["data"][option].as_str().unwrap();
+        let (dir, file) = token_file.rsplit_once('/').unwrap();
+        assert_eq!(mount["mountPath"].as_str(), Some(dir), "{option}");
+        let item = volume["secret"]["items"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|i| i["path"].as_str() == Some(file))
+            .unwrap_or_else(|| panic!("{option}: no Secret item is mounted as {file}"));
+        assert!(
+            auth["stringData"][item["key"].as_str().unwrap()].is_string(),
+            "{option}"
+        );
+    }
     assert!(secret["stringData"]["DISPATCH_POSTGRES_URL"].is_string());
     assert!(secret["stringData"]["DISPATCH_REDIS_URL"].is_string());
     assert_eq!(
@@ -276,5 +284,63 @@ fn the_dockerfile_matches_the_binary() {
         "DISPATCH_LOG_JSON",
     ] {
         assert!(known.contains(var), "{var}");
+    }
+}
+
+#[test]
+fn every_metric_the_dashboard_queries_exists() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/grafana/dispatch-broker.json"
+    );
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).expect("dashboard is JSON");
+    let known = dispatch_broker::metrics::ALL;
+    let mut queried = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{}", panel["title"]);
+        assert!(
+            panel["description"].as_str().is_some_and(|d| !d.is_empty()),
+            "{} says which question it answers",
+            panel["title"]
+        );
+        for target in targets {
+            let expr = target["expr"].as_str().expect("expr");
+            // Every metric name in the query (histograms are queried by their series).
+            let mut rest = expr;
+            while let Some(at) = rest.find("dispatch_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s).filter(|b| known.contains(b)))
+                    .unwrap_or(&name)
+                    .to_owned();
+                assert!(
+                    known.contains(&base.as_str()),
+                    "{} queries {name}, which src/metrics.rs does not define",
+                    panel["title"]
+                );
+                queried.insert(base);
+            }
+        }
+    }
+    // The panels the operator's guide promises.
+    for name in [
+        "dispatch_lanes",
+        "dispatch_waiting_tasks",
+        "dispatch_live_leases",
+        "dispatch_fetch_total",
+        "dispatch_rpc_duration_seconds",
+        "dispatch_fetch_postgres_statements",
+        "dispatch_leases_swept_total",
+        "dispatch_locks_reconciled_total",
+        "dispatch_backend_errors_total",
+    ] {
+        assert!(queried.contains(name), "no panel shows {name}");
     }
 }
