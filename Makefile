@@ -46,3 +46,4 @@ bench:
 	$(CARGO) bench --bench fetch
 	$(CARGO) bench --bench idle
 	$(CARGO) bench --bench load
+	$(CARGO) bench --bench admin

@@ -245,11 +245,20 @@ impl Admin {
 
     /// ExplainTask: listing at most `max_older` older conflicting tasks.
     pub async fn explain(&self, task_id: Uuid, max_older: usize) -> Result<Explanation> {
-        let task = self
+        // The readiness look-up (older conflicts) only for a task that waits unclaimed.
+        let facts = self
             .tasks
-            .task(task_id)
+            .task_facts(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
+        let task = if facts.state == "waiting" && facts.app_lock_id.is_none() {
+            self.tasks
+                .task(task_id)
+                .await?
+                .ok_or(Error::TaskNotFound(task_id))?
+        } else {
+            facts
+        };
         let (now_ms, held) = self.locks.lock_table().await?;
         let own = task_id.to_string();
         let holder = held
