@@ -376,7 +376,7 @@ pub async fn locks(args: &LocksArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut t = table(&[
-        "RESOURCE", "MODE", "TASK", "WORKER", "LEASE", "TOKEN", "LEASE",
+        "RESOURCE", "MODE", "TASK", "WORKER", "LEASE", "TOKEN", "LEASE STATE",
     ]);
     for l in &page.locks {
         for h in &l.holders {

@@ -185,6 +185,14 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
             broker.addr,
             redis.url()
         );
+        println!(
+            "ask it why tasks wait (the admin API is open: this broker has no credentials):\n  \
+             dispatch-broker blocked --addr http://{addr}\n  \
+             dispatch-broker explain TASK_ID --addr http://{addr}\n  \
+             dispatch-broker leases --addr http://{addr}\n  \
+             dispatch-broker locks --addr http://{addr}",
+            addr = broker.addr
+        );
         crate::shutdown::os_signal().await;
     }
     head.finish(FinalState::Completed, None).await?;
