@@ -5,7 +5,7 @@
 -- KEYS[1]  PREFIX:leases          sorted set lease_id -> expiry (ms)
 -- ARGV     prefix (with hash tag), worker-name filter (substring; "" for all), "1" to include
 --          expired leases not yet swept, page token (the last lease id of the previous page;
---          "" for the first), page size
+--          "" for the first), page size, "1" for each lease's tasks and locks ("0": left empty)
 -- Returns  {now ms, leases matching in all, then one entry per lease on the page, in lease id
 --          order: {lease_id, expiry ms, worker, app_status_id, versions JSON,
 --          {task_id, ...}, {record entry of each held lock ("name" or "shared:name"), ...}}}
@@ -13,6 +13,7 @@
 
 local prefix, filter, with_expired, after = ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4]
 local limit = tonumber(ARGV[5])
+local details = ARGV[6] == '1'
 local now = now_ms()
 local ids
 if with_expired then
@@ -37,8 +38,11 @@ for _, id in ipairs(matching) do
     break
   end
   if id > after then
-    local tasks = redis.call('SMEMBERS', prefix .. ':lease:' .. id .. ':tasks')
-    table.sort(tasks)
+    local tasks = {}
+    if details then
+      tasks = redis.call('SMEMBERS', prefix .. ':lease:' .. id .. ':tasks')
+      table.sort(tasks)
+    end
     local held = {}
     for _, task_id in ipairs(tasks) do
       local lock = redis.call('HMGET', prefix .. ':task:' .. task_id, 'x', 's')

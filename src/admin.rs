@@ -243,25 +243,56 @@ impl Admin {
         }
     }
 
+    /// What every explanation weighs besides the task: the held locks and the live leases'
+    /// versions, read once per call (BlockedResources explains many heads with one reading).
+    async fn facts(&self) -> Result<Facts> {
+        let (now_ms, held) = self.locks.lock_table().await?;
+        let leases = self
+            .locks
+            .lease_table("", false, "", MAX_LEASES_WEIGHED, false)
+            .await?;
+        Ok(Facts {
+            now_ms,
+            held,
+            live_leases: leases.total.min(u64::from(u32::MAX)) as u32,
+            versions: leases
+                .leases
+                .iter()
+                .map(|l| parse_versions(&l.versions).unwrap_or_default())
+                .collect(),
+        })
+    }
+
     /// ExplainTask: listing at most `max_older` older conflicting tasks.
     pub async fn explain(&self, task_id: Uuid, max_older: usize) -> Result<Explanation> {
+        let facts = self.facts().await?;
+        self.explain_with(task_id, max_older, &facts).await
+    }
+
+    async fn explain_with(
+        &self,
+        task_id: Uuid,
+        max_older: usize,
+        facts: &Facts,
+    ) -> Result<Explanation> {
         // The readiness look-up (older conflicts) only for a task that waits unclaimed.
-        let facts = self
+        let facts_row = self
             .tasks
             .task_facts(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
-        let task = if facts.state == "waiting" && facts.app_lock_id.is_none() {
+        let task = if facts_row.state == "waiting" && facts_row.app_lock_id.is_none() {
             self.tasks
                 .task(task_id)
                 .await?
                 .ok_or(Error::TaskNotFound(task_id))?
         } else {
-            facts
+            facts_row
         };
-        let (now_ms, held) = self.locks.lock_table().await?;
+        let now_ms = facts.now_ms;
         let own = task_id.to_string();
-        let holder = held
+        let holder = facts
+            .held
             .iter()
             .find(|l| l.task_id == own)
             .map(|l| Holder::of(l, now_ms));
@@ -279,14 +310,8 @@ impl Admin {
             older: Vec::new(),
             older_total: 0,
             conflicting_locks: Vec::new(),
-            live_leases: 0,
+            live_leases: facts.live_leases,
             incompatible_with_every_live_lease: false,
-        };
-        let held_by = |e: &Explanation| {
-            e.holder
-                .as_ref()
-                .map(Holder::describe)
-                .unwrap_or_else(|| "no lock: the reconciler puts it back or rebuilds".into())
         };
         if FINAL_STATES.contains(&task.state.as_str()) {
             explanation.summary = match &explanation.holder {
@@ -300,14 +325,32 @@ impl Admin {
             return Ok(explanation);
         }
         if task.state != "waiting" {
-            explanation.summary = format!("{} on {}", task.state, held_by(&explanation));
+            explanation.summary = match &explanation.holder {
+                Some(h) => format!("{} on {}", task.state, h.describe()),
+                None => format!(
+                    "{}, claimed by worker row {}, but no lock is held for it: the sweeper \
+                     ends it when that worker's lease ends, and the reconciler rebuilds lost \
+                     locks",
+                    task.state,
+                    task.app_lock_id
+                        .map(|a| a.to_string())
+                        .unwrap_or_else(|| "(none)".into())
+                ),
+            };
             return Ok(explanation);
         }
         if let Some(app_status) = task.app_lock_id {
-            explanation.summary = format!(
-                "claimed (worker row {app_status}), not started yet: {}",
-                held_by(&explanation)
-            );
+            explanation.summary = match &explanation.holder {
+                Some(h) => format!(
+                    "claimed (worker row {app_status}), not started yet: {}",
+                    h.describe()
+                ),
+                None => format!(
+                    "claimed by worker row {app_status} without a lock (an immediate task marked \
+                     for that worker, or a claim the reconciler puts back); only ClaimTask by \
+                     that worker hands it out"
+                ),
+            };
             return Ok(explanation);
         }
 
@@ -335,7 +378,8 @@ impl Admin {
         }
         let mut reserved = Reservations::default();
         let mut conflicting: BTreeMap<(String, Mode), Vec<Holder>> = BTreeMap::new();
-        for lock in &held {
+        // Its own lock (a grant under way) is no obstacle.
+        for lock in facts.held.iter().filter(|l| l.task_id != own) {
             let locked = Resources {
                 exclusive: lock.exclusive.clone(),
                 shared: lock.shared.clone(),
@@ -359,23 +403,15 @@ impl Admin {
                 }
             })
             .collect();
-        let leases = self
-            .locks
-            .lease_table("", false, "", MAX_LEASES_WEIGHED)
-            .await?;
-        explanation.live_leases = leases.leases.len() as u32;
         let rule = ready::obstacles(candidate, &reserved, &BTreeMap::new());
-        let compatible = leases
-            .leases
+        let compatible = facts
+            .versions
             .iter()
-            .filter(|l| {
-                let versions = parse_versions(&l.versions).unwrap_or_default();
-                !ready::obstacles(candidate, &reserved, &versions).incompatible
-            })
+            .filter(|versions| !ready::obstacles(candidate, &reserved, versions).incompatible)
             .count();
         explanation.ready = rule.ready_by_rule();
         explanation.incompatible_with_every_live_lease =
-            !leases.leases.is_empty() && compatible == 0;
+            !facts.versions.is_empty() && compatible == 0;
         explanation.summary = summary(&explanation);
         Ok(explanation)
     }
@@ -391,7 +427,7 @@ impl Admin {
         // One more than the page: whether it exists says whether there is a next page.
         let page = self
             .locks
-            .lease_table(worker_contains, include_expired, after, page_size + 1)
+            .lease_table(worker_contains, include_expired, after, page_size + 1, true)
             .await?;
         let now = page.now_ms;
         let mut items: Vec<LeaseSummary> = page
@@ -473,18 +509,17 @@ impl Admin {
 
     /// BlockedResources: the survey of the gauge's last pass, each head explained now.
     pub async fn blocked(&self, limit: usize) -> Result<BlockedReport> {
-        let survey = match self.lanes.survey().await? {
-            Some(survey) => survey,
-            None => {
-                // Nothing computed yet (a fresh Redis): compute it now, once.
-                self.lanes.compute_now().await?;
-                self.lanes.survey().await?.unwrap_or_default()
-            }
+        let Some((resources, age)) = self.lanes.survey().await? else {
+            return Err(Error::NotYet(
+                "the lane gauge has not surveyed the queue yet (it does within a second of the \
+                 broker starting, then every --lane-interval); retry shortly"
+                    .into(),
+            ));
         };
-        let (resources, age) = survey;
+        let facts = self.facts().await?;
         let mut out = Vec::new();
         for survey in resources.into_iter().take(limit) {
-            let head = match self.explain(survey.head, 3).await {
+            let head = match self.explain_with(survey.head, 3, &facts).await {
                 Ok(e) => Some(e),
                 Err(Error::TaskNotFound(_)) => None,
                 Err(e) => return Err(e),
@@ -497,45 +532,79 @@ impl Admin {
         })
     }
 
-    /// RevokeLease: the sweeper's path for one lease, now, whether it is alive or not.
+    /// RevokeLease: the sweeper's path for one lease, now, whether it is alive or not. Runs to
+    /// the end even if the caller goes away.
     pub async fn revoke(
         &self,
         actor: &str,
         lease_id: Uuid,
         reason: &str,
     ) -> Result<(AuditRecord, Released)> {
-        let closed = self
-            .leases
-            .revoke(&lease_id.to_string(), reason)
-            .await?
-            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
-        self.waiters.wake();
-        let released = Released {
-            locks: closed.released_locks,
-            requeued: closed.requeued_tasks,
-            failed: closed.failed_tasks,
-        };
-        let record = AuditRecord {
-            action: "revoke_lease",
-            actor: actor.to_owned(),
-            target: lease_id.to_string(),
-            reason: reason.to_owned(),
-            at: Utc::now(),
-            outcome: outcome(&released),
-        };
-        audit(&record);
-        Ok((record, released))
+        let this = self.clone();
+        let (actor, reason) = (actor.to_owned(), reason.to_owned());
+        detached(async move {
+            intent("revoke_lease", &actor, &lease_id.to_string(), &reason);
+            let closed = this
+                .leases
+                .revoke(&lease_id.to_string(), &reason, "revoke")
+                .await?
+                .ok_or_else(|| Error::NoSuchLease(lease_id.to_string()))?;
+            this.waiters.wake();
+            let released = Released {
+                locks: closed.released_locks,
+                requeued: closed.requeued_tasks,
+                failed: closed.failed_tasks,
+            };
+            let record = AuditRecord {
+                action: "revoke_lease",
+                actor,
+                target: lease_id.to_string(),
+                reason,
+                at: Utc::now(),
+                outcome: outcome(&released),
+            };
+            audit(&record);
+            Ok((record, released))
+        })
+        .await
     }
 
     /// ForceRelease: frees the locks on `resource` when none of its holders' leases is alive:
-    /// an expired lease is ended as the sweeper would end it; a lock whose lease record is gone
-    /// is released and its task put back (claimed) or failed (running) with the reason.
+    /// an expired lease is ended as the sweeper would end it (all its locks); a lock whose lease
+    /// record is gone is released (only if it is still the lock the operator saw) and its task
+    /// put back (claimed) or failed (running) with the reason. Runs to the end even if the
+    /// caller goes away.
     pub async fn force_release(
         &self,
         actor: &str,
         resource: &str,
         reason: &str,
     ) -> Result<(AuditRecord, Vec<Holder>, Released)> {
+        let this = self.clone();
+        let (actor, resource, reason) = (actor.to_owned(), resource.to_owned(), reason.to_owned());
+        detached(async move {
+            intent("force_release", &actor, &resource, &reason);
+            let (holders, released) = this.force_release_now(&resource, &reason).await?;
+            this.waiters.wake();
+            let record = AuditRecord {
+                action: "force_release",
+                actor,
+                target: resource,
+                reason,
+                at: Utc::now(),
+                outcome: outcome(&released),
+            };
+            audit(&record);
+            Ok((record, holders, released))
+        })
+        .await
+    }
+
+    async fn force_release_now(
+        &self,
+        resource: &str,
+        reason: &str,
+    ) -> Result<(Vec<Holder>, Released)> {
         let (now_ms, held) = self.locks.lock_table().await?;
         let holders: Vec<Holder> = held
             .iter()
@@ -559,24 +628,48 @@ impl Admin {
         }
         let mut released = Released::default();
         let mut ended_leases: Vec<&str> = Vec::new();
+        let mut done = Vec::new();
         for h in &holders {
             if h.lease_expires_at.is_some() {
-                if ended_leases.contains(&h.lease_id.as_str()) {
-                    continue;
+                // Expired, not yet swept: a heartbeat can no longer revive it, so ending it is
+                // the sweeper's own step, taken now.
+                if !ended_leases.contains(&h.lease_id.as_str()) {
+                    ended_leases.push(&h.lease_id);
+                    if let Some(closed) = self
+                        .leases
+                        .revoke(&h.lease_id, reason, "force_release")
+                        .await?
+                    {
+                        released.locks += closed.released_locks;
+                        released.requeued += closed.requeued_tasks;
+                        released.failed += closed.failed_tasks;
+                    }
                 }
-                ended_leases.push(&h.lease_id);
-                if let Some(closed) = self.leases.revoke(&h.lease_id, reason).await? {
-                    released.locks += closed.released_locks;
-                    released.requeued += closed.requeued_tasks;
-                    released.failed += closed.failed_tasks;
-                }
+                done.push(h.clone());
                 continue;
             }
-            // The lease record is gone: release this task's lock and end its claim.
-            if self.locks.force_release(&h.task_id).await?.is_some() {
-                released.locks += 1;
-                self.stats.locks_released("force_release", 1);
+            // The lease record is gone: release this lock only if it is still the one seen
+            // (same lease and token, lease not back), then end the claim it left behind. Once
+            // the lock is released the task cannot be granted again while it stays claimed, so
+            // its claim is still the dead holder's.
+            match self
+                .locks
+                .release_orphan(&h.task_id, &h.lease_id, h.fencing_token)
+                .await?
+            {
+                Some(true) => {}
+                Some(false) => continue,
+                None => {
+                    return Err(Error::Refused(format!(
+                        "the lease {} holding {resource} came back meanwhile; nothing more was \
+                         released (look again with `dispatch-broker locks {resource}`)",
+                        h.lease_id
+                    )))
+                }
             }
+            released.locks += 1;
+            self.stats.locks_released("force_release", 1);
+            done.push(h.clone());
             let Ok(task) = h.task_id.parse::<Uuid>() else {
                 continue;
             };
@@ -590,18 +683,37 @@ impl Admin {
                 self.locks.note_changes(&["*"]).await?;
             }
         }
-        self.waiters.wake();
-        let record = AuditRecord {
-            action: "force_release",
-            actor: actor.to_owned(),
-            target: resource.to_owned(),
-            reason: reason.to_owned(),
-            at: Utc::now(),
-            outcome: outcome(&released),
-        };
-        audit(&record);
-        Ok((record, holders, released))
+        Ok((done, released))
     }
+}
+
+/// Runs an audited write in its own task, so a caller that goes away (a CLI timeout, Ctrl-C)
+/// cannot stop it half-way; a failure is logged with the action's intent.
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    tokio::spawn(async move {
+        let outcome = work.await;
+        if let Err(e) = &outcome {
+            tracing::warn!(error = %e, "admin action not done");
+        }
+        outcome
+    })
+    .await
+    .map_err(|e| Error::Internal(format!("an admin action stopped: {e}")))?
+}
+
+/// Logs what an operator asked for, before anything changes.
+fn intent(action: &str, actor: &str, target: &str, reason: &str) {
+    tracing::warn!(action, actor, target, reason, "admin action requested");
+}
+
+/// What every explanation in one call weighs besides the task itself.
+struct Facts {
+    now_ms: i64,
+    held: Vec<HeldLock>,
+    live_leases: u32,
+    versions: Vec<BTreeMap<String, String>>,
 }
 
 /// The one line an explanation of a waiting, unclaimed task opens with.
@@ -628,7 +740,9 @@ fn summary(e: &Explanation) -> String {
         reasons.push("no worker is connected (no live lease)".into());
     }
     match (e.ready, reasons.is_empty()) {
-        (true, true) => "ready: the next FetchTask of a compatible worker gets it".into(),
+        (true, true) => {
+            "ready: a compatible worker's FetchTask hands it out (oldest ready task first)".into()
+        }
         (true, false) => format!("ready by the rule, but {}", reasons.join("; ")),
         (false, _) => reasons.join("; "),
     }

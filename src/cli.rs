@@ -18,22 +18,49 @@ use crate::proto::admin_client::AdminClient;
 
 type Client = AdminClient<tonic::service::interceptor::InterceptedService<Channel, TokenAuth>>;
 
-/// Adds the admin token to every call.
+type Header = tonic::metadata::MetadataValue<tonic::metadata::Ascii>;
+
+/// Adds the admin token, and who runs the CLI (`user@host`, for the broker's audit), to every
+/// call.
 #[derive(Clone)]
-struct TokenAuth(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+struct TokenAuth {
+    token: Option<Header>,
+    actor: Option<Header>,
+}
 
 impl tonic::service::Interceptor for TokenAuth {
     fn call(
         &mut self,
         mut request: tonic::Request<()>,
     ) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(token) = &self.0 {
+        if let Some(token) = &self.token {
             request
                 .metadata_mut()
                 .insert("authorization", token.clone());
         }
+        if let Some(actor) = &self.actor {
+            request
+                .metadata_mut()
+                .insert(crate::security::ACTOR_HEADER, actor.clone());
+        }
         Ok(request)
     }
+}
+
+/// `user@host` of whoever runs the CLI, from the environment.
+fn whoami() -> Option<Header> {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .ok()?;
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
+    let who = if host.is_empty() {
+        user
+    } else {
+        format!("{user}@{host}")
+    };
+    who.parse().ok()
 }
 
 /// Connects to the broker `args` names, with its credential.
@@ -84,7 +111,13 @@ async fn connect(args: &AdminClientArgs) -> anyhow::Result<Client> {
             source_text(&e)
         )
     })?;
-    Ok(AdminClient::with_interceptor(channel, TokenAuth(header)))
+    Ok(AdminClient::with_interceptor(
+        channel,
+        TokenAuth {
+            token: header,
+            actor: whoami(),
+        },
+    ))
 }
 
 /// The innermost cause of a transport error (tonic's outer text is just "transport error").
@@ -376,7 +409,13 @@ pub async fn locks(args: &LocksArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut t = table(&[
-        "RESOURCE", "MODE", "TASK", "WORKER", "LEASE", "TOKEN", "LEASE STATE",
+        "RESOURCE",
+        "MODE",
+        "TASK",
+        "WORKER",
+        "LEASE",
+        "TOKEN",
+        "LEASE STATE",
     ]);
     for l in &page.locks {
         for h in &l.holders {

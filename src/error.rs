@@ -21,6 +21,12 @@ pub enum Error {
         "core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty"
     )]
     AppStatusNotFound(Uuid),
+    /// An operator named a lease that does not exist (any more).
+    #[error("no lease {0}: it was closed or swept already; `dispatch-broker leases --include-expired` lists the leases there are")]
+    NoSuchLease(String),
+    /// What was asked for is not there yet; the message says when to retry.
+    #[error("{0}")]
+    NotYet(String),
     /// No lock is held on the resource.
     #[error("no lock is held on {0}; `dispatch-broker locks` lists the held ones")]
     LockNotFound(String),

@@ -48,7 +48,8 @@ impl From<Error> for Status {
         }
         match error {
             Error::InvalidArgument(_) => Status::invalid_argument(message),
-            Error::LeaseNotFound(_) => not_found(message, NOT_FOUND_LEASE),
+            Error::LeaseNotFound(_) | Error::NoSuchLease(_) => not_found(message, NOT_FOUND_LEASE),
+            Error::NotYet(_) => Status::unavailable(message),
             Error::TaskNotFound(_) => not_found(message, NOT_FOUND_TASK),
             Error::AppStatusNotFound(_) => not_found(message, NOT_FOUND_APP_STATUS),
             Error::LockNotFound(_) => not_found(message, NOT_FOUND_LOCK),

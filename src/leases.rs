@@ -245,10 +245,16 @@ impl Leases {
         Ok(closed)
     }
 
-    /// RevokeLease (an operator's order): ends the lease now as the sweeper would, live or
-    /// expired, failing its running tasks with `reason`. `None` when the lease is unknown.
-    pub async fn revoke(&self, lease_id: &str, reason: &str) -> Result<Option<Closed>> {
-        self.end(lease_id, reason, None, "revoke").await
+    /// RevokeLease and ForceRelease (an operator's order): ends the lease now as the sweeper
+    /// would, live or expired, failing its running tasks with `reason`; `path` labels the
+    /// released locks. `None` when the lease is unknown.
+    pub async fn revoke(
+        &self,
+        lease_id: &str,
+        reason: &str,
+        path: &'static str,
+    ) -> Result<Option<Closed>> {
+        self.end(lease_id, reason, None, path).await
     }
 
     /// Ends a lease: expire, end its tasks in Postgres, release its locks. `None` when the lease

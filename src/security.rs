@@ -69,6 +69,9 @@ fn read_token(
     Ok(Some(token.to_owned()))
 }
 
+/// The metadata key in which an admin client names the person or program behind the call.
+pub const ACTOR_HEADER: &str = "x-dispatch-actor";
+
 /// The name of whoever passed [`AdminAuth`], put in the request's extensions for the audit.
 #[derive(Debug, Clone)]
 pub struct Actor(pub String);
@@ -144,7 +147,19 @@ impl tonic::service::Interceptor for AdminAuth {
                      --admin-token-file)",
                 )),
             };
-        request.extensions_mut().insert(Actor(actor.to_owned()));
+        // Who is behind the credential, as the client says (the CLI sends `user@host`): for the
+        // audit only, never for a decision.
+        let said = request
+            .metadata()
+            .get(ACTOR_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.chars().take(128).collect::<String>())
+            .filter(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_graphic()));
+        let actor = match said {
+            Some(said) => format!("{actor} ({said})"),
+            None => actor.to_owned(),
+        };
+        request.extensions_mut().insert(Actor(actor));
         Ok(request)
     }
 }

@@ -800,3 +800,39 @@ async fn the_cli_explains_lists_and_revokes_against_a_running_broker() {
     .await
     .is_some());
 }
+
+#[tokio::test]
+async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
+    // ForceRelease acts on what it read a moment before; the script re-checks it atomically.
+    let mut env = Env::new().await;
+    let task = env.task(&["A"]).await;
+    let lease = env.open("w").await;
+    let g = env.fetch(&lease).await.unwrap();
+    let locks = &env.broker().locks;
+    let id = task.to_string();
+    // The lease lives: refused, nothing done.
+    assert_eq!(
+        locks
+            .release_orphan(&id, &lease, g.fencing_token)
+            .await
+            .unwrap(),
+        None
+    );
+    // Another lease or another token (the lock was granted anew meanwhile): nothing done.
+    let other = Uuid::new_v4().to_string();
+    assert_eq!(
+        locks
+            .release_orphan(&id, &other, g.fencing_token)
+            .await
+            .unwrap(),
+        Some(false)
+    );
+    assert_eq!(
+        locks
+            .release_orphan(&id, &lease, g.fencing_token + 1)
+            .await
+            .unwrap(),
+        Some(false)
+    );
+    env.assert_locks(&[&g]).await;
+}

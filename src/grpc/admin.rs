@@ -90,8 +90,8 @@ fn actor<T>(request: &Request<T>) -> String {
         .unwrap_or_else(|| "anonymous".into())
 }
 
-fn span(method: &'static str) -> tracing::Span {
-    tracing::info_span!("admin", method)
+fn span(method: &'static str, actor: &str) -> tracing::Span {
+    tracing::info_span!("admin", method, actor)
 }
 
 fn duration(d: std::time::Duration) -> Option<prost_types::Duration> {
@@ -182,13 +182,14 @@ impl proto::admin_server::Admin for AdminService {
         &self,
         request: Request<proto::ExplainTaskRequest>,
     ) -> Result<Response<proto::Explanation>, Status> {
+        let actor = actor(&request);
         let r = request.get_ref();
         let task_id = parse_id("task_id", &r.task_id)?;
         let max = bounded("max_conflicts", r.max_conflicts, 10, 100)?;
         let explanation = self
             .admin
             .explain(task_id, max)
-            .instrument(span("ExplainTask"))
+            .instrument(span("ExplainTask", &actor))
             .await?;
         Ok(Response::new(explanation.into()))
     }
@@ -197,6 +198,7 @@ impl proto::admin_server::Admin for AdminService {
         &self,
         request: Request<proto::ListLeasesRequest>,
     ) -> Result<Response<proto::ListLeasesResponse>, Status> {
+        let actor = actor(&request);
         let r = request.into_inner();
         let page_size = bounded("page_size", r.page_size, 50, 500)?;
         if !r.page_token.is_empty() {
@@ -217,7 +219,7 @@ impl proto::admin_server::Admin for AdminService {
                 page_size,
                 &r.page_token,
             )
-            .instrument(span("ListLeases"))
+            .instrument(span("ListLeases", &actor))
             .await?;
         Ok(Response::new(proto::ListLeasesResponse {
             leases: page
@@ -243,6 +245,7 @@ impl proto::admin_server::Admin for AdminService {
         &self,
         request: Request<proto::ListLocksRequest>,
     ) -> Result<Response<proto::ListLocksResponse>, Status> {
+        let actor = actor(&request);
         let r = request.into_inner();
         let page_size = bounded("page_size", r.page_size, 50, 500)?;
         let prefix = resource("resource_prefix", &r.resource_prefix, false)?;
@@ -250,7 +253,7 @@ impl proto::admin_server::Admin for AdminService {
         let page = self
             .admin
             .locks(&prefix, page_size, after)
-            .instrument(span("ListLocks"))
+            .instrument(span("ListLocks", &actor))
             .await?;
         Ok(Response::new(proto::ListLocksResponse {
             locks: page.items.into_iter().map(Into::into).collect(),
@@ -263,11 +266,12 @@ impl proto::admin_server::Admin for AdminService {
         &self,
         request: Request<proto::BlockedResourcesRequest>,
     ) -> Result<Response<proto::BlockedResourcesResponse>, Status> {
+        let actor = actor(&request);
         let limit = bounded("limit", request.get_ref().limit, 10, 100)?;
         let report = self
             .admin
             .blocked(limit)
-            .instrument(span("BlockedResources"))
+            .instrument(span("BlockedResources", &actor))
             .await?;
         let computed_at =
             chrono::Utc::now() - chrono::Duration::from_std(report.age).unwrap_or_default();
@@ -297,7 +301,7 @@ impl proto::admin_server::Admin for AdminService {
         let (audit, released) = self
             .admin
             .revoke(&actor, lease_id, &reason)
-            .instrument(span("RevokeLease"))
+            .instrument(span("RevokeLease", &actor))
             .await?;
         Ok(Response::new(proto::RevokeLeaseResponse {
             audit: Some(audit.into()),
@@ -318,7 +322,7 @@ impl proto::admin_server::Admin for AdminService {
         let (audit, holders, released) = self
             .admin
             .force_release(&actor, &name, &reason)
-            .instrument(span("ForceRelease"))
+            .instrument(span("ForceRelease", &actor))
             .await?;
         Ok(Response::new(proto::ForceReleaseResponse {
             audit: Some(audit.into()),

@@ -37,6 +37,7 @@ pub(super) struct Scripts {
     pub blocked_survey: Script,
     pub lock_table: Script,
     pub lease_table: Script,
+    pub release_orphan: Script,
 }
 
 impl Scripts {
@@ -62,10 +63,11 @@ impl Scripts {
             blocked_survey: script!("blocked_survey.lua"),
             lock_table: script!("lock_table.lua"),
             lease_table: script!("lease_table.lua"),
+            release_orphan: script!("release_orphan.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 20] {
+    pub fn all(&self) -> [&Script; 21] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -87,6 +89,7 @@ impl Scripts {
             &self.blocked_survey,
             &self.lock_table,
             &self.lease_table,
+            &self.release_orphan,
         ]
     }
 }

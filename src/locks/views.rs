@@ -1,7 +1,7 @@
-//! Reads of the lock state for the operator's view (`admin`): who holds what, which leases
-//! live, and the survey of blocked resources the lane gauge stored. Each read is one script
-//! whose cost is what is held (locks, leases), never the number of tasks or a keyspace scan.
-//! Nothing here writes.
+//! The lock state as the operator's view (`admin`) sees it: who holds what, which leases live,
+//! the survey of blocked resources the lane gauge stored, and the one audited write of its own
+//! (releasing a lock whose lease record is gone). Each read is one script whose cost is what is
+//! held (locks, leases), never the number of tasks or a keyspace scan.
 
 use deadpool_redis::redis::Value;
 
@@ -104,13 +104,15 @@ impl Locks {
     }
 
     /// One page of leases, in lease id order after `after`: live ones, or also those expired
-    /// but not yet swept; `worker_contains` filters by worker name ("" for all).
+    /// but not yet swept; `worker_contains` filters by worker name ("" for all). Without
+    /// `details`, the tasks and locks of each lease are left out (for reading versions only).
     pub async fn lease_table(
         &self,
         worker_contains: &str,
         include_expired: bool,
         after: &str,
         page_size: usize,
+        details: bool,
     ) -> Result<LeasePage, Error> {
         let reply: Vec<Value> = self
             .run(
@@ -121,7 +123,8 @@ impl Locks {
                     .arg(worker_contains)
                     .arg(if include_expired { "1" } else { "0" })
                     .arg(after)
-                    .arg(page_size),
+                    .arg(page_size)
+                    .arg(if details { "1" } else { "0" }),
             )
             .await?;
         let (Some(now_ms), Some(total)) = (int(reply.first()), int(reply.get(1))) else {
@@ -153,6 +156,36 @@ impl Locks {
             total: total.max(0) as u64,
             leases,
         })
+    }
+
+    /// Releases the lock of `task_id` if it is still held by `lease_id` under `fencing_token`
+    /// and that lease has no record and is not alive: `Some(true)` released, `Some(false)` the
+    /// lock is gone or another holder's now, `None` the lease lives (nothing done either way).
+    pub async fn release_orphan(
+        &self,
+        task_id: &str,
+        lease_id: &str,
+        fencing_token: u64,
+    ) -> Result<Option<bool>, Error> {
+        let code: i64 = self
+            .run(
+                self.scripts
+                    .release_orphan
+                    .key(self.keys.task(task_id))
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .arg(self.keys.tag())
+                    .arg(task_id)
+                    .arg(lease_id)
+                    .arg(fencing_token),
+            )
+            .await?;
+        match code {
+            1 => Ok(Some(true)),
+            0 => Ok(Some(false)),
+            -1 => Ok(None),
+            other => Err(protocol("release_orphan", &other)),
+        }
     }
 
     /// The survey of blocked resources the last lane computation stored: `(JSON or None,
