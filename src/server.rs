@@ -265,9 +265,11 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     let server = tokio::spawn(serve(
         serving,
         listener,
-        service,
-        admin,
-        scaler,
+        Services {
+            broker: service,
+            admin,
+            scaler,
+        },
         health_service,
         reflection,
         shutdown,
@@ -331,6 +333,13 @@ async fn run_background(
     }
 }
 
+/// The broker's own gRPC services.
+struct Services {
+    broker: BrokerService,
+    admin: AdminService,
+    scaler: Scaler,
+}
+
 /// How the gRPC port is served: limits, TLS, authentication.
 struct Serving {
     max_per_connection: usize,
@@ -343,9 +352,7 @@ struct Serving {
 async fn serve(
     serving: Serving,
     listener: tokio::net::TcpListener,
-    service: BrokerService,
-    admin: AdminService,
-    scaler: Scaler,
+    services: Services,
     health: tonic_health::pb::health_server::HealthServer<
         impl tonic_health::pb::health_server::Health,
     >,
@@ -370,14 +377,14 @@ async fn serve(
         .add_service(health)
         .add_service(reflection)
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            BrokerServer::new(service).max_decoding_message_size(serving.max_message_bytes),
+            BrokerServer::new(services.broker).max_decoding_message_size(serving.max_message_bytes),
             serving.auth,
         ))
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            AdminServer::new(admin).max_decoding_message_size(serving.max_message_bytes),
+            AdminServer::new(services.admin).max_decoding_message_size(serving.max_message_bytes),
             serving.admin_auth,
         ))
-        .add_service(ExternalScalerServer::new(scaler))
+        .add_service(ExternalScalerServer::new(services.scaler))
         // TCP_NODELAY on every accepted connection: without it, a reply written in more than
         // one piece (headers, data, trailers) waits for the client's delayed ACK (~40 ms).
         .serve_with_incoming_shutdown(

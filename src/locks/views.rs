@@ -70,7 +70,7 @@ impl Locks {
             .await?;
         let now = int(reply.first()).ok_or_else(|| protocol("lock_table", &reply))?;
         let rows = &reply[1..];
-        if rows.len() % 7 != 0 {
+        if !rows.len().is_multiple_of(7) {
             return Err(protocol("lock_table", &reply));
         }
         let names = |v: &Value| -> Vec<String> {
