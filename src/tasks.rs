@@ -355,6 +355,21 @@ impl Tasks {
         self.timed(client.query(&prepared, params)).await
     }
 
+    /// A read-only statement. When the pooled connection turns out to have been closed by the
+    /// server while it sat idle (a restart, a terminated session) before the pool noticed, the
+    /// read is tried once more on a fresh connection: a read changes nothing, so repeating it is
+    /// safe, and a client should not see a failure the broker can absorb.
+    async fn query_read(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error> {
+        match self.query(statement, params).await {
+            Err(Error::Db(e)) if e.is_closed() => self.query(statement, params).await,
+            other => other,
+        }
+    }
+
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
     /// overlap `excluded` or the conflict keys of claimed and running tasks; also the held
     /// entries it skipped by.
@@ -366,7 +381,7 @@ impl Tasks {
     ) -> Result<(Vec<TaskRow>, Vec<String>), Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
         let rows = self
-            .query(
+            .query_read(
                 sql::CANDIDATES,
                 &[&excluded, &after_created, &after_id, &limit],
             )
@@ -390,7 +405,7 @@ impl Tasks {
     }
 
     async fn task_by(&self, statement: &str, id: Uuid) -> Result<Option<TaskWithState>, Error> {
-        let rows = self.query(statement, &[&id]).await?;
+        let rows = self.query_read(statement, &[&id]).await?;
         rows.first()
             .map(|row| {
                 Ok(TaskWithState {
@@ -512,7 +527,10 @@ impl Tasks {
 
     /// Whether a `core_appstatus` row exists.
     pub async fn app_status_exists(&self, id: Uuid) -> Result<bool, Error> {
-        Ok(!self.query(sql::APP_STATUS_EXISTS, &[&id]).await?.is_empty())
+        Ok(!self
+            .query_read(sql::APP_STATUS_EXISTS, &[&id])
+            .await?
+            .is_empty())
     }
 
     /// Refreshes `last_heartbeat`; returns the worker's tasks that were asked to cancel.
@@ -523,7 +541,7 @@ impl Tasks {
 
     /// Every claimed task asked to cancel, with the row that claimed it.
     pub async fn canceling(&self) -> Result<Vec<(Uuid, Uuid)>, Error> {
-        let rows = self.query(sql::CANCELING, &[]).await?;
+        let rows = self.query_read(sql::CANCELING, &[]).await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect()
@@ -576,7 +594,7 @@ impl Tasks {
     /// Among locked tasks, those whose lock serves no one: `(id, true)` when the task is final
     /// or gone, `(id, false)` when it is waiting and unclaimed.
     pub async fn lock_targets(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, bool)>, Error> {
-        let rows = self.query(sql::LOCK_TARGETS, &[&ids]).await?;
+        let rows = self.query_read(sql::LOCK_TARGETS, &[&ids]).await?;
         rows.iter()
             .map(|r| {
                 let kind: String = r.try_get(1)?;
@@ -588,7 +606,7 @@ impl Tasks {
     /// Claimed incomplete tasks untouched for `quiet`: `(id, state, app_lock_id)`.
     pub async fn claimed_since(&self, quiet: Duration) -> Result<Vec<(Uuid, String, Uuid)>, Error> {
         let secs = quiet.as_secs_f64();
-        let rows = self.query(sql::CLAIMED_SINCE, &[&secs]).await?;
+        let rows = self.query_read(sql::CLAIMED_SINCE, &[&secs]).await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
             .collect()
@@ -636,7 +654,7 @@ impl Tasks {
         limit: i64,
     ) -> Result<Vec<OlderTask>, Error> {
         let rows = self
-            .query(sql::OLDER_CONFLICTS, &[&task, &keys, &limit])
+            .query_read(sql::OLDER_CONFLICTS, &[&task, &keys, &limit])
             .await?;
         rows.iter()
             .map(|r| {
@@ -660,7 +678,7 @@ impl Tasks {
         held: &[String],
     ) -> Result<Vec<String>, Error> {
         let rows = self
-            .query(sql::HIDING, &[&position.0, &position.1, &held])
+            .query_read(sql::HIDING, &[&position.0, &position.1, &held])
             .await?;
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
@@ -685,13 +703,13 @@ impl Tasks {
 
     /// Whether any task is incomplete.
     pub async fn any_incomplete(&self) -> Result<bool, Error> {
-        let rows = self.query(sql::ANY_INCOMPLETE, &[]).await?;
+        let rows = self.query_read(sql::ANY_INCOMPLETE, &[]).await?;
         Ok(rows.first().map(|r| r.get(0)).unwrap_or(false))
     }
 
     /// Every claimed incomplete task with its worker row, for rebuilding lost lock state.
     pub async fn claimed_tasks(&self) -> Result<Vec<ClaimedTask>, Error> {
-        let rows = self.query(sql::CLAIMED_TASKS, &[]).await?;
+        let rows = self.query_read(sql::CLAIMED_TASKS, &[]).await?;
         rows.iter()
             .map(|r| {
                 let record: Vec<String> = r.try_get(1)?;
