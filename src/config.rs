@@ -445,6 +445,16 @@ pub struct SecurityArgs {
         conflicts_with = "admin_token_file"
     )]
     pub admin_token: Option<String>,
+    /// Client-certificate names (subject CN or DNS SAN) that are admins, with mutual TLS
+    /// (--tls-client-ca): such a certificate opens the admin API like the admin token; any
+    /// other client certificate gets PERMISSION_DENIED there. Comma-separated in the variable.
+    #[arg(
+        long = "admin-client-name",
+        env = "DISPATCH_ADMIN_CLIENT_NAMES",
+        value_delimiter = ',',
+        requires = "tls_client_ca"
+    )]
+    pub admin_client_names: Vec<String>,
     /// PEM certificate chain for TLS on the gRPC port (with --tls-key).
     #[arg(long, env = "DISPATCH_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

@@ -76,19 +76,23 @@ pub const ACTOR_HEADER: &str = "x-dispatch-actor";
 #[derive(Debug, Clone)]
 pub struct Actor(pub String);
 
-/// Guards the admin API: the admin token opens it; a worker's token gets PERMISSION_DENIED. With
-/// no authentication configured at all it is open (actor "anonymous"); with worker
-/// authentication but no admin token it is off.
+/// Guards the admin API: the admin token, or (with mutual TLS) a client certificate named in
+/// --admin-client-name, opens it; a worker's token or another client certificate gets
+/// PERMISSION_DENIED. With no authentication configured at all it is open (actor "anonymous");
+/// with worker authentication but no admin credential it is off.
 #[derive(Clone, Default)]
 pub struct AdminAuth {
     admin: Option<Arc<[u8]>>,
     worker: Option<Arc<[u8]>>,
+    /// Client-certificate names that are admins.
+    names: Arc<[String]>,
     /// Any authentication is configured (a worker token or client certificates).
     guarded: bool,
 }
 
 impl AdminAuth {
-    /// Reads `--admin-token-file`/`--admin-token` beside the worker token.
+    /// Reads `--admin-token-file`/`--admin-token` beside the worker token, and the admin
+    /// certificate names.
     pub fn from_args(args: &SecurityArgs) -> anyhow::Result<Self> {
         let admin = read_token(
             args.admin_token_file.as_deref(),
@@ -106,47 +110,106 @@ impl AdminAuth {
             admin.is_none() || admin != worker,
             "the admin token equals the worker token; give the admin API its own token"
         );
+        anyhow::ensure!(
+            args.admin_client_names.is_empty() || args.tls_client_ca.is_some(),
+            "--admin-client-name needs mutual TLS: set --tls-client-ca (and --tls-cert, --tls-key)"
+        );
         Ok(AdminAuth {
             guarded: worker.is_some() || args.tls_client_ca.is_some(),
             admin: admin.map(|t| Arc::from(t.into_bytes())),
             worker: worker.map(|t| Arc::from(t.into_bytes())),
+            names: args
+                .admin_client_names
+                .iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect(),
         })
     }
-}
 
-impl tonic::service::Interceptor for AdminAuth {
-    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+    /// Who the call's credential names, or why it is refused; `None`: no admin credential came.
+    fn identify(&self, request: &Request<()>) -> Result<Option<String>, Status> {
         let given = request
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|t| t.as_bytes().to_vec());
+            .map(str::as_bytes);
         let is = |token: &Option<Arc<[u8]>>, given: &[u8]| {
             token.as_ref().is_some_and(|t| bool::from(given.ct_eq(t)))
         };
-        let actor =
-            match (&given, &self.admin) {
-                (Some(given), _) if is(&self.admin, given) => "admin-token",
-                (Some(given), _) if is(&self.worker, given) => {
-                    return Err(Status::permission_denied(
-                        "this is a worker's token; the admin API needs the admin token (the \
+        if let Some(given) = given {
+            if is(&self.admin, given) {
+                return Ok(Some("admin-token".into()));
+            }
+            if is(&self.worker, given) {
+                return Err(Status::permission_denied(
+                    "this is a worker's token; the admin API needs the admin token (the \
                      broker's --admin-token-file; the CLI reads DISPATCH_ADMIN_TOKEN)",
-                    ))
+                ));
+            }
+        }
+        if self.names.is_empty() {
+            return Ok(None);
+        }
+        let Some(certs) = request.peer_certs() else {
+            return Ok(None);
+        };
+        let names = certs.first().map(|c| cert_names(c)).unwrap_or_default();
+        match names.iter().find(|n| self.names.contains(n)) {
+            Some(name) => Ok(Some(format!("cert:{name}"))),
+            None => Err(Status::permission_denied(format!(
+                "the client certificate ({}) is not an admin's; the broker's \
+                 --admin-client-name lists the admin certificates",
+                names.join(", ")
+            ))),
+        }
+    }
+}
+
+/// The names a certificate carries: subject common names and DNS subject alternative names.
+fn cert_names(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
+        .collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let x509_parser::extensions::GeneralName::DNSName(dns) = name {
+                names.push((*dns).to_owned());
+            }
+        }
+    }
+    names
+}
+
+impl tonic::service::Interceptor for AdminAuth {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let actor = match self.identify(&request)? {
+            Some(actor) => actor,
+            None => {
+                let configured = self.admin.is_some() || !self.names.is_empty();
+                if configured {
+                    return Err(Status::unauthenticated(
+                        "missing or wrong admin credential: send `authorization: Bearer <token>` \
+                         with the broker's --admin-token-file token (the CLI reads \
+                         DISPATCH_ADMIN_TOKEN or --admin-token-file), or an admin client \
+                         certificate",
+                    ));
                 }
-                (_, None) if self.guarded => {
+                if self.guarded {
                     return Err(Status::permission_denied(
                         "the admin API is off on this broker: start it with --admin-token-file \
-                     (or DISPATCH_ADMIN_TOKEN) and call with that token",
-                    ))
+                         (or DISPATCH_ADMIN_TOKEN) and call with that token",
+                    ));
                 }
-                (_, None) => "anonymous",
-                _ => return Err(Status::unauthenticated(
-                    "missing or wrong admin token: send `authorization: Bearer <token>` with the \
-                     broker's --admin-token-file token (the CLI reads DISPATCH_ADMIN_TOKEN or \
-                     --admin-token-file)",
-                )),
-            };
+                "anonymous".to_owned()
+            }
+        };
         // Who is behind the credential, as the client says (the CLI sends `user@host`): for the
         // audit only, never for a decision.
         let said = request
@@ -157,7 +220,7 @@ impl tonic::service::Interceptor for AdminAuth {
             .filter(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_graphic()));
         let actor = match said {
             Some(said) => format!("{actor} ({said})"),
-            None => actor.to_owned(),
+            None => actor,
         };
         request.extensions_mut().insert(Actor(actor));
         Ok(request)

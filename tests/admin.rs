@@ -836,3 +836,94 @@ async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
     );
     env.assert_locks(&[&g]).await;
 }
+
+#[tokio::test]
+async fn with_mutual_tls_an_admin_certificate_opens_the_admin_api_and_a_workers_does_not() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (server_cert, server_key) = leaf("localhost");
+    let (cert, key, ca_file) = (
+        write("server.pem", &server_cert),
+        write("server.key", &server_key),
+        write("ca.pem", &ca.pem()),
+    );
+    let env = Env::with(|a| {
+        a.security.tls_cert = Some(cert);
+        a.security.tls_key = Some(key);
+        a.security.tls_client_ca = Some(ca_file);
+        a.security.admin_client_names = vec!["ops-admin".into()];
+    })
+    .await;
+    let endpoint = format!("https://localhost:{}", env.broker().addr.port());
+    let channel_as = |name: &str| {
+        let (cert, key) = leaf(name);
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca.pem()))
+            .domain_name("localhost")
+            .identity(Identity::from_pem(cert, key));
+        let endpoint = endpoint.clone();
+        async move {
+            Channel::from_shared(endpoint)
+                .unwrap()
+                .tls_config(tls)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap()
+        }
+    };
+    let worker_channel = channel_as("worker-1").await;
+    let mut broker =
+        dispatch_broker::proto::broker_client::BrokerClient::new(worker_channel.clone());
+    let lease = broker
+        .open_lease(support::lease_request("w"))
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+
+    let denied = AdminClient::new(worker_channel)
+        .list_leases(ListLeasesRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    assert!(
+        denied.message().contains("worker-1"),
+        "{}",
+        denied.message()
+    );
+
+    let mut admin = AdminClient::new(channel_as("ops-admin").await);
+    let leases = admin
+        .list_leases(ListLeasesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(leases.total, 1);
+    let revoked = admin
+        .revoke_lease(RevokeLeaseRequest {
+            lease_id: lease,
+            reason: "drill".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(revoked.audit.unwrap().actor, "cert:ops-admin");
+}
