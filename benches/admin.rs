@@ -6,6 +6,9 @@
 //!
 //! Run: `cargo bench --bench admin` (sizes as arguments to choose others).
 
+#[path = "support/incident.rs"]
+mod incident;
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -13,7 +16,8 @@ use dispatch_broker::config::ServeArgs;
 use dispatch_broker::proto::admin_client::AdminClient;
 use dispatch_broker::proto::*;
 use dispatch_broker::testkit::{Postgres, Redis};
-use dispatch_broker::worker::{Worker, WorkerConfig};
+use dispatch_broker::worker::Worker;
+use incident::quiet;
 use tonic::transport::Channel;
 use uuid::Uuid;
 
@@ -72,32 +76,8 @@ async fn main() {
         args.lanes.cutoff = Duration::ZERO;
         let broker = dispatch_broker::server::start(&args).await.unwrap();
         let endpoint = format!("http://{}", broker.addr);
-        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        db.batch_execute(
-            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) VALUES \
-             (gen_random_uuid(), 'head', 'waiting', ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'])",
-        )
-        .await
-        .unwrap();
-        let busy = Worker::connect(&endpoint, quiet("busy")).await.unwrap();
-        let head = busy.next_task(Duration::ZERO).await.unwrap().unwrap();
-        head.start().await.unwrap();
-        db.batch_execute(&format!(
-            "BEGIN; SET LOCAL session_replication_role = replica; \
-             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), clock_timestamp(), 'blocked', 'waiting', \
-                    ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'] FROM generate_series(1, {size}); \
-             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), clock_timestamp(), 'other', 'waiting', \
-                    ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D2'] FROM generate_series(1, {OTHERS}) AS i; \
-             COMMIT;"
-        ))
-        .await
-        .unwrap();
-        db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
+        let incident::Incident { db, busy, head } =
+            incident::seed(&url, &endpoint, *size, OTHERS).await;
         let mut workers = Vec::new();
         let mut held = Vec::new();
         for w in 0..LEASES {
@@ -248,11 +228,4 @@ async fn main() {
         let ratio = figures.last().unwrap().0.as_secs_f64() / figures[0].0.as_secs_f64();
         println!("| {name} | {} | {ratio:.1}x |", cells.join(" | "));
     }
-}
-
-/// A worker whose heartbeats stay out of the measured window.
-fn quiet(name: &str) -> WorkerConfig {
-    let mut config = WorkerConfig::new(name);
-    config.ttl = Duration::from_secs(600);
-    config
 }

@@ -5,11 +5,15 @@
 //!
 //! Run: `cargo bench --bench fetch` (sizes as arguments to choose others).
 
+#[path = "support/incident.rs"]
+mod incident;
+
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
 use dispatch_broker::testkit::{Postgres, Redis};
-use dispatch_broker::worker::{FinalState, Worker, WorkerConfig};
+use dispatch_broker::worker::{FinalState, Worker};
+use incident::quiet;
 
 const OTHERS: i32 = 200;
 const LEASES: usize = 10;
@@ -48,32 +52,11 @@ async fn main() {
         args.lanes.interval = Duration::from_secs(3600);
         let broker = dispatch_broker::server::start(&args).await.unwrap();
         let endpoint = format!("http://{}", broker.addr);
-        let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        db.batch_execute(
-            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) VALUES \
-             (gen_random_uuid(), 'head', 'waiting', ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'])",
-        )
-        .await
-        .unwrap();
-        let busy = Worker::connect(&endpoint, quiet("busy")).await.unwrap();
-        let head = busy.next_task(Duration::ZERO).await.unwrap().unwrap();
-        head.start().await.unwrap();
-        db.batch_execute(&format!(
-            "BEGIN; SET LOCAL session_replication_role = replica; \
-             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), clock_timestamp(), 'blocked', 'waiting', \
-                    ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D1'] FROM generate_series(1, {size}); \
-             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), clock_timestamp(), 'other', 'waiting', \
-                    ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D2'] FROM generate_series(1, {OTHERS}) AS i; \
-             COMMIT;"
-        ))
-        .await
-        .unwrap();
-        db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
+        let incident::Incident {
+            db: _db,
+            busy,
+            head,
+        } = incident::seed(&url, &endpoint, size, OTHERS).await;
         let mut workers = Vec::new();
         for w in 0..LEASES {
             workers.push(
@@ -120,13 +103,6 @@ async fn main() {
         busy.close().await.unwrap();
         broker.shutdown().await.unwrap();
     }
-}
-
-/// A worker whose heartbeats stay out of the measured window (one every 200 s).
-fn quiet(name: &str) -> WorkerConfig {
-    let mut config = WorkerConfig::new(name);
-    config.ttl = Duration::from_secs(600);
-    config
 }
 
 fn redis_flush(redis: &Redis) {

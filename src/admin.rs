@@ -392,17 +392,7 @@ impl Admin {
                     .push(Holder::of(lock, now_ms));
             }
         }
-        explanation.conflicting_locks = conflicting
-            .into_iter()
-            .map(|((resource, mode), mut holders)| {
-                holders.sort_by_key(|h| h.fencing_token);
-                ResourceLock {
-                    resource,
-                    mode,
-                    holders,
-                }
-            })
-            .collect();
+        explanation.conflicting_locks = resource_locks(conflicting);
         let rule = ready::obstacles(candidate, &reserved, &BTreeMap::new());
         let compatible = facts
             .versions
@@ -474,17 +464,7 @@ impl Admin {
                     .push(Holder::of(lock, now_ms));
             }
         }
-        let mut all: Vec<ResourceLock> = by_resource
-            .into_iter()
-            .map(|((resource, mode), mut holders)| {
-                holders.sort_by_key(|h| h.fencing_token);
-                ResourceLock {
-                    resource,
-                    mode,
-                    holders,
-                }
-            })
-            .collect();
+        let mut all = resource_locks(by_resource);
         all.sort_by(|a, b| lock_order(a).cmp(&lock_order(b)));
         let total = all.len() as u64;
         let start = match after {
@@ -753,6 +733,21 @@ fn outcome(r: &Released) -> String {
         "{} lock(s) released, {} task(s) requeued, {} task(s) failed",
         r.locks, r.requeued, r.failed
     )
+}
+
+/// Holders grouped by resource and mode, as [`ResourceLock`]s with the oldest grant first.
+fn resource_locks(grouped: BTreeMap<(String, Mode), Vec<Holder>>) -> Vec<ResourceLock> {
+    grouped
+        .into_iter()
+        .map(|((resource, mode), mut holders)| {
+            holders.sort_by_key(|h| h.fencing_token);
+            ResourceLock {
+                resource,
+                mode,
+                holders,
+            }
+        })
+        .collect()
 }
 
 /// ListLocks order: oldest grant first (fencing tokens only grow), then resource and mode.
