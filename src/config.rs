@@ -308,6 +308,12 @@ pub struct LaneArgs {
     /// shared lane count).
     #[arg(id = "lane_refresh", long = "lane-refresh", env = "DISPATCH_LANE_REFRESH", default_value = "500ms", value_parser = parse_duration)]
     pub refresh: Duration,
+    /// How often each replica asks Postgres whether any task is incomplete (KEDA's IsActive)
+    /// when no task notification arrives. A task-insert notification (the insert trigger, or
+    /// Pulp's own wake-up channel) makes an inactive replica ask at its next refresh, so
+    /// scaling from zero stays prompt while an idle broker does not poll the task table.
+    #[arg(id = "lane_activity_check", long = "lane-activity-check", env = "DISPATCH_LANE_ACTIVITY_CHECK", default_value = "5s", value_parser = parse_duration)]
+    pub activity_check: Duration,
 }
 
 /// Fetch options.

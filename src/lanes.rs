@@ -5,9 +5,10 @@
 //! The count is computed at most once per interval across all replicas (a Redis lock) and shared
 //! through Redis with its time of computation; every replica serves that cached value to
 //! /metrics, to KEDA and to the StreamIsActive push. When a computation fails, the last value is
-//! served with its growing age and an error counter rises. Whether any task is incomplete is
-//! checked every `activity` tick (a cheap EXISTS), so a task arriving in an empty queue is pushed
-//! to KEDA within about a second.
+//! served with its growing age and an error counter rises. Whether any task is incomplete (a
+//! cheap EXISTS) is checked every `activity_check`, and at the next refresh after a task
+//! notification while the queue is inactive, so a task arriving in an empty queue is pushed to
+//! KEDA within about a second while an idle broker leaves the task table alone.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,6 +100,8 @@ pub struct LaneConfig {
     pub cutoff: Duration,
     /// How often activity, live leases and the shared count are refreshed.
     pub refresh: Duration,
+    /// How often activity is checked in Postgres without a task notification.
+    pub activity_check: Duration,
 }
 
 /// The gauge of one replica.
@@ -108,6 +111,9 @@ pub struct Lanes {
     config: LaneConfig,
     replica: String,
     state: watch::Sender<Gauge>,
+    /// Signalled on every task notification (`dispatch::wakeups`): an inactive queue may have
+    /// become active.
+    inserted: Arc<tokio::sync::Notify>,
 }
 
 impl Lanes {
@@ -119,6 +125,7 @@ impl Lanes {
             config,
             replica,
             state: watch::channel(Gauge::default()).0,
+            inserted: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -161,18 +168,39 @@ impl Lanes {
         self.state.subscribe()
     }
 
-    /// Refreshes every `refresh` until shutdown.
+    /// What task notifications signal (for `dispatch::wakeups::listen`).
+    pub fn insert_signal(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.inserted)
+    }
+
+    /// Refreshes every `refresh` until shutdown. Activity is checked in Postgres every
+    /// `activity_check`, and at the next refresh after a task notification while the queue is
+    /// inactive (the one change that must reach KEDA quickly: scaling from zero). An idle
+    /// broker so asks the task table once per `activity_check`, not once per refresh.
     pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
         let mut tick = tokio::time::interval(self.config.refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_check: Option<Instant> = None;
+        let mut notified = false;
         loop {
+            let inactive = !self.current().active;
             tokio::select! {
                 _ = tick.tick() => {}
+                _ = self.inserted.notified(), if inactive && !notified => {
+                    notified = true;
+                    continue;
+                }
                 _ = shutdown.fired() => return,
             }
-            if let Err(e) = self.refresh().await {
+            let check =
+                notified || last_check.is_none_or(|t| t.elapsed() >= self.config.activity_check);
+            if let Err(e) = self.refresh_with(check).await {
                 metrics::lane_error();
                 tracing::warn!(error = %e, "refreshing the lane gauge failed; serving the last value");
+            }
+            if check {
+                last_check = Some(Instant::now());
+                notified = false;
             }
             metrics::publish_gauge(&self.current());
         }
@@ -181,10 +209,19 @@ impl Lanes {
     /// One refresh: activity, live leases, and the shared lane count (computed here when it is
     /// due and no other replica is computing it).
     pub async fn refresh(&self) -> Result<()> {
+        self.refresh_with(true).await
+    }
+
+    /// [`Lanes::refresh`], asking Postgres about activity only when `check_activity`.
+    async fn refresh_with(&self, check_activity: bool) -> Result<()> {
         // Activity needs only Postgres, the shared count only Redis: one failing does not stop
         // the other, and the served value's age keeps growing whichever fails.
-        let activity = self.tasks.any_incomplete().await;
-        if let Ok(active) = activity {
+        let activity = if check_activity {
+            self.tasks.any_incomplete().await.map(Some)
+        } else {
+            Ok(None)
+        };
+        if let Ok(Some(active)) = activity {
             self.state.send_modify(|g| {
                 g.active = active;
                 g.activity_known = true;

@@ -187,6 +187,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             interval: args.lanes.interval,
             cutoff: args.lanes.cutoff,
             refresh: args.lanes.refresh,
+            activity_check: args.lanes.activity_check,
         },
         sweeper.replica.clone(),
     ));
@@ -246,6 +247,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     tokio::spawn(crate::dispatch::wakeups::listen(
         args.postgres.url.clone(),
         Arc::clone(&waiters),
+        lanes.insert_signal(),
         shutdown.clone(),
     ));
     tokio::spawn(crate::dispatch::wakeups::tick(

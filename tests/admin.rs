@@ -785,7 +785,10 @@ async fn the_cli_explains_lists_and_revokes_against_a_running_broker() {
     let out = run(with(&["force-release", "R0", "--reason", "stuck?"])).await;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("FailedPrecondition") && err.contains(&lease), "{err}");
+    assert!(
+        err.contains("FailedPrecondition") && err.contains(&lease),
+        "{err}"
+    );
     assert!(err.contains("dispatch-broker revoke"), "{err}");
 
     let out = run(with(&["revoke", &lease, "--reason", "operator drill"])).await;

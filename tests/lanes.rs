@@ -229,6 +229,8 @@ async fn keda_scales_on_lanes_and_hears_of_the_first_task_at_once() {
         a.lanes.cutoff = Duration::ZERO;
         a.lanes.interval = Duration::from_millis(100);
         a.lanes.refresh = Duration::from_millis(100);
+        // Only the insert notification can tell this broker the queue became active.
+        a.lanes.activity_check = Duration::from_secs(3600);
     })
     .await;
     let mut keda = ExternalScalerClient::connect(format!("http://{}", env.broker().addr))
@@ -307,4 +309,23 @@ async fn keda_scales_on_lanes_and_hears_of_the_first_task_at_once() {
         .await
         .expect("the stream ends");
     assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
+}
+
+#[tokio::test]
+async fn without_a_notification_the_periodic_activity_check_still_finds_the_first_task() {
+    let env = Env::with(|a| {
+        a.lanes.refresh = Duration::from_millis(50);
+        a.lanes.activity_check = Duration::from_millis(300);
+    })
+    .await;
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async { lanes.current().activity_known })
+        .await
+        .expect("activity checked once");
+    assert!(!lanes.current().active);
+    // Inserted with triggers off: no notification reaches the broker.
+    env.tasks_bulk(1, &["a"]).await;
+    eventually(Duration::from_secs(10), || async { lanes.current().active })
+        .await
+        .expect("the periodic check sees the task");
 }

@@ -25,12 +25,19 @@ pub const INSERT_CHANNEL: &str = "dispatch_task_inserted";
 /// The channel pulpcore's dispatch() and cancel_task() notify.
 pub const PULP_CHANNEL: &str = "pulp_worker_wakeup";
 
-/// Wakes `waiters` on every notification on the two channels until shutdown; reconnects (after
-/// waking the longest waiter once, in case something was missed) when the connection drops.
-pub async fn listen(postgres_url: String, waiters: Arc<Waiters>, shutdown: Shutdown) {
+/// Wakes `waiters` on every notification on the two channels until shutdown, and signals
+/// `inserted` (the lane gauge's cue to check whether the queue became active); reconnects (after
+/// waking the longest waiter and signalling once, in case something was missed) when the
+/// connection drops.
+pub async fn listen(
+    postgres_url: String,
+    waiters: Arc<Waiters>,
+    inserted: Arc<tokio::sync::Notify>,
+    shutdown: Shutdown,
+) {
     let mut backoff = Duration::from_millis(200);
     loop {
-        match listen_once(&postgres_url, &waiters, &shutdown).await {
+        match listen_once(&postgres_url, &waiters, &inserted, &shutdown).await {
             Ok(Ended::Shutdown) => return,
             Ok(Ended::Closed) => {
                 tracing::warn!("the task notification connection closed; reconnecting");
@@ -40,6 +47,7 @@ pub async fn listen(postgres_url: String, waiters: Arc<Waiters>, shutdown: Shutd
             }
         }
         waiters.wake();
+        inserted.notify_one();
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = shutdown.fired() => return,
@@ -56,6 +64,7 @@ enum Ended {
 async fn listen_once(
     postgres_url: &str,
     waiters: &Waiters,
+    inserted: &tokio::sync::Notify,
     shutdown: &Shutdown,
 ) -> Result<Ended, tokio_postgres::Error> {
     let (client, mut connection) =
@@ -83,7 +92,10 @@ async fn listen_once(
         Ok(()) => loop {
             tokio::select! {
                 message = rx.recv() => match message {
-                    Some(Ok(())) => waiters.wake(),
+                    Some(Ok(())) => {
+                        waiters.wake();
+                        inserted.notify_one();
+                    }
                     Some(Err(e)) => break Err(e),
                     None => break Ok(Ended::Closed),
                 },
