@@ -319,9 +319,11 @@ async fn without_a_notification_the_periodic_activity_check_still_finds_the_firs
     })
     .await;
     let lanes = Arc::clone(&env.broker().lanes);
-    eventually(Duration::from_secs(10), || async { lanes.current().activity_known })
-        .await
-        .expect("activity checked once");
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().activity_known
+    })
+    .await
+    .expect("activity checked once");
     assert!(!lanes.current().active);
     // Inserted with triggers off: no notification reaches the broker.
     env.tasks_bulk(1, &["a"]).await;
