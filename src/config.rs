@@ -304,12 +304,13 @@ pub struct LaneArgs {
     /// Tasks younger than this are not counted as lanes yet (Pulp uses 5 s).
     #[arg(id = "lane_cutoff", long = "lane-cutoff", env = "DISPATCH_LANE_CUTOFF", default_value = "5s", value_parser = parse_duration)]
     pub cutoff: Duration,
-    /// How often each replica refreshes what it serves (activity for KEDA, live leases, the
-    /// shared lane count).
+    /// How often each replica refreshes what it serves (live leases, the shared lane count; and
+    /// activity for KEDA's StreamIsActive push after a task notification).
     #[arg(id = "lane_refresh", long = "lane-refresh", env = "DISPATCH_LANE_REFRESH", default_value = "500ms", value_parser = parse_duration)]
     pub refresh: Duration,
-    /// How often each replica asks Postgres whether any task is incomplete (KEDA's IsActive)
-    /// when no task notification arrives. A task-insert notification (the insert trigger, or
+    /// How often each replica asks Postgres whether any task is incomplete (for KEDA's
+    /// StreamIsActive push; IsActive asks Postgres on every call) when no task notification
+    /// arrives. A task-insert notification (the insert trigger, or
     /// Pulp's own wake-up channel) makes an inactive replica ask at its next refresh, so
     /// scaling from zero stays prompt while an idle broker does not poll the task table.
     #[arg(id = "lane_activity_check", long = "lane-activity-check", env = "DISPATCH_LANE_ACTIVITY_CHECK", default_value = "5s", value_parser = parse_duration)]

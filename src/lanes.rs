@@ -98,9 +98,11 @@ pub struct LaneConfig {
     pub interval: Duration,
     /// Tasks younger than this are not counted yet.
     pub cutoff: Duration,
-    /// How often activity, live leases and the shared count are refreshed.
+    /// How often live leases and the shared count are refreshed (and activity, after a task
+    /// notification).
     pub refresh: Duration,
-    /// How often activity is checked in Postgres without a task notification.
+    /// How often activity (for the StreamIsActive push) is checked in Postgres without a task
+    /// notification.
     pub activity_check: Duration,
 }
 
@@ -194,11 +196,14 @@ impl Lanes {
             }
             let check =
                 notified || last_check.is_none_or(|t| t.elapsed() >= self.config.activity_check);
-            if let Err(e) = self.refresh_with(check).await {
+            let (checked, outcome) = self.refresh_with(check).await;
+            if let Err(e) = outcome {
                 metrics::lane_error();
                 tracing::warn!(error = %e, "refreshing the lane gauge failed; serving the last value");
             }
-            if check {
+            // A check that failed (Postgres unreachable) is retried at the next refresh, and a
+            // notification waits for a check that succeeds.
+            if checked {
                 last_check = Some(Instant::now());
                 notified = false;
             }
@@ -209,11 +214,12 @@ impl Lanes {
     /// One refresh: activity, live leases, and the shared lane count (computed here when it is
     /// due and no other replica is computing it).
     pub async fn refresh(&self) -> Result<()> {
-        self.refresh_with(true).await
+        self.refresh_with(true).await.1
     }
 
-    /// [`Lanes::refresh`], asking Postgres about activity only when `check_activity`.
-    async fn refresh_with(&self, check_activity: bool) -> Result<()> {
+    /// [`Lanes::refresh`], asking Postgres about activity only when `check_activity`; also says
+    /// whether activity was checked successfully.
+    async fn refresh_with(&self, check_activity: bool) -> (bool, Result<()>) {
         // Activity needs only Postgres, the shared count only Redis: one failing does not stop
         // the other, and the served value's age keeps growing whichever fails.
         let activity = if check_activity {
@@ -221,6 +227,7 @@ impl Lanes {
         } else {
             Ok(None)
         };
+        let checked = matches!(activity, Ok(Some(_)));
         if let Ok(Some(active)) = activity {
             self.state.send_modify(|g| {
                 g.active = active;
@@ -228,8 +235,11 @@ impl Lanes {
             });
         }
         let shared = self.refresh_shared().await;
-        activity?;
-        shared
+        let outcome = match activity {
+            Err(e) => Err(e.into()),
+            Ok(_) => shared,
+        };
+        (checked, outcome)
     }
 
     async fn refresh_shared(&self) -> Result<()> {

@@ -331,3 +331,47 @@ async fn without_a_notification_the_periodic_activity_check_still_finds_the_firs
         .await
         .expect("the periodic check sees the task");
 }
+
+#[tokio::test]
+async fn an_idle_broker_does_not_poll_activity_between_periodic_checks() {
+    let env = Env::with(|a| {
+        a.lanes.refresh = Duration::from_millis(50);
+        a.lanes.activity_check = Duration::from_secs(3600);
+    })
+    .await;
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().activity_known
+    })
+    .await
+    .expect("activity checked once");
+    // The listener signals once when it starts listening (what came before was not heard); let
+    // that check pass first.
+    let db = &env.db;
+    eventually(Duration::from_secs(10), || async {
+        db.query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+            > 0
+    })
+    .await
+    .expect("the broker listens");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A task without a notification (triggers off): ten refreshes later nobody has asked.
+    env.tasks_bulk(1, &["a"]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !lanes.current().active,
+        "activity is not polled on every refresh"
+    );
+    // A notified insert is checked at the next refresh.
+    env.task(&["b"]).await;
+    eventually(Duration::from_secs(10), || async { lanes.current().active })
+        .await
+        .expect("the notification makes the broker check");
+}

@@ -26,9 +26,9 @@ pub const INSERT_CHANNEL: &str = "dispatch_task_inserted";
 pub const PULP_CHANNEL: &str = "pulp_worker_wakeup";
 
 /// Wakes `waiters` on every notification on the two channels until shutdown, and signals
-/// `inserted` (the lane gauge's cue to check whether the queue became active); reconnects (after
-/// waking the longest waiter and signalling once, in case something was missed) when the
-/// connection drops.
+/// `inserted` (the lane gauge's cue to check whether the queue became active); does both once
+/// whenever it starts listening (again), since what came before was not heard; reconnects when
+/// the connection drops.
 pub async fn listen(
     postgres_url: String,
     waiters: Arc<Waiters>,
@@ -47,7 +47,6 @@ pub async fn listen(
             }
         }
         waiters.wake();
-        inserted.notify_one();
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = shutdown.fired() => return,
@@ -89,19 +88,24 @@ async fn listen_once(
         .await;
     let outcome = match listening {
         Err(e) => Err(e),
-        Ok(()) => loop {
-            tokio::select! {
-                message = rx.recv() => match message {
-                    Some(Ok(())) => {
-                        waiters.wake();
-                        inserted.notify_one();
-                    }
-                    Some(Err(e)) => break Err(e),
-                    None => break Ok(Ended::Closed),
-                },
-                _ = shutdown.fired() => break Ok(Ended::Shutdown),
+        Ok(()) => {
+            // Listening (again): whatever was inserted before this moment was not heard.
+            waiters.wake();
+            inserted.notify_one();
+            loop {
+                tokio::select! {
+                    message = rx.recv() => match message {
+                        Some(Ok(())) => {
+                            waiters.wake();
+                            inserted.notify_one();
+                        }
+                        Some(Err(e)) => break Err(e),
+                        None => break Ok(Ended::Closed),
+                    },
+                    _ = shutdown.fired() => break Ok(Ended::Shutdown),
+                }
             }
-        },
+        }
     };
     driver.abort();
     outcome
