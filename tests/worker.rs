@@ -281,7 +281,11 @@ async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
     let mut env = Env::new().await;
     let first = env.task(&["a"]).await;
     let second = env.task(&["b"]).await;
-    let worker = connect(&env, "w").await;
+    // A TTL that a loaded machine's scheduling hiccups cannot outlast (this test is about
+    // shutdown, not lease loss).
+    let mut steady = config("w");
+    steady.ttl = Duration::from_secs(10);
+    let worker = Worker::connect(endpoint(&env), steady).await.unwrap();
     let lease = worker.lease_id();
     // Shutdown arrives while the first task runs.
     let run = run_until_first_started(worker, Duration::from_millis(300));
