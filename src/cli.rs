@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use comfy_table::{presets, Table};
 use serde_json::{json, Value};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::config::{
     AdminClientArgs, BlockedArgs, ExplainArgs, ForceReleaseArgs, LeasesArgs, LocksArgs, RevokeArgs,
@@ -88,19 +88,11 @@ async fn connect(args: &AdminClientArgs) -> anyhow::Result<Client> {
         })?
         .connect_timeout(args.timeout)
         .timeout(args.timeout);
-    if let Some(ca) = &args.tls_ca {
-        let read = |p: &std::path::Path, what: &str| {
-            std::fs::read(p).with_context(|| format!("cannot read {what} {}", p.display()))
-        };
-        let mut tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(read(ca, "--tls-ca")?))
-            .domain_name(args.tls_domain.clone());
-        if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-            tls = tls.identity(Identity::from_pem(
-                read(cert, "--tls-cert")?,
-                read(key, "--tls-key")?,
-            ));
-        }
+    if let Some(tls) = crate::security::client_tls(
+        args.tls_ca.as_deref(),
+        &args.tls_domain,
+        args.tls_cert.as_deref().zip(args.tls_key.as_deref()),
+    )? {
         endpoint = endpoint.tls_config(tls)?;
     }
     let channel = endpoint.connect().await.map_err(|e| {

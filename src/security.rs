@@ -267,13 +267,28 @@ pub fn server_tls(args: &SecurityArgs) -> anyhow::Result<Option<ServerTlsConfig>
 
 /// The health probe's TLS settings, when `--tls-ca` is given.
 pub fn health_tls(args: &HealthArgs) -> anyhow::Result<Option<ClientTlsConfig>> {
-    let Some(ca) = &args.tls_ca else {
+    client_tls(
+        args.tls_ca.as_deref(),
+        &args.tls_domain,
+        args.tls_cert.as_deref().zip(args.tls_key.as_deref()),
+    )
+}
+
+/// A client's TLS settings (the health probe, the admin CLI): `None` without a CA; with `ca`,
+/// the broker's certificate is checked against it and `domain`, and `identity` (certificate,
+/// key) is presented for mutual TLS.
+pub fn client_tls(
+    ca: Option<&Path>,
+    domain: &str,
+    identity: Option<(&Path, &Path)>,
+) -> anyhow::Result<Option<ClientTlsConfig>> {
+    let Some(ca) = ca else {
         return Ok(None);
     };
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(read(ca, "--tls-ca")?))
-        .domain_name(args.tls_domain.clone());
-    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        .domain_name(domain.to_owned());
+    if let Some((cert, key)) = identity {
         tls = tls.identity(Identity::from_pem(
             read(cert, "--tls-cert")?,
             read(key, "--tls-key")?,
