@@ -17,17 +17,13 @@ use dispatch_broker::proto::admin_client::AdminClient;
 use dispatch_broker::proto::*;
 use dispatch_broker::testkit::{Postgres, Redis};
 use dispatch_broker::worker::Worker;
-use incident::quiet;
+use incident::{percentile, quiet};
 use tonic::transport::Channel;
 use uuid::Uuid;
 
 const OTHERS: i32 = 200;
 const LEASES: usize = 10;
 const RUNS: usize = 20;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 async fn measure<F, Fut>(mut call: F) -> (Duration, Duration)
 where

@@ -13,14 +13,10 @@ use std::time::{Duration, Instant};
 use dispatch_broker::config::ServeArgs;
 use dispatch_broker::testkit::{Postgres, Redis};
 use dispatch_broker::worker::{FinalState, Worker};
-use incident::quiet;
+use incident::{percentile, quiet};
 
 const OTHERS: i32 = 200;
 const LEASES: usize = 10;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 #[tokio::main]
 async fn main() {

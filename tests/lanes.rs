@@ -318,12 +318,7 @@ async fn without_a_notification_the_periodic_activity_check_still_finds_the_firs
         a.lanes.activity_check = Duration::from_millis(300);
     })
     .await;
-    let lanes = Arc::clone(&env.broker().lanes);
-    eventually(Duration::from_secs(10), || async {
-        lanes.current().activity_known
-    })
-    .await
-    .expect("activity checked once");
+    let lanes = activity_checked_once(&env).await;
     assert!(!lanes.current().active);
     // Inserted with triggers off: no notification reaches the broker.
     env.tasks_bulk(1, &["a"]).await;
@@ -339,12 +334,7 @@ async fn an_idle_broker_does_not_poll_activity_between_periodic_checks() {
         a.lanes.activity_check = Duration::from_secs(3600);
     })
     .await;
-    let lanes = Arc::clone(&env.broker().lanes);
-    eventually(Duration::from_secs(10), || async {
-        lanes.current().activity_known
-    })
-    .await
-    .expect("activity checked once");
+    let lanes = activity_checked_once(&env).await;
     // The listener signals once when it starts listening (what came before was not heard); let
     // that check pass first.
     let db = &env.db;
@@ -374,4 +364,15 @@ async fn an_idle_broker_does_not_poll_activity_between_periodic_checks() {
     eventually(Duration::from_secs(10), || async { lanes.current().active })
         .await
         .expect("the notification makes the broker check");
+}
+
+/// The broker's gauge, once it has checked activity for the first time.
+async fn activity_checked_once(env: &Env) -> Arc<dispatch_broker::lanes::Lanes> {
+    let lanes = Arc::clone(&env.broker().lanes);
+    eventually(Duration::from_secs(10), || async {
+        lanes.current().activity_known
+    })
+    .await
+    .expect("activity checked once");
+    lanes
 }

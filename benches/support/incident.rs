@@ -51,3 +51,8 @@ pub fn quiet(name: &str) -> WorkerConfig {
     config.ttl = Duration::from_secs(600);
     config
 }
+
+/// The `p` quantile of sorted, non-empty durations.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
