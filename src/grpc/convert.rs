@@ -19,12 +19,16 @@ pub fn parse_id(field: &str, value: &str) -> Result<Uuid, Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
     }
-    Uuid::parse_str(value).map_err(|_| {
-        // Echo a bounded prefix: the value may be a megabyte of anything.
-        let shown: String = value.chars().take(40).collect();
-        let more = if shown.len() < value.len() { "..." } else { "" };
-        Status::invalid_argument(format!("{field} {shown:?}{more} is not a UUID"))
-    })
+    Uuid::parse_str(value)
+        .map_err(|_| Status::invalid_argument(format!("{field} {} is not a UUID", echo(value))))
+}
+
+/// A client's value as an error message quotes it: a bounded prefix (the value may be a
+/// megabyte of anything), quoted and escaped.
+fn echo(value: &str) -> String {
+    let shown: String = value.chars().take(40).collect();
+    let more = if shown.len() < value.len() { "..." } else { "" };
+    format!("{shown:?}{more}")
 }
 
 /// A fencing token must be one the broker handed out (never 0).
@@ -145,7 +149,8 @@ pub fn finish(state: String, error: String, limits: &LimitArgs) -> Result<Finish
     }
     if !FINAL_STATES.contains(&state.as_str()) {
         return Err(Status::invalid_argument(format!(
-            "state {state:?} is not a final state; use one of {}",
+            "state {} is not a final state; use one of {}",
+            echo(&state),
             FINAL_STATES.join(", ")
         )));
     }
