@@ -244,12 +244,25 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         let shutdown = shutdown.clone();
         async move { lanes.run(shutdown).await }
     });
+    let (listening, listening_started) = tokio::sync::oneshot::channel();
     tokio::spawn(crate::dispatch::wakeups::listen(
         args.postgres.url.clone(),
         Arc::clone(&waiters),
         lanes.insert_signal(),
+        listening,
         shutdown.clone(),
     ));
+    // Serve once notifications are heard, so a fetch waiting from the first call on is woken by
+    // every insert; if listening takes too long, serve anyway (waiters fall back to the safety
+    // re-check and the listener keeps trying).
+    if tokio::time::timeout(args.backend_timeout, listening_started)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "not yet listening for task notifications; serving anyway (waiting fetches rely on the safety re-check until it is)"
+        );
+    }
     tokio::spawn(crate::dispatch::wakeups::tick(
         // The background pool: its calls are counted with the background work, not with RPCs.
         sweeper.locks.clone(),

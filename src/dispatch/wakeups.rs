@@ -28,16 +28,28 @@ pub const PULP_CHANNEL: &str = "pulp_worker_wakeup";
 /// Wakes `waiters` on every notification on the two channels until shutdown, and signals
 /// `inserted` (the lane gauge's cue to check whether the queue became active); does both once
 /// whenever it starts listening (again), since what came before was not heard; reconnects when
-/// the connection drops.
+/// the connection drops. `listening` is sent once, the first time `LISTEN` succeeds, so the
+/// server can start answering calls after it (a waiter that came before would see a pass of
+/// its own and then a second one for the start of listening).
 pub async fn listen(
     postgres_url: String,
     waiters: Arc<Waiters>,
     inserted: Arc<tokio::sync::Notify>,
+    listening: tokio::sync::oneshot::Sender<()>,
     shutdown: Shutdown,
 ) {
     let mut backoff = Duration::from_millis(200);
+    let mut listening = Some(listening);
     loop {
-        match listen_once(&postgres_url, &waiters, &inserted, &shutdown).await {
+        match listen_once(
+            &postgres_url,
+            &waiters,
+            &inserted,
+            &mut listening,
+            &shutdown,
+        )
+        .await
+        {
             Ok(Ended::Shutdown) => return,
             Ok(Ended::Closed) => {
                 tracing::warn!("the task notification connection closed; reconnecting");
@@ -64,6 +76,7 @@ async fn listen_once(
     postgres_url: &str,
     waiters: &Waiters,
     inserted: &tokio::sync::Notify,
+    first_listen: &mut Option<tokio::sync::oneshot::Sender<()>>,
     shutdown: &Shutdown,
 ) -> Result<Ended, tokio_postgres::Error> {
     let (client, mut connection) =
@@ -92,6 +105,10 @@ async fn listen_once(
             // Listening (again): whatever was inserted before this moment was not heard.
             waiters.wake();
             inserted.notify_one();
+            if let Some(first) = first_listen.take() {
+                // The receiver may have stopped waiting (start-up went on without it).
+                let _ = first.send(());
+            }
             loop {
                 tokio::select! {
                     message = rx.recv() => match message {
