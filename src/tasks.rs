@@ -255,8 +255,14 @@ impl Tasks {
         // freshly churned table the planner may otherwise pick a sequential scan for each of a
         // page's 32 look-ups (measured: 80 ms for one page instead of 3 ms). Only the lane
         // gauge's query turns it back on, for databases without `dispatch_lanes_idx`.
+        // plan_cache_mode=force_generic_plan: each prepared statement is planned once per
+        // connection instead of at every execution (Postgres keeps re-planning a statement whose
+        // custom plans look cheaper than its generic one, as candidates.sql's do: planning was
+        // most of Postgres's time per fetch). Every statement's generic plan is the intended index
+        // path; candidates.sql carries its page size as a literal for that reason. jit=off: JIT
+        // compiling costs milliseconds and is never worth it for these short statements.
         pg.options(format!(
-            "-c statement_timeout={} -c enable_seqscan=off",
+            "-c statement_timeout={} -c enable_seqscan=off -c plan_cache_mode=force_generic_plan -c jit=off",
             server_limit.as_millis()
         ));
         let manager = Manager::from_config(
@@ -380,11 +386,9 @@ impl Tasks {
         limit: i64,
     ) -> Result<(Vec<TaskRow>, Vec<String>), Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
+        let statement = candidates_sql(limit);
         let rows = self
-            .query_read(
-                sql::CANDIDATES,
-                &[&excluded, &after_created, &after_id, &limit],
-            )
+            .query_read(&statement, &[&excluded, &after_created, &after_id])
             .await?;
         let held: Vec<String> = match rows.first() {
             Some(row) => row.try_get(7)?,
@@ -836,4 +840,10 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
             skipped: false,
         },
     })
+}
+
+/// candidates.sql with its page size written in as a number (see the file's header): one
+/// prepared statement per page size, each planned once per connection.
+fn candidates_sql(limit: i64) -> String {
+    sql::CANDIDATES.replacen("LIMIT $4", &format!("LIMIT {}", limit.max(1)), 1)
 }

@@ -6,7 +6,9 @@
 --                 are skipped, which is safe because such a task is not ready either
 -- $2 timestamptz  keyset: only tasks after ($2, $3) in (pulp_created, pulp_id) order; NULL for
 -- $3 uuid         the first page
--- $4 bigint       page size
+-- $4 (the LIMIT)  the page size, written into the text as a number by tasks.rs (one prepared
+--                 statement per page size): the broker's sessions use generic plans, and a
+--                 generic plan with a parameter LIMIT guesses a tenth of the table and sorts it
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
 --          and on every row the held entries this page skipped by (for the scan hint)
 --
