@@ -21,7 +21,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::locks::{Acquire, LeaseRecord, Locks, Release};
 use crate::metrics::Stats;
-use crate::ready::{self, Reservations, Resources, Verdict};
+use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
 use crate::tasks::{TaskRow, Tasks};
 pub use waiters::Waiters;
@@ -416,18 +416,33 @@ impl Dispatch {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting);
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
-            // What hides older tasks from the scan at the hint's position: looked up again
-            // whenever the position moved (one statement), kept when it did not. A failed
-            // look-up only costs the hint.
-            let now_hiding = match hiding {
-                Some((start, known)) if start == hint.after => Ok(known),
-                _ => {
-                    let held: Vec<String> = held_seen.into_iter().collect();
-                    self.tasks
-                        .hiding(hint.after, &held)
-                        .await
-                        .map(|names| names.into_iter().collect())
+            // What hides older tasks from the scan at the hint's position. A name that hid a
+            // task older than the hint's earlier position hides it from every later position
+            // too (until that task is handed out or ends: keeping the name then only drops the
+            // hint more often than needed), so when the position moved forward only the other
+            // held names are looked up (one statement, none when there are none). A blocked head
+            // of 100,000 tasks made that look-up 30 ms per fetch when every name was counted
+            // again. A failed look-up only costs the hint.
+            let (known, unknown): (HashSet<String>, Vec<String>) = match hiding {
+                Some((start, known)) if start <= hint.after => {
+                    let unknown = held_seen
+                        .into_iter()
+                        .filter(|entry| {
+                            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
+                            !known.contains(name)
+                        })
+                        .collect();
+                    (known, unknown)
                 }
+                _ => (HashSet::new(), held_seen.into_iter().collect()),
+            };
+            let now_hiding = if unknown.is_empty() {
+                Ok(known)
+            } else {
+                self.tasks
+                    .hiding(hint.after, &unknown)
+                    .await
+                    .map(|names| known.into_iter().chain(names).collect())
             };
             if let Ok(names) = now_hiding {
                 hint.hiding = names;
