@@ -402,6 +402,10 @@ struct Throughput {
     tasks: usize,
     took: Duration,
     statements: u64,
+    /// The broker's Redis calls (the baseline's are not counted).
+    redis_calls: Option<u64>,
+    /// The broker's passes over the queue.
+    passes: Option<u64>,
 }
 
 impl Throughput {
@@ -418,19 +422,26 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     let endpoint = format!("http://{}", broker.addr);
     insert_throughput(&db, tasks).await;
     let (tx, rx) = mpsc::unbounded_channel();
-    let statements = || {
-        broker.stats.snapshot().postgres_statements
-            + broker.background_stats.snapshot().postgres_statements
+    let totals = || {
+        let (rpc, background) = (broker.stats.snapshot(), broker.background_stats.snapshot());
+        (
+            rpc.postgres_statements + background.postgres_statements,
+            rpc.redis_calls + background.redis_calls,
+            rpc.fetches,
+        )
     };
-    let before = statements();
+    let before = totals();
     let started = Instant::now();
     let fleet = broker_fleet(&endpoint, THROUGHPUT_WORKERS, Duration::ZERO, tx).await;
     let run = collect(fleet, rx, started, THROUGHPUT_LIMIT, |d| d.len() >= tasks).await;
     let took = run.done.last().map(|d| d.0).unwrap_or(THROUGHPUT_LIMIT);
+    let after = totals();
     let out = Throughput {
         tasks: run.done.len(),
         took,
-        statements: statements() - before,
+        statements: after.0 - before.0,
+        redis_calls: Some(after.1 - before.1),
+        passes: Some(after.2 - before.2),
     };
     broker.shutdown().await.unwrap();
     out
@@ -455,6 +466,8 @@ async fn throughput_baseline(setup: &Setup, tasks: usize) -> Throughput {
         tasks: run.done.len(),
         took: run.done.last().map(|d| d.0).unwrap_or(THROUGHPUT_LIMIT),
         statements: stats.statements.load(std::sync::atomic::Ordering::Relaxed),
+        redis_calls: None,
+        passes: None,
     }
 }
 
@@ -464,15 +477,21 @@ async fn throughput(setup: &Setup, tasks: usize) {
     eprintln!("throughput: {tasks} tasks, baseline ...");
     let baseline = throughput_baseline(setup, tasks).await;
     println!("\n### Throughput: {tasks} zero-length tasks over 2,000 repositories, {THROUGHPUT_WORKERS} workers\n");
-    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task |");
-    println!("|---|---:|---:|---:|---:|");
+    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | passes / task |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for (label, t) in [("broker", &broker), ("baseline", &baseline)] {
+        let per_task = |n: Option<u64>| match n {
+            Some(n) => format!("{:.1}", n as f64 / t.tasks.max(1) as f64),
+            None => "-".into(),
+        };
         println!(
-            "| {label} | {} | {:.2} s | {:.0} | {:.1} |",
+            "| {label} | {} | {:.2} s | {:.0} | {} | {} | {} |",
             t.tasks,
             t.took.as_secs_f64(),
             t.rate(),
-            t.statements as f64 / t.tasks.max(1) as f64
+            per_task(Some(t.statements)),
+            per_task(t.redis_calls),
+            per_task(t.passes),
         );
     }
     println!(

@@ -10,7 +10,7 @@
 mod waiters;
 pub mod wakeups;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -133,6 +133,36 @@ pub struct Dispatch {
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
     in_flight: Arc<Mutex<HashSet<Uuid>>>,
+    /// Tasks this replica granted in the last [`RECENT`]: a pass that read its page before such
+    /// a grant committed leaves them alone instead of locking and claiming them again (with
+    /// short tasks they are often finished by then, and the claim would find them gone).
+    recent: Arc<Mutex<Recent>>,
+}
+
+/// How long a grant is remembered by [`Dispatch::recent`]: far longer than a pass.
+const RECENT: Duration = Duration::from_secs(1);
+
+/// Task ids granted recently, forgotten after [`RECENT`] (or when put back in the queue).
+#[derive(Debug, Default)]
+struct Recent {
+    granted: HashMap<Uuid, Instant>,
+    pruned: Option<Instant>,
+}
+
+impl Recent {
+    fn note(&mut self, id: Uuid) {
+        let now = Instant::now();
+        if self.pruned.is_none_or(|p| now.duration_since(p) >= RECENT) {
+            self.granted
+                .retain(|_, at| now.duration_since(*at) < RECENT);
+            self.pruned = Some(now);
+        }
+        self.granted.insert(id, now);
+    }
+
+    fn contains(&self, id: &Uuid) -> bool {
+        self.granted.get(id).is_some_and(|at| at.elapsed() < RECENT)
+    }
 }
 
 /// A task this replica is trying to grant; dropping it lets other passes try the task again.
@@ -177,6 +207,7 @@ impl Dispatch {
             hint: Arc::new(Mutex::new(None)),
             waiters: Arc::new(Waiters::new(policy.max_waiters)),
             in_flight: Arc::new(Mutex::new(HashSet::new())),
+            recent: Arc::new(Mutex::new(Recent::default())),
             policy,
         }
     }
@@ -283,6 +314,16 @@ impl Dispatch {
         }
     }
 
+    fn is_recent(&self, id: &Uuid) -> bool {
+        self.recent.lock().is_ok_and(|r| r.contains(id))
+    }
+
+    fn forget_recent(&self, id: &Uuid) {
+        if let Ok(mut recent) = self.recent.lock() {
+            recent.granted.remove(id);
+        }
+    }
+
     /// Wakes this replica's longest waiting fetch: something may have become ready.
     pub fn wake(&self) {
         self.waiters.wake();
@@ -367,12 +408,26 @@ impl Dispatch {
                         passed_over.store(true, Ordering::SeqCst);
                         false
                     }
+                    // Granted by this replica since this page was read: as for a task this pass
+                    // hands out, it reserves its resources here and is not kept in the hint
+                    // (put back in the queue by this replica's fetch or release, it is forgotten
+                    // and "*" is recorded as changed; put back by a lease's end, this replica
+                    // leaves it to other passes for at most RECENT).
+                    Verdict::Ready if self.is_recent(&row.id) => {
+                        after = Some((row.created, row.id));
+                        reserved.reserve(&row.candidate.resources);
+                        excluded.extend(row.candidate.resources.conflict_keys());
+                        continue;
+                    }
                     Verdict::Ready => match InFlight::take(&self.in_flight, row.id) {
                         // Another pass is granting it: it reserves its resources, like a task
                         // that is held, and whether it stays ready is that pass's business.
                         None => false,
                         Some(_mine) => match self.lock_and_claim(lease_id, &lease, &row).await? {
                             Attempt::Granted(grant) => {
+                                if let Ok(mut recent) = self.recent.lock() {
+                                    recent.note(grant.task_id);
+                                }
                                 granted = Some(grant);
                                 true
                             }
@@ -420,11 +475,15 @@ impl Dispatch {
             // task older than the hint's earlier position hides it from every later position
             // too (until that task is handed out or ends: keeping the name then only drops the
             // hint more often than needed), so when the position moved forward only the other
-            // held names are looked up (one statement, none when there are none). A blocked head
+            // held names are looked up (one statement, none when there are none); when it did not
+            // move, nothing is. A blocked head
             // of 100,000 tasks made that look-up 30 ms per fetch when every name was counted
             // again. A failed look-up only costs the hint.
             let (known, unknown): (HashSet<String>, Vec<String>) = match hiding {
-                Some((start, known)) if start <= hint.after => {
+                // Not moved: every task before it was seen by the pass that set it, when names
+                // held since were not, so what could hide is known (or reserved).
+                Some((start, known)) if start == hint.after => (known, Vec::new()),
+                Some((start, known)) if start < hint.after => {
                     let unknown = held_seen
                         .into_iter()
                         .filter(|entry| {
@@ -496,6 +555,7 @@ impl Dispatch {
     /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
     /// stays consistent until the lease ends or the reconciler finds it.
     async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
+        self.forget_recent(&task_id);
         match self.tasks.unclaim(task_id, app_status).await {
             Ok(requeued) => {
                 if requeued {
@@ -670,6 +730,7 @@ impl Dispatch {
             .unclaim_unless_running(task_id, app_status)
             .await?;
         if requeued {
+            self.forget_recent(&task_id);
             self.note_requeue().await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }

@@ -347,3 +347,51 @@ async fn fetch_with_wait_returns_a_task_inserted_while_waiting() {
     assert_eq!(id(&got), task);
     env.shutdown().await;
 }
+
+/// A scan hint remembers which held resources hide older waiting tasks from the scan; when
+/// the hint moves forward those names must stay remembered, so that releasing one of them drops
+/// the hint and the hidden task is handed out at once (not after `--fetch-hint-max-age`).
+#[tokio::test]
+async fn a_task_hidden_behind_a_held_lock_is_handed_out_once_the_lock_is_released() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    let a = env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("a");
+    assert_eq!(id(&running), a);
+    env.start(&holder, &running).await;
+    // b waits behind a; the scan skips it because x is held.
+    let b = env.task(&["x"]).await;
+    let c1 = env.task(&["y1"]).await;
+    let c2 = env.task(&["y2"]).await;
+    let (w1, w2, w3) = (
+        env.open("w1").await,
+        env.open("w2").await,
+        env.open("w3").await,
+    );
+    // The first pass sets the hint at c1, the second moves it to c2 (nothing it relies on
+    // changed in between).
+    assert_eq!(id(&env.fetch(&w1).await.expect("c1")), c1);
+    assert_eq!(id(&env.fetch(&w2).await.expect("c2")), c2);
+    assert!(env.fetch(&w3).await.is_none(), "b still waits for a");
+    env.finish(&holder, &running, "completed").await;
+    let next = env.fetch(&w3).await.expect("b, now that x is free");
+    assert_eq!(id(&next), b);
+    env.shutdown().await;
+}
+
+/// A task released before it started goes back to the queue and is handed out again at once,
+/// by the same broker that granted it (which remembers its recent grants to keep passes that
+/// read their page earlier from claiming them again).
+#[tokio::test]
+async fn a_task_released_before_it_started_is_handed_out_again_at_once() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let (w1, w2) = (env.open("w1").await, env.open("w2").await);
+    let granted = env.fetch(&w1).await.expect("the task");
+    assert!(env.release(&w1, &granted).await.unwrap());
+    assert_eq!(env.state(task).await, "waiting");
+    let again = env.fetch(&w2).await.expect("the same task, at once");
+    assert_eq!(id(&again), task);
+    assert!(again.fencing_token > granted.fencing_token);
+    env.shutdown().await;
+}
