@@ -346,7 +346,7 @@ pub struct FetchArgs {
     #[arg(long = "fetch-hint-max-age", env = "DISPATCH_FETCH_HINT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub hint_max_age: Duration,
     /// Candidate rows read in the first page of a fetch; later pages double.
-    #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 32)]
+    #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 8)]
     pub page: i64,
 }
 

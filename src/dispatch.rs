@@ -133,16 +133,18 @@ pub struct Dispatch {
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
     in_flight: Arc<Mutex<HashSet<Uuid>>>,
-    /// Tasks this replica granted in the last [`RECENT`]: a pass that read its page before such
-    /// a grant committed leaves them alone instead of locking and claiming them again (with
-    /// short tasks they are often finished by then, and the claim would find them gone).
+    /// Tasks this replica granted in the last [`RECENT`], with when: a pass whose page was read
+    /// before such a grant committed leaves them alone instead of locking and claiming them
+    /// again (with short tasks they are often finished by then, and the claim would find them
+    /// gone). A page read after the grant that still shows the task waiting and unclaimed shows
+    /// it put back in the queue (by whatever path), and it is tried as usual.
     recent: Arc<Mutex<Recent>>,
 }
 
 /// How long a grant is remembered by [`Dispatch::recent`]: far longer than a pass.
 const RECENT: Duration = Duration::from_secs(1);
 
-/// Task ids granted recently, forgotten after [`RECENT`] (or when put back in the queue).
+/// Task ids granted recently (noted once the claim committed), forgotten after [`RECENT`].
 #[derive(Debug, Default)]
 struct Recent {
     granted: HashMap<Uuid, Instant>,
@@ -160,8 +162,9 @@ impl Recent {
         self.granted.insert(id, now);
     }
 
-    fn contains(&self, id: &Uuid) -> bool {
-        self.granted.get(id).is_some_and(|at| at.elapsed() < RECENT)
+    /// True when `id` was granted after `read_at` (when a page showing it waiting was read).
+    fn granted_after(&self, id: &Uuid, read_at: Instant) -> bool {
+        self.granted.get(id).is_some_and(|at| *at > read_at)
     }
 }
 
@@ -314,14 +317,10 @@ impl Dispatch {
         }
     }
 
-    fn is_recent(&self, id: &Uuid) -> bool {
-        self.recent.lock().is_ok_and(|r| r.contains(id))
-    }
-
-    fn forget_recent(&self, id: &Uuid) {
-        if let Ok(mut recent) = self.recent.lock() {
-            recent.granted.remove(id);
-        }
+    fn granted_after(&self, id: &Uuid, read_at: Instant) -> bool {
+        self.recent
+            .lock()
+            .is_ok_and(|r| r.granted_after(id, read_at))
     }
 
     /// Wakes this replica's longest waiting fetch: something may have become ready.
@@ -395,6 +394,7 @@ impl Dispatch {
         let mut page = self.policy.first_page;
         let mut held_seen: HashSet<String> = HashSet::new();
         let outcome = loop {
+            let read_at = Instant::now();
             let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
             held_seen.extend(held_now);
             let last_page = (rows.len() as i64) < page;
@@ -409,11 +409,10 @@ impl Dispatch {
                         false
                     }
                     // Granted by this replica since this page was read: as for a task this pass
-                    // hands out, it reserves its resources here and is not kept in the hint
-                    // (put back in the queue by this replica's fetch or release, it is forgotten
-                    // and "*" is recorded as changed; put back by a lease's end, this replica
-                    // leaves it to other passes for at most RECENT).
-                    Verdict::Ready if self.is_recent(&row.id) => {
+                    // hands out, it reserves its resources here and is not kept in the hint (if
+                    // it is put back in the queue, "*" is recorded as changed, which drops the
+                    // hint, and the next page shows it waiting again).
+                    Verdict::Ready if self.granted_after(&row.id, read_at) => {
                         after = Some((row.created, row.id));
                         reserved.reserve(&row.candidate.resources);
                         excluded.extend(row.candidate.resources.conflict_keys());
@@ -555,7 +554,6 @@ impl Dispatch {
     /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
     /// stays consistent until the lease ends or the reconciler finds it.
     async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
-        self.forget_recent(&task_id);
         match self.tasks.unclaim(task_id, app_status).await {
             Ok(requeued) => {
                 if requeued {
@@ -730,7 +728,6 @@ impl Dispatch {
             .unclaim_unless_running(task_id, app_status)
             .await?;
         if requeued {
-            self.forget_recent(&task_id);
             self.note_requeue().await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
