@@ -452,11 +452,14 @@ pub fn own_postgres() -> (Postgres, String) {
     (pg, url)
 }
 
-/// Terminates the broker's Postgres sessions that wait on a lock (the injected failure).
+/// Terminates the broker's Postgres sessions that wait on a lock (the injected failure), in this
+/// test's database only: tests share one Postgres server, and killing another test's sessions
+/// failed that test's next statement ("connection closed").
 pub async fn kill_waiting_broker_sessions(db: &tokio_postgres::Client) -> i64 {
     db.query_one(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-         WHERE application_name = 'dispatch-broker' AND wait_event_type = 'Lock'",
+         WHERE application_name = 'dispatch-broker' AND wait_event_type = 'Lock' \
+           AND datname = current_database()",
         &[],
     )
     .await
