@@ -408,11 +408,15 @@ impl Dispatch {
                         passed_over.store(true, Ordering::SeqCst);
                         false
                     }
-                    // Granted by this replica since this page was read: as for a task this pass
-                    // hands out, it reserves its resources here and is not kept in the hint (if
-                    // it is put back in the queue, "*" is recorded as changed, which drops the
-                    // hint, and the next page shows it waiting again).
+                    // Granted by this replica since this page was read: left alone, and it
+                    // reserves its resources for the rest of this pass. The hint stops before
+                    // it: newer tasks that conflict only with it are skipped by this pass's
+                    // later pages, and once it finishes nothing the hint relies on would change.
                     Verdict::Ready if self.granted_after(&row.id, read_at) => {
+                        if safe {
+                            hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                            safe = false;
+                        }
                         after = Some((row.created, row.id));
                         reserved.reserve(&row.candidate.resources);
                         excluded.extend(row.candidate.resources.conflict_keys());
