@@ -479,9 +479,8 @@ impl Dispatch {
             // too (until that task is handed out or ends: keeping the name then only drops the
             // hint more often than needed), so when the position moved forward only the other
             // held names are looked up (one statement, none when there are none); when it did not
-            // move, nothing is. A blocked head
-            // of 100,000 tasks made that look-up 30 ms per fetch when every name was counted
-            // again. A failed look-up only costs the hint.
+            // move, nothing is. A blocked head of 100,000 tasks made that look-up 30 ms per fetch
+            // when every name was counted again. A failed look-up only costs the hint.
             let (known, unknown): (HashSet<String>, Vec<String>) = match hiding {
                 // Not moved: every task before it was seen by the pass that set it, when names
                 // held since were not, so what could hide is known (or reserved).

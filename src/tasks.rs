@@ -317,7 +317,12 @@ impl Tasks {
         }
         let client = self.client().await?;
         for statement in sql::ALL {
-            client.prepare_cached(statement).await?;
+            if statement == sql::CANDIDATES {
+                // The form that runs: with its page size written in (`candidates_sql`).
+                client.prepare_cached(&candidates_sql(1)).await?;
+            } else {
+                client.prepare_cached(statement).await?;
+            }
         }
         Ok(())
     }
