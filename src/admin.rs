@@ -16,7 +16,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::dispatch::{Waiters, FINAL_STATES};
+use crate::dispatch::{Queue, FINAL_STATES};
 use crate::error::{Error, Result};
 use crate::lanes::Lanes;
 use crate::leases::{from_ms, Leases};
@@ -35,7 +35,7 @@ pub struct Admin {
     locks: Locks,
     leases: Leases,
     lanes: Arc<Lanes>,
-    waiters: Arc<Waiters>,
+    waiters: Arc<Queue>,
     stats: Arc<Stats>,
 }
 
@@ -230,7 +230,7 @@ impl Admin {
         locks: Locks,
         leases: Leases,
         lanes: Arc<Lanes>,
-        waiters: Arc<Waiters>,
+        waiters: Arc<Queue>,
         stats: Arc<Stats>,
     ) -> Self {
         Admin {

@@ -348,6 +348,16 @@ pub struct FetchArgs {
     /// Candidate rows read in the first page of a fetch; later pages double.
     #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 8)]
     pub page: i64,
+    /// Shared scans: how many other waiting FetchTask calls one pass over the queue may serve
+    /// besides its own (each under its own lease, oldest task to the longest waiter). 0 turns
+    /// sharing off: every waiter then makes its own pass when its turn comes.
+    #[arg(
+        long = "fetch-share",
+        env = "DISPATCH_FETCH_SHARE",
+        default_value_t = 64,
+        value_parser = clap::value_parser!(u64).range(0..=1000)
+    )]
+    pub share: u64,
 }
 
 /// Options of `migrate`.

@@ -25,7 +25,7 @@ use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
 use crate::tasks::{TaskRow, Tasks};
 pub use waiters::Waiters;
-use waiters::{Full, Place};
+use waiters::{Full, Place, Woken};
 
 /// Final task states.
 pub const FINAL_STATES: [&str; 4] = ["completed", "failed", "canceled", "skipped"];
@@ -79,7 +79,35 @@ pub struct FetchPolicy {
     /// How long a scan hint may be trusted without being re-checked from the start of the queue
     /// (zero: never use hints).
     pub hint_max_age: Duration,
+    /// How many other waiting calls one pass may serve besides its own (0: no sharing).
+    pub share: usize,
 }
+
+/// What a pass needs to serve a waiting call: its lease and what it asked to skip.
+#[derive(Debug, Clone)]
+pub struct Offer {
+    lease_id: Uuid,
+    lease: Arc<LeaseRecord>,
+    skip: Arc<HashSet<Uuid>>,
+}
+
+impl Offer {
+    /// True when this lease may be given `row` (its versions, its skips), if it is ready.
+    fn takes(&self, row: &TaskRow) -> bool {
+        !self.skip.contains(&row.id)
+            && row
+                .candidate
+                .versions
+                .as_ref()
+                .is_some_and(|needed| ready::is_compatible(needed, &self.lease.versions))
+    }
+}
+
+/// What a shared pass delivers to a waiting call: its grant, or why it has none.
+pub type Delivery = Result<Grant>;
+/// This replica's queue of waiting FetchTask calls.
+pub type Queue = Waiters<Offer, Delivery>;
+type Recruit = waiters::Recruit<Offer, Delivery>;
 
 /// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
 /// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
@@ -129,7 +157,8 @@ pub struct Dispatch {
     policy: FetchPolicy,
     shutdown: Shutdown,
     hint: Arc<Mutex<Option<ScanHint>>>,
-    waiters: Arc<Waiters>,
+    waiters: Arc<Queue>,
+    restore: Restore,
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
     in_flight: Arc<Mutex<HashSet<Uuid>>>,
@@ -168,6 +197,100 @@ impl Recent {
     }
 }
 
+/// What puts back a grant that did not complete: a claim returned to the queue, locks released.
+/// Shared by the fetch pipeline and the waiting queue (a grant delivered to a call that left).
+#[derive(Clone)]
+struct Restore {
+    locks: Locks,
+    tasks: Tasks,
+    stats: Arc<Stats>,
+}
+
+impl Restore {
+    /// Takes back a grant that could not be delivered.
+    async fn undo(&self, grant: &Grant) {
+        tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
+        self.put_back(
+            grant.task_id,
+            grant.app_status_id,
+            &grant.lease_id.to_string(),
+            grant.fencing_token,
+        )
+        .await;
+    }
+
+    /// Puts a task claimed by this grant back in the queue, then releases its locks. If it
+    /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
+    /// stays consistent until the lease ends or the reconciler finds it.
+    async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
+        match self.tasks.unclaim(task_id, app_status).await {
+            Ok(requeued) => {
+                if requeued {
+                    self.note_requeue().await;
+                }
+                self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
+                    .await
+            }
+            Err(e) => {
+                tracing::error!(%task_id, error = %e, "could not put a claimed task back in the queue; its locks stay with the claim")
+            }
+        }
+    }
+
+    /// Releases locks taken by a grant that did not complete, retrying a transient failure.
+    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
+        for attempt in 0..3u32 {
+            match self.locks.release(lease_id, task_id, fencing_token).await {
+                Ok((Release::Released, _)) => {
+                    self.stats.locks_released("fetch_failure", 1);
+                    return;
+                }
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+        tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
+    }
+
+    /// Records that a claimed task went back to the queue (scan hints may have passed it).
+    async fn note_requeue(&self) {
+        if let Err(e) = self.locks.note_changes(&["*"]).await {
+            tracing::warn!(error = %e, "could not record a requeue; scan hints expire on their own");
+        }
+    }
+}
+
+/// Who a pass serves: its own caller, or a waiter it recruited.
+struct Claimant {
+    /// Place in the queue (lower waited longer; a call not waiting yet comes last).
+    key: u64,
+    offer: Offer,
+    /// `None` for the pass's own caller.
+    recruit: Option<Recruit>,
+    /// Trying a task now, served, or done with for this pass.
+    busy: bool,
+}
+
+/// One candidate row as a pass saw it.
+struct Step {
+    row: TaskRow,
+    seen: Seen,
+}
+
+enum Seen {
+    /// Not ready by the rule.
+    NotReady,
+    /// Ready, but nobody in the pass could take it (or another pass is granting it).
+    PassedOver,
+    /// Granted by this replica since its page was read.
+    Left,
+    /// Ready, and tried for `claimants[who]`.
+    Attempt { who: usize, _mine: InFlight },
+}
+
 /// A task this replica is trying to grant; dropping it lets other passes try the task again.
 struct InFlight {
     set: Arc<Mutex<HashSet<Uuid>>>,
@@ -202,13 +325,34 @@ impl Dispatch {
         policy: FetchPolicy,
         shutdown: Shutdown,
     ) -> Self {
+        let restore = Restore {
+            locks: locks.clone(),
+            tasks: tasks.clone(),
+            stats: Arc::clone(&stats),
+        };
+        let undo = restore.clone();
+        // A grant delivered to a waiting call that left before taking it goes back.
+        let abandoned = Box::new(move |delivery: Delivery| {
+            if let Ok(grant) = delivery {
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        let undo = undo.clone();
+                        runtime.spawn(async move { undo.undo(&grant).await });
+                    }
+                    Err(_) => {
+                        tracing::error!(task_id = %grant.task_id, "a grant whose caller left could not be undone (no runtime); it goes back when its lease ends");
+                    }
+                }
+            }
+        });
         Dispatch {
             locks,
             tasks,
             stats,
             shutdown,
             hint: Arc::new(Mutex::new(None)),
-            waiters: Arc::new(Waiters::new(policy.max_waiters)),
+            waiters: Arc::new(Waiters::new(policy.max_waiters, abandoned)),
+            restore,
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
             policy,
@@ -226,32 +370,46 @@ impl Dispatch {
         let deadline = tokio::time::Instant::now() + wait.min(self.policy.max_wait);
         let skip = Arc::new(skip);
         // Joined after the first pass found nothing (and `wait` is not over).
-        let mut place: Option<Place> = None;
+        let mut place: Option<Place<Offer, Delivery>> = None;
         // A waiting call that arrives while a pass found nothing for anyone and nothing woke the
         // queue since joins it without a pass of its own: an idle fleet re-issuing its long
         // polls costs no queries.
         let seen = self.waiters.generation();
         if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty(seen) {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
-            self.live_lease(lease_id).await?;
-            place = Some(self.join_waiters(seen)?);
-            if !self.wait_turn(place.as_ref(), deadline).await {
-                self.stats.fetch("none_ready");
-                return Ok(None);
-            }
+            let lease = Arc::new(self.live_lease(lease_id).await?);
+            place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
         }
         loop {
-            let seen = self.waiters.generation();
-            if let Some(place) = &place {
-                place.begin_pass();
+            if let Some(waiting) = place.as_mut() {
+                match self.woken(waiting, deadline).await {
+                    None => {
+                        self.stats.fetch("none_ready");
+                        return Ok(None);
+                    }
+                    Some(Woken::Delivered(delivery)) => {
+                        // Another waiter's pass served this call.
+                        self.stats
+                            .fetch(if delivery.is_ok() { "claimed" } else { "error" });
+                        return delivery.map(Some);
+                    }
+                    Some(Woken::Turn) => {}
+                }
             }
+            let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
+            let lease_seen: Arc<Mutex<Option<Arc<LeaseRecord>>>> = Arc::new(Mutex::new(None));
             let this = self.clone();
             let skip_now = Arc::clone(&skip);
             let passed = Arc::clone(&passed_over);
+            let lease_out = Arc::clone(&lease_seen);
+            let own_place = place.as_ref().map(|p| p.id());
             let outcome = self
                 .detached(async move {
-                    crate::metrics::count_pass(this.fetch_once(lease_id, &skip_now, &passed)).await
+                    crate::metrics::count_pass(
+                        this.fetch_once(lease_id, skip_now, own_place, &passed, &lease_out),
+                    )
+                    .await
                 })
                 .await;
             self.stats.fetch_pass();
@@ -287,17 +445,29 @@ impl Dispatch {
                 return Ok(None);
             }
             if place.is_none() {
-                place = Some(self.join_waiters(seen)?);
-            }
-            if !self.wait_turn(place.as_ref(), deadline).await {
-                self.stats.fetch("none_ready");
-                return Ok(None);
+                let lease = lease_seen.lock().ok().and_then(|l| l.clone());
+                let lease = match lease {
+                    Some(lease) => lease,
+                    None => Arc::new(self.live_lease(lease_id).await?),
+                };
+                place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
             }
         }
     }
 
-    fn join_waiters(&self, seen: u64) -> Result<Place> {
-        self.waiters.join(seen).map_err(|Full(max)| {
+    fn join_waiters(
+        &self,
+        seen: u64,
+        lease_id: Uuid,
+        lease: Arc<LeaseRecord>,
+        skip: &Arc<HashSet<Uuid>>,
+    ) -> Result<Place<Offer, Delivery>> {
+        let offer = Offer {
+            lease_id,
+            lease,
+            skip: Arc::clone(skip),
+        };
+        self.waiters.join(seen, offer).map_err(|Full(max)| {
             Error::ResourceExhausted(format!(
                 "{max} FetchTask calls are already waiting on this broker \
                  (--fetch-max-waiters); retry with backoff, or wait for less"
@@ -305,15 +475,17 @@ impl Dispatch {
         })
     }
 
-    /// Waits for `place`'s turn; false when the deadline passed or the broker shuts down first.
-    async fn wait_turn(&self, place: Option<&Place>, deadline: tokio::time::Instant) -> bool {
-        let Some(place) = place else {
-            return true;
-        };
+    /// Waits for `place`'s turn or for a delivery; `None` when the deadline passed or the
+    /// broker shuts down first.
+    async fn woken(
+        &self,
+        place: &mut Place<Offer, Delivery>,
+        deadline: tokio::time::Instant,
+    ) -> Option<Woken<Delivery>> {
         tokio::select! {
-            _ = place.turn() => true,
-            _ = tokio::time::sleep_until(deadline) => false,
-            _ = self.shutdown.fired() => false,
+            woken = place.woken() => Some(woken),
+            _ = tokio::time::sleep_until(deadline) => None,
+            _ = self.shutdown.fired() => None,
         }
     }
 
@@ -329,18 +501,26 @@ impl Dispatch {
     }
 
     /// The queue of waiting fetches (for the wake-up loops).
-    pub fn waiters(&self) -> Arc<Waiters> {
+    pub fn waiters(&self) -> Arc<Queue> {
         Arc::clone(&self.waiters)
     }
 
-    /// One pass over the queue for one lease.
-    /// Sets `passed_over` when it passed over a ready task for this lease's own reasons
+    /// One pass over the queue for one lease, which also serves other waiting calls of this
+    /// replica (shared scans): each ready task it meets goes to the longest waiter that can
+    /// take it (this call's own place counts by its position; a call not yet waiting comes
+    /// after every waiter), under that waiter's own lease, locks and fencing token. What it
+    /// grants a recruited waiter is delivered to that waiter's place (or undone if it left).
+    /// The attempts of one round are judged together and mutually non-conflicting (each ready
+    /// task reserves its resources for every newer one), so they run concurrently.
+    /// Sets `passed_over` when it passed over a ready task nobody in the pass could take
     /// (versions, `skip_task_ids`): another waiter may take it.
     async fn fetch_once(
         &self,
         lease_id: Uuid,
-        skip: &HashSet<Uuid>,
+        skip: Arc<HashSet<Uuid>>,
+        own_place: Option<u64>,
         passed_over: &AtomicBool,
+        lease_out: &Mutex<Option<Arc<LeaseRecord>>>,
     ) -> Result<Option<Grant>> {
         let held = self.hint.lock().ok().and_then(|h| h.clone());
         let (lease, changes) = self
@@ -348,6 +528,10 @@ impl Dispatch {
             .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
             .await?
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        let lease = Arc::new(lease);
+        if let Ok(mut out) = lease_out.lock() {
+            *out = Some(Arc::clone(&lease));
+        }
         let epoch = self.locks.epoch();
         let usable = held.filter(|h| {
             h.epoch == epoch
@@ -391,85 +575,206 @@ impl Dispatch {
                 hiding: HashSet::new(),
             })
         };
+        // Who this pass serves: its own caller first in the list, recruits appended as needed.
+        let mut claimants = vec![Claimant {
+            key: own_place.unwrap_or(u64::MAX),
+            offer: Offer {
+                lease_id,
+                lease: Arc::clone(&lease),
+                skip,
+            },
+            recruit: None,
+            busy: false,
+        }];
+        let mut may_recruit = if self.waiters.is_empty() {
+            0
+        } else {
+            self.policy.share
+        };
         let mut page = self.policy.first_page;
+        if may_recruit > 0 {
+            // Room for one ready task per waiter in the first page.
+            let room = (self.waiters.len().min(may_recruit) as i64).saturating_add(1);
+            page = page.max(room.min(self.policy.max_page));
+        }
         let mut held_seen: HashSet<String> = HashSet::new();
-        let outcome = loop {
+        let mut own_grant = None;
+        let mut failure: Option<Error> = None;
+        let mut stop = false;
+        'pages: loop {
             let read_at = Instant::now();
             let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
             held_seen.extend(held_now);
             let last_page = (rows.len() as i64) < page;
-            let mut granted = None;
-            for mut row in rows {
-                row.candidate.skipped = skip.contains(&row.id);
-                let verdict = ready::judge(&row.candidate, &reserved, &lease.versions);
-                let stays_safe = match verdict {
-                    Verdict::BlockedByOlder | Verdict::BlockedByReserved => true,
-                    Verdict::Skipped | Verdict::Incompatible => {
-                        passed_over.store(true, Ordering::SeqCst);
-                        false
-                    }
-                    // Granted by this replica since this page was read: left alone, and it
-                    // reserves its resources for the rest of this pass. The hint stops before
-                    // it: newer tasks that conflict only with it are skipped by this pass's
-                    // later pages, and once it finishes nothing the hint relies on would change.
-                    Verdict::Ready if self.granted_after(&row.id, read_at) => {
-                        if safe {
-                            hint = snapshot(after, &excluded_waiting, &reserved_waiting);
-                            safe = false;
+            let mut rows = rows.into_iter();
+            // Rounds: judge rows until every claimant has one, try them all at once, settle.
+            loop {
+                let mut steps: Vec<Step> = Vec::new();
+                let mut attempts = 0usize;
+                for row in rows.by_ref() {
+                    let ready_by_rule =
+                        ready::obstacles(&row.candidate, &reserved, &lease.versions)
+                            .ready_by_rule();
+                    // Whatever becomes of it, it reserves its resources for every newer task
+                    // this pass judges (for one that is lost meanwhile, only a delay).
+                    reserved.reserve(&row.candidate.resources);
+                    excluded.extend(row.candidate.resources.conflict_keys());
+                    let seen = if !ready_by_rule {
+                        Seen::NotReady
+                    } else if self.granted_after(&row.id, read_at) {
+                        // Granted by this replica since this page was read: left alone.
+                        Seen::Left
+                    } else {
+                        match InFlight::take(&self.in_flight, row.id) {
+                            // Another pass is granting it: whether it stays ready is that
+                            // pass's business.
+                            None => Seen::PassedOver,
+                            Some(mine) => match self.claimant_for(
+                                &row,
+                                &mut claimants,
+                                own_place,
+                                &mut may_recruit,
+                            ) {
+                                Some(who) => {
+                                    claimants[who].busy = true;
+                                    attempts += 1;
+                                    Seen::Attempt { who, _mine: mine }
+                                }
+                                None => {
+                                    passed_over.store(true, Ordering::SeqCst);
+                                    Seen::PassedOver
+                                }
+                            },
                         }
-                        after = Some((row.created, row.id));
-                        reserved.reserve(&row.candidate.resources);
-                        excluded.extend(row.candidate.resources.conflict_keys());
-                        continue;
+                    };
+                    steps.push(Step { row, seen });
+                    if claimants.iter().all(|c| c.busy) && may_recruit == 0 {
+                        break;
                     }
-                    Verdict::Ready => match InFlight::take(&self.in_flight, row.id) {
-                        // Another pass is granting it: it reserves its resources, like a task
-                        // that is held, and whether it stays ready is that pass's business.
-                        None => false,
-                        Some(_mine) => match self.lock_and_claim(lease_id, &lease, &row).await? {
-                            Attempt::Granted(grant) => {
-                                if let Ok(mut recent) = self.recent.lock() {
-                                    recent.note(grant.task_id);
-                                }
-                                granted = Some(grant);
-                                true
-                            }
-                            Attempt::Blocked => true,
-                            Attempt::LeaseGone => {
-                                return Err(Error::LeaseNotFound(lease_id.to_string()))
-                            }
-                            Attempt::Lost => {
-                                if safe {
-                                    hint = snapshot(after, &excluded_waiting, &reserved_waiting);
-                                    safe = false;
-                                }
-                                after = Some((row.created, row.id));
-                                continue;
-                            }
-                            Attempt::NotGranted => false,
-                        },
-                    },
-                };
-                if safe && !stays_safe {
-                    hint = snapshot(after, &excluded_waiting, &reserved_waiting);
-                    safe = false;
                 }
-                after = Some((row.created, row.id));
-                // Not handed out (or handed out and claimed now): it reserves its resources
-                // for every newer task.
-                reserved.reserve(&row.candidate.resources);
-                excluded.extend(row.candidate.resources.conflict_keys());
-                if granted.is_some() {
+                if steps.is_empty() {
                     break;
                 }
-                reserved_waiting.reserve(&row.candidate.resources);
-                excluded_waiting.extend(row.candidate.resources.conflict_keys());
+                let outcomes = futures::future::join_all(steps.iter().map(|step| async {
+                    match &step.seen {
+                        Seen::Attempt { who, .. } => {
+                            let offer = &claimants[*who].offer;
+                            Some(
+                                self.lock_and_claim(offer.lease_id, &offer.lease, &step.row)
+                                    .await,
+                            )
+                        }
+                        _ => None,
+                    }
+                }))
+                .await;
+                // Settle in queue order (the hint is bookkept row by row).
+                for (step, outcome) in steps.into_iter().zip(outcomes) {
+                    let row = &step.row;
+                    let stays_safe = match (step.seen, outcome) {
+                        (Seen::NotReady, _) => true,
+                        (Seen::PassedOver, _) => false,
+                        (Seen::Left, _) => {
+                            // The hint stops before it: newer tasks that conflict only with it
+                            // are skipped by this pass, and once it finishes nothing the hint
+                            // relies on would change.
+                            if safe {
+                                hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                                safe = false;
+                            }
+                            after = Some((row.created, row.id));
+                            continue;
+                        }
+                        (Seen::Attempt { who, .. }, outcome) => {
+                            let claimant = &mut claimants[who];
+                            claimant.busy = false;
+                            match outcome {
+                                Some(Ok(Attempt::Granted(grant))) => {
+                                    if let Ok(mut recent) = self.recent.lock() {
+                                        recent.note(grant.task_id);
+                                    }
+                                    claimant.busy = true; // served
+                                    match claimant.recruit.take() {
+                                        None => own_grant = Some(grant),
+                                        Some(recruit) => {
+                                            self.stats.fetch_shared();
+                                            if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
+                                                self.restore.undo(&grant).await;
+                                            }
+                                        }
+                                    }
+                                    after = Some((row.created, row.id));
+                                    // Handed out: not among what the hint keeps.
+                                    continue;
+                                }
+                                Some(Ok(Attempt::Blocked)) => true,
+                                Some(Ok(Attempt::NotGranted)) => false,
+                                Some(Ok(Attempt::Lost)) => {
+                                    if safe {
+                                        hint =
+                                            snapshot(after, &excluded_waiting, &reserved_waiting);
+                                        safe = false;
+                                    }
+                                    after = Some((row.created, row.id));
+                                    continue;
+                                }
+                                Some(Ok(Attempt::LeaseGone)) => {
+                                    claimant.busy = true; // done with
+                                    let gone =
+                                        Error::LeaseNotFound(claimant.offer.lease_id.to_string());
+                                    match claimant.recruit.take() {
+                                        None => {
+                                            failure = failure.or(Some(gone));
+                                            stop = true;
+                                        }
+                                        Some(recruit) => {
+                                            let _ = recruit.deliver(Err(gone));
+                                        }
+                                    }
+                                    false
+                                }
+                                Some(Err(e)) => {
+                                    // Backend trouble: the pass ends after this round. The
+                                    // caller hears of it; a recruit goes back to waiting.
+                                    claimant.busy = true;
+                                    stop = true;
+                                    if claimant.recruit.take().is_none() {
+                                        failure = failure.or(Some(e));
+                                    }
+                                    false
+                                }
+                                None => false,
+                            }
+                        }
+                    };
+                    if safe && !stays_safe {
+                        hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                        safe = false;
+                    }
+                    after = Some((row.created, row.id));
+                    // Not handed out: it reserves its resources for every newer task.
+                    reserved_waiting.reserve(&row.candidate.resources);
+                    excluded_waiting.extend(row.candidate.resources.conflict_keys());
+                }
+                if stop || (attempts == 0 && rows.len() == 0) {
+                    break;
+                }
+                if own_grant.is_some() && !claimants.iter().any(|c| !c.busy) && may_recruit == 0 {
+                    break;
+                }
             }
-            if granted.is_some() || last_page {
-                break granted;
+            if stop || own_grant.is_some() || last_page {
+                break 'pages;
             }
             page = (page * 2).min(self.policy.max_page);
-        };
+        }
+        // Recruits not served go back to waiting (dropping them reopens their places).
+        drop(claimants);
+        if let Some(e) = failure {
+            // (Only this call's own attempts fail it: it has no grant then.)
+            return Err(e);
+        }
+        let outcome = own_grant;
         if safe {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting);
         }
@@ -515,6 +820,46 @@ impl Dispatch {
         Ok(outcome)
     }
 
+    /// The claimant a ready row goes to: the longest waiter among those that can take it,
+    /// recruiting open waiters of this replica (longest first) while the sharing budget lasts.
+    fn claimant_for(
+        &self,
+        row: &TaskRow,
+        claimants: &mut Vec<Claimant>,
+        own_place: Option<u64>,
+        may_recruit: &mut usize,
+    ) -> Option<usize> {
+        let mut best = claimants
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !c.busy && c.offer.takes(row))
+            .min_by_key(|(_, c)| c.key)
+            .map(|(i, c)| (i, c.key));
+        if *may_recruit > 0 {
+            let before = best.map_or(u64::MAX, |(_, key)| key);
+            let (recruits, found) =
+                self.waiters
+                    .recruit(before, own_place, *may_recruit, |offer| offer.takes(row));
+            if recruits.is_empty() && before == u64::MAX {
+                // Nobody is waiting to be served.
+                *may_recruit = 0;
+            }
+            *may_recruit = may_recruit.saturating_sub(recruits.len());
+            for recruit in recruits {
+                claimants.push(Claimant {
+                    key: recruit.id(),
+                    offer: recruit.offer().clone(),
+                    recruit: Some(recruit),
+                    busy: false,
+                });
+            }
+            if found {
+                best = Some((claimants.len() - 1, 0));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
     pub async fn claim(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
         let this = self.clone();
@@ -543,32 +888,23 @@ impl Dispatch {
 
     /// Takes back a grant that could not be delivered.
     async fn undo(&self, grant: &Grant) {
-        tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
-        self.put_back(
-            grant.task_id,
-            grant.app_status_id,
-            &grant.lease_id.to_string(),
-            grant.fencing_token,
-        )
-        .await;
+        self.restore.undo(grant).await
     }
 
-    /// Puts a task claimed by this grant back in the queue, then releases its locks. If it
-    /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
-    /// stays consistent until the lease ends or the reconciler finds it.
     async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
-        match self.tasks.unclaim(task_id, app_status).await {
-            Ok(requeued) => {
-                if requeued {
-                    self.note_requeue().await;
-                }
-                self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
-                    .await
-            }
-            Err(e) => {
-                tracing::error!(%task_id, error = %e, "could not put a claimed task back in the queue; its locks stay with the claim")
-            }
-        }
+        self.restore
+            .put_back(task_id, app_status, lease_id, fencing_token)
+            .await
+    }
+
+    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
+        self.restore
+            .release_after_failure(lease_id, task_id, fencing_token)
+            .await
+    }
+
+    async fn note_requeue(&self) {
+        self.restore.note_requeue().await
     }
 
     async fn claim_once(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
@@ -705,24 +1041,6 @@ impl Dispatch {
         }
     }
 
-    /// Releases locks taken by a grant that did not complete, retrying a transient failure.
-    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
-        for attempt in 0..3u32 {
-            match self.locks.release(lease_id, task_id, fencing_token).await {
-                Ok((Release::Released, _)) => {
-                    self.stats.locks_released("fetch_failure", 1);
-                    return;
-                }
-                Ok(_) => return,
-                Err(e) => {
-                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                }
-            }
-        }
-        tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
-    }
-
     /// Puts a claimed task that never started back in the queue (no-op otherwise); true when
     /// the task is running (or canceling) under `app_status` instead, and so was left alone.
     async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<bool> {
@@ -735,13 +1053,6 @@ impl Dispatch {
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
         Ok(running)
-    }
-
-    /// Records that a claimed task went back to the queue (scan hints may have passed it).
-    async fn note_requeue(&self) {
-        if let Err(e) = self.locks.note_changes(&["*"]).await {
-            tracing::warn!(error = %e, "could not record a requeue; scan hints expire on their own");
-        }
     }
 
     /// StartTask: marks a claimed task running, for its holder only.

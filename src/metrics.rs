@@ -23,6 +23,8 @@ pub const POSTGRES_STATEMENTS_TOTAL: &str = "dispatch_postgres_statements_total"
 pub const REDIS_CALLS_TOTAL: &str = "dispatch_redis_calls_total";
 /// FetchTask calls by outcome (`claimed`, `none_ready`, `error`).
 pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
+/// Tasks a fetch pass handed to other waiting FetchTask calls than its own (shared scans).
+pub const FETCH_SHARED_TOTAL: &str = "dispatch_fetch_shared_total";
 /// Postgres statements per fetch pass.
 pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements";
 /// Redis calls per fetch pass.
@@ -62,6 +64,7 @@ pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
     REDIS_CALLS_TOTAL,
     FETCH_TOTAL,
+    FETCH_SHARED_TOTAL,
     FETCH_POSTGRES_STATEMENTS,
     FETCH_REDIS_CALLS,
     LOCKS_RELEASED_TOTAL,
@@ -85,6 +88,10 @@ pub fn describe() {
     describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
     describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
     describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
+    describe_counter!(
+        FETCH_SHARED_TOTAL,
+        "Tasks a fetch pass handed to other waiting FetchTask calls than its own."
+    );
     describe_histogram!(
         FETCH_POSTGRES_STATEMENTS,
         "Postgres statements per fetch pass."
@@ -233,6 +240,7 @@ pub struct Stats {
     postgres_statements: AtomicU64,
     redis_calls: AtomicU64,
     fetches: AtomicU64,
+    shared: AtomicU64,
     leases_swept: AtomicU64,
     locks_reconciled: AtomicU64,
     rebuilds: AtomicU64,
@@ -247,6 +255,8 @@ pub struct StatsSnapshot {
     pub redis_calls: u64,
     /// FetchTask passes run.
     pub fetches: u64,
+    /// Tasks passes handed to other waiting calls than their own.
+    pub shared: u64,
     /// Expired leases this replica swept.
     pub leases_swept: u64,
     /// Locks this replica's reconciler released.
@@ -278,6 +288,12 @@ impl Stats {
     /// Counts one pass over the queue (a waiting FetchTask makes several).
     pub fn fetch_pass(&self) {
         self.fetches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one task a pass handed to another waiting call than its own.
+    pub fn fetch_shared(&self) {
+        self.shared.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_SHARED_TOTAL).increment(1);
     }
 
     /// Counts released task locks on a path.
@@ -314,6 +330,7 @@ impl Stats {
             postgres_statements: self.postgres_statements.load(Ordering::Relaxed),
             redis_calls: self.redis_calls.load(Ordering::Relaxed),
             fetches: self.fetches.load(Ordering::Relaxed),
+            shared: self.shared.load(Ordering::Relaxed),
             leases_swept: self.leases_swept.load(Ordering::Relaxed),
             locks_reconciled: self.locks_reconciled.load(Ordering::Relaxed),
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
@@ -328,6 +345,7 @@ impl std::ops::Sub for StatsSnapshot {
             postgres_statements: self.postgres_statements - earlier.postgres_statements,
             redis_calls: self.redis_calls - earlier.redis_calls,
             fetches: self.fetches - earlier.fetches,
+            shared: self.shared - earlier.shared,
             leases_swept: self.leases_swept - earlier.leases_swept,
             locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
             rebuilds: self.rebuilds - earlier.rebuilds,

@@ -42,7 +42,7 @@ pub struct Running {
     /// The background loop (sweeper, reconciler, lock-state checks).
     pub sweeper: Arc<Sweeper>,
     /// This replica's waiting FetchTask calls.
-    pub waiters: Arc<crate::dispatch::Waiters>,
+    pub waiters: Arc<crate::dispatch::Queue>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: JoinHandle<()>,
@@ -157,6 +157,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             max_waiters: args.fetch.max_waiters,
             max_wait: args.fetch.max_wait,
             hint_max_age: args.fetch.hint_max_age,
+            share: args.fetch.share as usize,
         },
         shutdown.clone(),
     );

@@ -329,3 +329,181 @@ async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
     assert_eq!(id(&granted), task);
     env.shutdown().await;
 }
+
+/// Inserts `n` waiting tasks `t1`..`tn` (resources `r1`..`rn`, `t1` oldest) in one statement:
+/// one notification.
+async fn insert_burst(env: &Env, n: usize) {
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), now() + i * interval '1 ms', 't' || i, 'waiting', \
+                    ARRAY['r' || i] \
+             FROM generate_series(1, {n}) AS i"
+        ))
+        .await
+        .unwrap();
+}
+
+/// `n` waiters queued in order, each under its own lease.
+async fn queue_of_waiters(
+    env: &mut Env,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>>> {
+    let mut handles = Vec::new();
+    for i in 0..n {
+        let lease = env.open(&format!("w{i}")).await;
+        handles.push(spawn_wait(env, &lease));
+        waiting_reach(env, i + 1).await;
+    }
+    handles
+}
+
+#[tokio::test]
+async fn one_pass_hands_a_burst_of_ready_tasks_to_every_waiter_oldest_to_longest() {
+    const N: usize = 20;
+    let mut env = no_polling().await;
+    let handles = queue_of_waiters(&mut env, N).await;
+    let before = env.broker().stats.snapshot();
+    insert_burst(&env, N).await;
+    let mut names = Vec::new();
+    for h in handles {
+        names.push(got(h).await.expect("every waiter is served").name);
+    }
+    let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
+    assert_eq!(names, expected, "oldest task to the longest waiter");
+    let spent = env.broker().stats.snapshot() - before;
+    assert_eq!(
+        spent.shared,
+        N as u64 - 1,
+        "one pass served the other waiters"
+    );
+    assert!(
+        spent.fetches <= 2,
+        "{} passes for a burst of {N}: one scan serves them all",
+        spent.fetches
+    );
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn without_sharing_each_waiter_of_a_burst_makes_its_own_pass() {
+    const N: usize = 20;
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = NEVER;
+        a.fetch.share = 0;
+    })
+    .await;
+    let handles = queue_of_waiters(&mut env, N).await;
+    let before = env.broker().stats.snapshot();
+    insert_burst(&env, N).await;
+    let mut names = Vec::new();
+    for h in handles {
+        names.push(got(h).await.expect("every waiter is served").name);
+    }
+    let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
+    assert_eq!(names, expected, "still oldest task to the longest waiter");
+    let spent = env.broker().stats.snapshot() - before;
+    assert_eq!(spent.shared, 0);
+    assert!(spent.fetches >= N as u64, "{} passes", spent.fetches);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_shared_pass_keeps_each_waiters_versions_and_skips() {
+    let mut env = no_polling().await;
+    // A running task holds `x`; the task behind it waits for it.
+    let head = env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.unwrap();
+    assert_eq!(id(&running), head);
+    let behind = env.task(&["x"]).await;
+    // The longest waiter skips `behind` and has an old core; the next has a new core.
+    let old = env.open_with("old", &[("core", "3.100")], None).await;
+    let mut client = env.client.clone();
+    let skipping = tokio::spawn(async move {
+        client
+            .fetch_task(FetchTaskRequest {
+                skip_task_ids: vec![behind.to_string()],
+                ..wait_request(&old, LONG)
+            })
+            .await
+            .map(|r| r.into_inner().task)
+    });
+    waiting_reach(&env, 1).await;
+    let new = env.open_with("new", &[("core", "3.200")], None).await;
+    let newer = spawn_wait(&env, &new);
+    waiting_reach(&env, 2).await;
+    let needs_new = env
+        .task_with(&["y"], "needs.new", &[("core", "3.150")])
+        .await;
+    // `needs_new` woke the queue: the old core cannot take it, the new one can.
+    let first = got(newer).await.expect("the new core's waiter got it");
+    assert_eq!(id(&first), needs_new);
+    assert!(!skipping.is_finished(), "nothing the old core may take yet");
+    let again = spawn_wait(&env, &new);
+    waiting_reach(&env, 2).await;
+    let before = env.broker().stats.snapshot();
+    env.finish(&holder, &running, "completed").await;
+    // `behind` is ready now: skipped by the longest waiter, it goes to the next.
+    assert_eq!(id(&got(again).await.expect("served")), behind);
+    assert!(env.broker().stats.snapshot().shared > before.shared);
+    assert!(!skipping.is_finished(), "the skipping waiter still waits");
+    let plain = env.task(&["z"]).await;
+    assert_eq!(id(&got(skipping).await.expect("served")), plain);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing_behind() {
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = NEVER;
+        a.backend_timeout = Duration::from_secs(20);
+    })
+    .await;
+    // Tasks arrive without waking anyone; Pulp's channel wakes the queue once the stage is set.
+    env.db
+        .batch_execute("DROP TRIGGER dispatch_task_notify ON core_task")
+        .await
+        .unwrap();
+    let a = env.open("longest").await;
+    let longest = spawn_wait(&env, &a);
+    waiting_reach(&env, 1).await;
+    let b = env.open("leaves").await;
+    let mut client = env.client.clone();
+    let short = wait_request(&b, Duration::from_millis(1500));
+    let leaving =
+        tokio::spawn(async move { client.fetch_task(short).await.map(|r| r.into_inner().task) });
+    waiting_reach(&env, 2).await;
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["b"]).await;
+    // The claim of `second` (for the leaving waiter) waits on this row lock.
+    let blocker = support::RowLock::take(&env.db_url, second).await;
+    let before = env.broker().stats.snapshot();
+    env.db
+        .batch_execute("SELECT pg_notify('pulp_worker_wakeup', 'unblock')")
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(LONG, leaving).await.unwrap().unwrap();
+    assert!(
+        matches!(answer, Ok(None)),
+        "its wait ran out while its claim waited: {answer:?}"
+    );
+    blocker.rollback().await;
+    let granted = got(longest).await.expect("the longest waiter was served");
+    assert_eq!(id(&granted), first);
+    assert!(
+        env.broker().stats.snapshot().shared > before.shared,
+        "the pass granted `second` to the waiter that had left"
+    );
+    // The grant nobody took went back: unclaimed, unlocked, and handed out again.
+    let env_ref = &env;
+    eventually(LONG, || async { env_ref.app_lock(second).await.is_none() })
+        .await
+        .expect("the undelivered grant was put back");
+    env.assert_locks(&[&granted]).await;
+    let again = env.fetch(&b).await.expect("handed out again");
+    assert_eq!(id(&again), second);
+    env.shutdown().await;
+}

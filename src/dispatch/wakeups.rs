@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use super::waiters::Waiters;
+use super::Queue as Waiters;
 use crate::locks::Locks;
 use crate::shutdown::Shutdown;
 
