@@ -159,6 +159,7 @@ pub struct Dispatch {
     hint: Arc<Mutex<Option<ScanHint>>>,
     waiters: Arc<Queue>,
     restore: Restore,
+    passes: Arc<Passes>,
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
     in_flight: Arc<Mutex<HashSet<Uuid>>>,
@@ -270,8 +271,26 @@ struct Claimant {
     offer: Offer,
     /// `None` for the pass's own caller.
     recruit: Option<Recruit>,
-    /// Trying a task now, served, or done with for this pass.
-    busy: bool,
+    state: Turn,
+}
+
+/// Where a claimant is in its pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// May be given a ready task.
+    Free,
+    /// Trying a task of this round.
+    Trying,
+    /// Served, or done with (lease gone, backend trouble).
+    Done,
+}
+
+/// Whom a ready row goes to.
+enum Pick {
+    Free(usize),
+    /// Only a claimant trying another task of this round could take it.
+    Busy,
+    Nobody,
 }
 
 /// One candidate row as a pass saw it.
@@ -283,12 +302,79 @@ struct Step {
 enum Seen {
     /// Not ready by the rule.
     NotReady,
-    /// Ready, but nobody in the pass could take it (or another pass is granting it).
+    /// Ready, but nobody in the pass could take it.
     PassedOver,
+    /// Ready, and another pass of this replica is granting it.
+    Elsewhere,
     /// Granted by this replica since its page was read.
     Left,
     /// Ready, and tried for `claimants[who]`.
     Attempt { who: usize, _mine: InFlight },
+}
+
+/// How an attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    Granted,
+    Blocked,
+    NotGranted,
+    Lost,
+}
+
+/// A pass's answer to its own caller, sent once: as soon as the caller's grant is made, or
+/// when the pass ends. A grant the caller is no longer there to take is undone.
+struct Answer {
+    deliver: Option<tokio::sync::oneshot::Sender<Result<Option<Grant>>>>,
+    restore: Restore,
+}
+
+impl Answer {
+    async fn send(&mut self, outcome: Result<Option<Grant>>) {
+        if let Some(deliver) = self.deliver.take() {
+            if let Err(Ok(Some(grant))) = deliver.send(outcome) {
+                self.restore.undo(&grant).await;
+            }
+        }
+    }
+}
+
+/// Passes and granting steps running in their own tasks, so shutdown can wait for them (a
+/// grant they make for a caller that is gone is undone before the process ends).
+#[derive(Debug, Default)]
+pub struct Passes {
+    running: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One running pass; dropping it counts it out.
+struct Running(Arc<Passes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Passes {
+    fn enter(self: &Arc<Self>) -> Running {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        Running(Arc::clone(self))
+    }
+
+    /// Returns once no pass is running.
+    pub async fn idle(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.running.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
 }
 
 /// A task this replica is trying to grant; dropping it lets other passes try the task again.
@@ -353,6 +439,7 @@ impl Dispatch {
             hint: Arc::new(Mutex::new(None)),
             waiters: Arc::new(Waiters::new(policy.max_waiters, abandoned)),
             restore,
+            passes: Arc::new(Passes::default()),
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
             policy,
@@ -399,18 +486,14 @@ impl Dispatch {
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
             let lease_seen: Arc<Mutex<Option<Arc<LeaseRecord>>>> = Arc::new(Mutex::new(None));
-            let this = self.clone();
-            let skip_now = Arc::clone(&skip);
-            let passed = Arc::clone(&passed_over);
-            let lease_out = Arc::clone(&lease_seen);
-            let own_place = place.as_ref().map(|p| p.id());
             let outcome = self
-                .detached(async move {
-                    crate::metrics::count_pass(
-                        this.fetch_once(lease_id, skip_now, own_place, &passed, &lease_out),
-                    )
-                    .await
-                })
+                .run_pass(
+                    lease_id,
+                    Arc::clone(&skip),
+                    place.as_ref().map(|p| p.id()),
+                    Arc::clone(&passed_over),
+                    Arc::clone(&lease_seen),
+                )
                 .await;
             self.stats.fetch_pass();
             let grant = match outcome {
@@ -500,6 +583,11 @@ impl Dispatch {
         self.waiters.wake();
     }
 
+    /// The passes running in their own tasks (shutdown waits for them).
+    pub fn passes(&self) -> Arc<Passes> {
+        Arc::clone(&self.passes)
+    }
+
     /// The queue of waiting fetches (for the wake-up loops).
     pub fn waiters(&self) -> Arc<Queue> {
         Arc::clone(&self.waiters)
@@ -521,6 +609,7 @@ impl Dispatch {
         own_place: Option<u64>,
         passed_over: &AtomicBool,
         lease_out: &Mutex<Option<Arc<LeaseRecord>>>,
+        answer: &mut Answer,
     ) -> Result<Option<Grant>> {
         let held = self.hint.lock().ok().and_then(|h| h.clone());
         let (lease, changes) = self
@@ -584,21 +673,22 @@ impl Dispatch {
                 skip,
             },
             recruit: None,
-            busy: false,
+            state: Turn::Free,
         }];
-        let mut may_recruit = if self.waiters.is_empty() {
-            0
-        } else {
-            self.policy.share
-        };
+        // Waiters this pass could serve besides its own caller.
+        let others = self
+            .waiters
+            .len()
+            .saturating_sub(usize::from(own_place.is_some()));
+        let mut may_recruit = if others == 0 { 0 } else { self.policy.share };
         let mut page = self.policy.first_page;
         if may_recruit > 0 {
             // Room for one ready task per waiter in the first page.
-            let room = (self.waiters.len().min(may_recruit) as i64).saturating_add(1);
+            let room = (others.min(may_recruit) as i64).saturating_add(1);
             page = page.max(room.min(self.policy.max_page));
         }
         let mut held_seen: HashSet<String> = HashSet::new();
-        let mut own_grant = None;
+        let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
         'pages: loop {
@@ -606,78 +696,145 @@ impl Dispatch {
             let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
             held_seen.extend(held_now);
             let last_page = (rows.len() as i64) < page;
-            let mut rows = rows.into_iter();
-            // Rounds: judge rows until every claimant has one, try them all at once, settle.
+            let mut rows = rows.into_iter().peekable();
+            // Rounds: judge rows until every claimant is trying one, try them all at once,
+            // settle in queue order.
             loop {
+                if self.shutdown.is_fired() {
+                    // No new attempts once the broker stops: their grants could not be delivered.
+                    stop = true;
+                    break;
+                }
+                let nobody_free = claimants.iter().all(|c| c.state != Turn::Free);
+                if rows.peek().is_none() || (nobody_free && may_recruit == 0) {
+                    break;
+                }
                 let mut steps: Vec<Step> = Vec::new();
-                let mut attempts = 0usize;
-                for row in rows.by_ref() {
+                while let Some(row) = rows.peek() {
                     let ready_by_rule =
                         ready::obstacles(&row.candidate, &reserved, &lease.versions)
                             .ready_by_rule();
-                    // Whatever becomes of it, it reserves its resources for every newer task
-                    // this pass judges (for one that is lost meanwhile, only a delay).
-                    reserved.reserve(&row.candidate.resources);
-                    excluded.extend(row.candidate.resources.conflict_keys());
                     let seen = if !ready_by_rule {
                         Seen::NotReady
                     } else if self.granted_after(&row.id, read_at) {
                         // Granted by this replica since this page was read: left alone.
                         Seen::Left
                     } else {
-                        match InFlight::take(&self.in_flight, row.id) {
-                            // Another pass is granting it: whether it stays ready is that
-                            // pass's business.
-                            None => Seen::PassedOver,
-                            Some(mine) => match self.claimant_for(
-                                &row,
-                                &mut claimants,
-                                own_place,
-                                &mut may_recruit,
-                            ) {
-                                Some(who) => {
-                                    claimants[who].busy = true;
-                                    attempts += 1;
+                        match self.claimant_for(row, &mut claimants, own_place, &mut may_recruit) {
+                            Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
+                                // Another pass is granting it: whether it stays ready is that
+                                // pass's business.
+                                None => Seen::Elsewhere,
+                                Some(mine) => {
+                                    claimants[who].state = Turn::Trying;
                                     Seen::Attempt { who, _mine: mine }
                                 }
-                                None => {
-                                    passed_over.store(true, Ordering::SeqCst);
-                                    Seen::PassedOver
-                                }
                             },
+                            // Only a claimant trying another task of this round could take it:
+                            // it is judged again once the round is settled.
+                            Pick::Busy => break,
+                            Pick::Nobody => {
+                                passed_over.store(true, Ordering::SeqCst);
+                                Seen::PassedOver
+                            }
                         }
                     };
+                    let Some(row) = rows.next() else { break };
+                    // Whatever becomes of it, it reserves its resources for every newer task
+                    // this pass judges (for one that is lost meanwhile, only a delay). So the
+                    // attempts of one round never conflict with each other.
+                    reserved.reserve(&row.candidate.resources);
+                    excluded.extend(row.candidate.resources.conflict_keys());
                     steps.push(Step { row, seen });
-                    if claimants.iter().all(|c| c.busy) && may_recruit == 0 {
+                    if claimants.iter().all(|c| c.state != Turn::Free) && may_recruit == 0 {
                         break;
                     }
                 }
-                if steps.is_empty() {
-                    break;
-                }
-                let outcomes = futures::future::join_all(steps.iter().map(|step| async {
-                    match &step.seen {
+                // The round's attempts run at once; each grant is delivered as soon as it is
+                // made (the caller's own through `answer`), so a slow claim holds up no one else.
+                let mut attempts: futures::stream::FuturesUnordered<_> = steps
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, step)| match &step.seen {
                         Seen::Attempt { who, .. } => {
-                            let offer = &claimants[*who].offer;
-                            Some(
-                                self.lock_and_claim(offer.lease_id, &offer.lease, &step.row)
-                                    .await,
-                            )
+                            let offer = claimants[*who].offer.clone();
+                            let row = &step.row;
+                            Some(async move {
+                                (
+                                    i,
+                                    self.lock_and_claim(offer.lease_id, &offer.lease, row).await,
+                                )
+                            })
                         }
                         _ => None,
-                    }
-                }))
-                .await;
-                // Settle in queue order (the hint is bookkept row by row).
-                for (step, outcome) in steps.into_iter().zip(outcomes) {
+                    })
+                    .collect();
+                let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
+                while let Some((i, outcome)) = futures::StreamExt::next(&mut attempts).await {
+                    let Seen::Attempt { who, .. } = &steps[i].seen else {
+                        continue;
+                    };
+                    let claimant = &mut claimants[*who];
+                    claimant.state = Turn::Free;
+                    settled[i] = Some(match outcome {
+                        Ok(Attempt::Granted(grant)) => {
+                            if let Ok(mut recent) = self.recent.lock() {
+                                recent.note(grant.task_id);
+                            }
+                            claimant.state = Turn::Done;
+                            match claimant.recruit.take() {
+                                None => {
+                                    own_served = true;
+                                    answer.send(Ok(Some(grant))).await;
+                                }
+                                Some(recruit) => {
+                                    self.stats.fetch_shared();
+                                    if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
+                                        self.restore.undo(&grant).await;
+                                    }
+                                }
+                            }
+                            Settled::Granted
+                        }
+                        Ok(Attempt::Blocked) => Settled::Blocked,
+                        Ok(Attempt::NotGranted) => Settled::NotGranted,
+                        Ok(Attempt::Lost) => Settled::Lost,
+                        Ok(Attempt::LeaseGone) => {
+                            claimant.state = Turn::Done;
+                            let gone = Error::LeaseNotFound(claimant.offer.lease_id.to_string());
+                            match claimant.recruit.take() {
+                                None => {
+                                    failure = failure.or(Some(gone));
+                                    stop = true;
+                                }
+                                Some(recruit) => {
+                                    let _ = recruit.deliver(Err(gone));
+                                }
+                            }
+                            Settled::NotGranted
+                        }
+                        Err(e) => {
+                            // Backend trouble: the pass ends after this round. The caller hears
+                            // of it; a recruit goes back to waiting.
+                            claimant.state = Turn::Done;
+                            stop = true;
+                            if claimant.recruit.take().is_none() {
+                                failure = failure.or(Some(e));
+                            }
+                            Settled::NotGranted
+                        }
+                    });
+                }
+                drop(attempts);
+                // Settle in queue order: the hint is bookkept row by row.
+                for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
-                    let stays_safe = match (step.seen, outcome) {
-                        (Seen::NotReady, _) => true,
-                        (Seen::PassedOver, _) => false,
-                        (Seen::Left, _) => {
+                    let stays_safe = match (step.seen, settled) {
+                        (Seen::NotReady, _) | (_, Some(Settled::Blocked)) => true,
+                        (Seen::Left, _) | (_, Some(Settled::Lost)) => {
                             // The hint stops before it: newer tasks that conflict only with it
-                            // are skipped by this pass, and once it finishes nothing the hint
-                            // relies on would change.
+                            // are skipped by this pass, and once it finishes (or if it was
+                            // canceled) nothing the hint relies on would change.
                             if safe {
                                 hint = snapshot(after, &excluded_waiting, &reserved_waiting);
                                 safe = false;
@@ -685,67 +842,12 @@ impl Dispatch {
                             after = Some((row.created, row.id));
                             continue;
                         }
-                        (Seen::Attempt { who, .. }, outcome) => {
-                            let claimant = &mut claimants[who];
-                            claimant.busy = false;
-                            match outcome {
-                                Some(Ok(Attempt::Granted(grant))) => {
-                                    if let Ok(mut recent) = self.recent.lock() {
-                                        recent.note(grant.task_id);
-                                    }
-                                    claimant.busy = true; // served
-                                    match claimant.recruit.take() {
-                                        None => own_grant = Some(grant),
-                                        Some(recruit) => {
-                                            self.stats.fetch_shared();
-                                            if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
-                                                self.restore.undo(&grant).await;
-                                            }
-                                        }
-                                    }
-                                    after = Some((row.created, row.id));
-                                    // Handed out: not among what the hint keeps.
-                                    continue;
-                                }
-                                Some(Ok(Attempt::Blocked)) => true,
-                                Some(Ok(Attempt::NotGranted)) => false,
-                                Some(Ok(Attempt::Lost)) => {
-                                    if safe {
-                                        hint =
-                                            snapshot(after, &excluded_waiting, &reserved_waiting);
-                                        safe = false;
-                                    }
-                                    after = Some((row.created, row.id));
-                                    continue;
-                                }
-                                Some(Ok(Attempt::LeaseGone)) => {
-                                    claimant.busy = true; // done with
-                                    let gone =
-                                        Error::LeaseNotFound(claimant.offer.lease_id.to_string());
-                                    match claimant.recruit.take() {
-                                        None => {
-                                            failure = failure.or(Some(gone));
-                                            stop = true;
-                                        }
-                                        Some(recruit) => {
-                                            let _ = recruit.deliver(Err(gone));
-                                        }
-                                    }
-                                    false
-                                }
-                                Some(Err(e)) => {
-                                    // Backend trouble: the pass ends after this round. The
-                                    // caller hears of it; a recruit goes back to waiting.
-                                    claimant.busy = true;
-                                    stop = true;
-                                    if claimant.recruit.take().is_none() {
-                                        failure = failure.or(Some(e));
-                                    }
-                                    false
-                                }
-                                None => false,
-                            }
+                        (_, Some(Settled::Granted)) => {
+                            // Handed out: not among what the hint keeps.
+                            after = Some((row.created, row.id));
+                            continue;
                         }
+                        _ => false,
                     };
                     if safe && !stays_safe {
                         hint = snapshot(after, &excluded_waiting, &reserved_waiting);
@@ -756,14 +858,11 @@ impl Dispatch {
                     reserved_waiting.reserve(&row.candidate.resources);
                     excluded_waiting.extend(row.candidate.resources.conflict_keys());
                 }
-                if stop || (attempts == 0 && rows.len() == 0) {
-                    break;
-                }
-                if own_grant.is_some() && !claimants.iter().any(|c| !c.busy) && may_recruit == 0 {
+                if stop {
                     break;
                 }
             }
-            if stop || own_grant.is_some() || last_page {
+            if stop || own_served || last_page {
                 break 'pages;
             }
             page = (page * 2).min(self.policy.max_page);
@@ -774,7 +873,12 @@ impl Dispatch {
             // (Only this call's own attempts fail it: it has no grant then.)
             return Err(e);
         }
-        let outcome = own_grant;
+        if stop {
+            // The pass ended early (backend trouble, shutdown): what it did not look at may be
+            // ready, so the turn moves on and nothing is known to be empty.
+            passed_over.store(true, Ordering::SeqCst);
+        }
+        let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         if safe {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting);
         }
@@ -820,7 +924,7 @@ impl Dispatch {
         Ok(outcome)
     }
 
-    /// The claimant a ready row goes to: the longest waiter among those that can take it,
+    /// Whom a ready row goes to: the longest waiter among the free claimants that can take it,
     /// recruiting open waiters of this replica (longest first) while the sharing budget lasts.
     fn claimant_for(
         &self,
@@ -828,11 +932,11 @@ impl Dispatch {
         claimants: &mut Vec<Claimant>,
         own_place: Option<u64>,
         may_recruit: &mut usize,
-    ) -> Option<usize> {
+    ) -> Pick {
         let mut best = claimants
             .iter()
             .enumerate()
-            .filter(|(_, c)| !c.busy && c.offer.takes(row))
+            .filter(|(_, c)| c.state == Turn::Free && c.offer.takes(row))
             .min_by_key(|(_, c)| c.key)
             .map(|(i, c)| (i, c.key));
         if *may_recruit > 0 {
@@ -841,7 +945,7 @@ impl Dispatch {
                 self.waiters
                     .recruit(before, own_place, *may_recruit, |offer| offer.takes(row));
             if recruits.is_empty() && before == u64::MAX {
-                // Nobody is waiting to be served.
+                // Nobody else is waiting to be served.
                 *may_recruit = 0;
             }
             *may_recruit = may_recruit.saturating_sub(recruits.len());
@@ -850,14 +954,23 @@ impl Dispatch {
                     key: recruit.id(),
                     offer: recruit.offer().clone(),
                     recruit: Some(recruit),
-                    busy: false,
+                    state: Turn::Free,
                 });
             }
             if found {
                 best = Some((claimants.len() - 1, 0));
             }
         }
-        best.map(|(i, _)| i)
+        match best {
+            Some((who, _)) => Pick::Free(who),
+            None if claimants
+                .iter()
+                .any(|c| c.state == Turn::Trying && c.offer.takes(row)) =>
+            {
+                Pick::Busy
+            }
+            None => Pick::Nobody,
+        }
     }
 
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
@@ -865,6 +978,42 @@ impl Dispatch {
         let this = self.clone();
         self.detached(async move { this.claim_once(lease_id, task_id).await })
             .await
+    }
+
+    /// Runs one pass in its own task (see [`Dispatch::detached`]). The pass answers its caller
+    /// as soon as the caller's own grant is made, and may go on settling the grants of the
+    /// waiters it recruited; a grant whose caller is gone by then is undone.
+    async fn run_pass(
+        &self,
+        lease_id: Uuid,
+        skip: Arc<HashSet<Uuid>>,
+        own_place: Option<u64>,
+        passed_over: Arc<AtomicBool>,
+        lease_out: Arc<Mutex<Option<Arc<LeaseRecord>>>>,
+    ) -> Result<Option<Grant>> {
+        let (deliver, receive) = tokio::sync::oneshot::channel();
+        let this = self.clone();
+        let running = self.passes.enter();
+        tokio::spawn(async move {
+            let _running = running;
+            let mut answer = Answer {
+                deliver: Some(deliver),
+                restore: this.restore.clone(),
+            };
+            let outcome = crate::metrics::count_pass(this.fetch_once(
+                lease_id,
+                skip,
+                own_place,
+                &passed_over,
+                &lease_out,
+                &mut answer,
+            ))
+            .await;
+            answer.send(outcome).await;
+        });
+        receive
+            .await
+            .map_err(|_| Error::Internal("a fetch pass ended without an answer".into()))?
     }
 
     /// Runs a granting step in its own task, so a caller that goes away cannot interrupt it
@@ -876,7 +1025,9 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let (deliver, receive) = tokio::sync::oneshot::channel();
         let this = self.clone();
+        let running = self.passes.enter();
         tokio::spawn(async move {
+            let _running = running;
             if let Err(Ok(Some(grant))) = deliver.send(step.await) {
                 this.undo(&grant).await;
             }

@@ -43,6 +43,7 @@ pub struct Running {
     pub sweeper: Arc<Sweeper>,
     /// This replica's waiting FetchTask calls.
     pub waiters: Arc<crate::dispatch::Queue>,
+    passes: Arc<crate::dispatch::Passes>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: JoinHandle<()>,
@@ -62,6 +63,14 @@ impl Running {
                 tracing::warn!(grace = ?self.grace, "in-flight calls outlived the grace period; stopping anyway");
                 server.abort();
             }
+        }
+        // Passes run in their own tasks: let them settle, so a grant made for a caller that is
+        // gone is undone before the process ends (they start no new attempts after the signal).
+        if tokio::time::timeout(self.grace, self.passes.idle())
+            .await
+            .is_err()
+        {
+            tracing::warn!(grace = ?self.grace, "fetch passes outlived the grace period; stopping anyway");
         }
         let _ = self.background.await;
         Ok(())
@@ -194,6 +203,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     ));
     let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
     let waiters = dispatch.waiters();
+    let passes = dispatch.passes();
     let admin = AdminService::new(
         crate::admin::Admin::new(
             tasks.clone(),
@@ -301,6 +311,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         tasks,
         sweeper,
         waiters,
+        passes,
         trigger,
         server,
         background,

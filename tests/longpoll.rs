@@ -454,56 +454,121 @@ async fn a_shared_pass_keeps_each_waiters_versions_and_skips() {
     env.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing_behind() {
-    let mut env = Env::with(|a| {
+/// Waits until a broker session of this test's database waits on a row lock.
+async fn a_claim_waits_on_a_row_lock(env: &Env) {
+    eventually(LONG, || async {
+        let row = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) > 0
+    })
+    .await
+    .expect("a claim waits on the row lock");
+}
+
+/// A broker whose waiting fetches wake only on Pulp's channel (the insert trigger is gone), so
+/// a test can set the stage before the queue looks.
+async fn woken_by_hand() -> Env {
+    let env = Env::with(|a| {
         a.fetch.recheck = NEVER;
         a.fetch.wake_poll = NEVER;
-        a.backend_timeout = Duration::from_secs(20);
+        a.backend_timeout = Duration::from_secs(30);
     })
     .await;
-    // Tasks arrive without waking anyone; Pulp's channel wakes the queue once the stage is set.
     env.db
         .batch_execute("DROP TRIGGER dispatch_task_notify ON core_task")
         .await
         .unwrap();
-    let a = env.open("longest").await;
-    let longest = spawn_wait(&env, &a);
-    waiting_reach(&env, 1).await;
-    let b = env.open("leaves").await;
-    let mut client = env.client.clone();
-    let short = wait_request(&b, Duration::from_millis(1500));
-    let leaving =
-        tokio::spawn(async move { client.fetch_task(short).await.map(|r| r.into_inner().task) });
-    waiting_reach(&env, 2).await;
-    let first = env.task(&["a"]).await;
-    let second = env.task(&["b"]).await;
-    // The claim of `second` (for the leaving waiter) waits on this row lock.
-    let blocker = support::RowLock::take(&env.db_url, second).await;
-    let before = env.broker().stats.snapshot();
+    env
+}
+
+async fn wake_by_hand(env: &Env) {
     env.db
         .batch_execute("SELECT pg_notify('pulp_worker_wakeup', 'unblock')")
         .await
         .unwrap();
-    let answer = tokio::time::timeout(LONG, leaving).await.unwrap().unwrap();
-    assert!(
-        matches!(answer, Ok(None)),
-        "its wait ran out while its claim waited: {answer:?}"
-    );
-    blocker.rollback().await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing_behind() {
+    let mut env = woken_by_hand().await;
+    let a = env.open("longest").await;
+    let longest = spawn_wait(&env, &a);
+    waiting_reach(&env, 1).await;
+    let b = env.open("leaves").await;
+    let leaving = spawn_wait(&env, &b);
+    waiting_reach(&env, 2).await;
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["b"]).await;
+    // The claim of `second` (for the second waiter) waits on this row lock.
+    let blocker = support::RowLock::take(&env.db_url, second).await;
+    let before = env.broker().stats.snapshot();
+    wake_by_hand(&env).await;
+    // The longest waiter's grant does not wait for the other's claim.
     let granted = got(longest).await.expect("the longest waiter was served");
     assert_eq!(id(&granted), first);
-    assert!(
-        env.broker().stats.snapshot().shared > before.shared,
-        "the pass granted `second` to the waiter that had left"
-    );
-    // The grant nobody took went back: unclaimed, unlocked, and handed out again.
+    a_claim_waits_on_a_row_lock(&env).await;
+    leaving.abort(); // its client disconnects while the pass claims its task
+    let _ = leaving.await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    blocker.rollback().await;
     let env_ref = &env;
+    eventually(LONG, || async {
+        env_ref.broker().stats.snapshot().shared > before.shared
+    })
+    .await
+    .expect("the pass granted `second` to the waiter that had left");
+    // The grant nobody took went back: unclaimed, unlocked, and handed out again.
     eventually(LONG, || async { env_ref.app_lock(second).await.is_none() })
         .await
         .expect("the undelivered grant was put back");
     env.assert_locks(&[&granted]).await;
     let again = env.fetch(&b).await.expect("handed out again");
     assert_eq!(id(&again), second);
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass() {
+    let mut env = woken_by_hand().await;
+    let w = env.open_with("new", &[("core", "3.200")], None).await;
+    let waiting = spawn_wait(&env, &w);
+    waiting_reach(&env, 1).await;
+    // Another waiter, which can take neither task: the pass recruits it, and must not give up
+    // on `second` while `first`'s attempt is under way.
+    let old = env.open_with("old", &[("core", "3.100")], None).await;
+    let _other = spawn_wait(&env, &old);
+    waiting_reach(&env, 2).await;
+    let first = env.task_with(&["a"], "t", &[("core", "3.150")]).await;
+    let second = env.task_with(&["b"], "t", &[("core", "3.150")]).await;
+    // `first` is canceled behind the broker's back while its claim waits: the claim finds it
+    // gone.
+    let blocker = support::RowLock::take(&env.db_url, first).await;
+    blocker
+        .execute(
+            "UPDATE core_task SET state = 'canceled' WHERE pulp_id = $1",
+            first,
+        )
+        .await;
+    let before = env.broker().stats.snapshot();
+    wake_by_hand(&env).await;
+    a_claim_waits_on_a_row_lock(&env).await;
+    blocker.commit().await;
+    let granted = got(waiting)
+        .await
+        .expect("served although its first attempt failed (nothing else wakes it)");
+    assert_eq!(id(&granted), second);
+    assert_eq!(
+        env.broker().stats.snapshot().fetches - before.fetches,
+        1,
+        "one pass"
+    );
+    env.assert_locks(&[&granted]).await;
     env.shutdown().await;
 }

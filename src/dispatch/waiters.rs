@@ -599,12 +599,16 @@ mod tests {
     #[tokio::test]
     async fn a_recruit_that_leaves_passes_its_untaken_turn_on() {
         let w = queue(10);
-        let a = w.join(w.generation(), "a").unwrap();
-        let mut b = w.join(w.generation(), "b").unwrap();
-        let (taken, _) = w.recruit(u64::MAX, None, 1, |_| true);
-        w.wake(); // a's turn, while a is recruited
-        drop(a);
+        let mut a = w.join(w.generation(), "a").unwrap();
+        let b = w.join(w.generation(), "b").unwrap();
+        w.wake();
+        assert!(has_turn(&mut a).await);
+        let (taken, _) = w.recruit(u64::MAX, Some(a.id()), 1, |_| true);
+        assert_eq!(*taken[0].offer(), "b");
+        a.pass_on(); // b's turn, while b is recruited: kept for later
+        assert!(!has_turn(&mut a).await);
+        drop(b); // b goes away (deadline) before the pass let it go
         drop(taken);
-        assert!(has_turn(&mut b).await);
+        assert!(has_turn(&mut a).await, "b's untaken turn moved on");
     }
 }
