@@ -77,6 +77,7 @@ async fn main() {
             // and make the measured fetches race those releases).
             held.push(task);
         }
+        broker.passes.idle().await;
         let cost = broker.stats.snapshot() - before;
         times.sort();
         let p50 = percentile(&times, 0.5);

@@ -11,8 +11,9 @@
 //!   domains), 32 workers, zero-length tasks: tasks per second end to end (fetch, claim, start,
 //!   finish and release) and Postgres statements per task.
 //!
-//! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`.
-//! Prints Markdown tables.
+//! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`;
+//! `page=N` and `share=N` set the broker's `--fetch-page` and `--fetch-share` (e.g.
+//! `-- throughput share=0` to compare without shared scans). Prints Markdown tables.
 
 #[path = "support/fleets.rs"]
 mod fleets;
@@ -148,10 +149,31 @@ async fn insert_head(db: &tokio_postgres::Client) {
 }
 
 /// The incident with broker workers: the head is held by a worker of its own.
+/// Broker options given on the command line.
+#[derive(Debug, Default)]
+struct Tweaks {
+    page: Option<i64>,
+    share: Option<u64>,
+}
+
+static TWEAKS: std::sync::OnceLock<Tweaks> = std::sync::OnceLock::new();
+
+fn tweak(args: &mut ServeArgs) {
+    if let Some(t) = TWEAKS.get() {
+        if let Some(page) = t.page {
+            args.fetch.page = page;
+        }
+        if let Some(share) = t.share {
+            args.fetch.share = share;
+        }
+    }
+}
+
 async fn incident_broker(setup: &Setup, blocked: usize) -> Run {
     let (url, db) = setup.database(&format!("incident_broker_{blocked}")).await;
     let mut args = ServeArgs::with_urls(&url, &setup.redis.url());
     args.lanes.interval = Duration::from_secs(3600);
+    tweak(&mut args);
     let broker = dispatch_broker::server::start(&args).await.unwrap();
     let endpoint = format!("http://{}", broker.addr);
     insert_head(&db).await;
@@ -406,6 +428,8 @@ struct Throughput {
     redis_calls: Option<u64>,
     /// The broker's passes over the queue.
     passes: Option<u64>,
+    /// Tasks the broker's passes handed to other waiting calls than their own.
+    shared: Option<u64>,
 }
 
 impl Throughput {
@@ -418,6 +442,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     let (url, db) = setup.database("throughput_broker").await;
     let mut args = ServeArgs::with_urls(&url, &setup.redis.url());
     args.lanes.interval = Duration::from_secs(3600);
+    tweak(&mut args);
     let broker = dispatch_broker::server::start(&args).await.unwrap();
     let endpoint = format!("http://{}", broker.addr);
     insert_throughput(&db, tasks).await;
@@ -428,6 +453,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
             rpc.postgres_statements + background.postgres_statements,
             rpc.redis_calls + background.redis_calls,
             rpc.fetches,
+            rpc.shared,
         )
     };
     let before = totals();
@@ -442,6 +468,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
         statements: after.0 - before.0,
         redis_calls: Some(after.1 - before.1),
         passes: Some(after.2 - before.2),
+        shared: Some(after.3 - before.3),
     };
     broker.shutdown().await.unwrap();
     out
@@ -468,6 +495,7 @@ async fn throughput_baseline(setup: &Setup, tasks: usize) -> Throughput {
         statements: stats.statements.load(std::sync::atomic::Ordering::Relaxed),
         redis_calls: None,
         passes: None,
+        shared: None,
     }
 }
 
@@ -477,15 +505,19 @@ async fn throughput(setup: &Setup, tasks: usize) {
     eprintln!("throughput: {tasks} tasks, baseline ...");
     let baseline = throughput_baseline(setup, tasks).await;
     println!("\n### Throughput: {tasks} zero-length tasks over 2,000 repositories, {THROUGHPUT_WORKERS} workers\n");
-    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | passes / task |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | passes / task | handed out by a shared pass |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (label, t) in [("broker", &broker), ("baseline", &baseline)] {
         let per_task = |n: Option<u64>| match n {
             Some(n) => format!("{:.1}", n as f64 / t.tasks.max(1) as f64),
             None => "-".into(),
         };
+        let shared = match t.shared {
+            Some(n) => format!("{:.0}%", 100.0 * n as f64 / t.tasks.max(1) as f64),
+            None => "-".into(),
+        };
         println!(
-            "| {label} | {} | {:.2} s | {:.0} | {} | {} | {} |",
+            "| {label} | {} | {:.2} s | {:.0} | {} | {} | {} | {shared} |",
             t.tasks,
             t.took.as_secs_f64(),
             t.rate(),
@@ -506,6 +538,17 @@ async fn main() {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
+    // `page=N` and `share=N` set the broker's --fetch-page and --fetch-share (to compare).
+    let mut tweaks = Tweaks::default();
+    for arg in &args {
+        match arg.split_once('=') {
+            Some(("page", n)) => tweaks.page = n.parse().ok(),
+            Some(("share", n)) => tweaks.share = n.parse().ok(),
+            _ => {}
+        }
+    }
+    TWEAKS.set(tweaks).unwrap();
+    let args: Vec<String> = args.into_iter().filter(|a| !a.contains('=')).collect();
     let numbers: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
     let which = args.iter().find(|a| a.parse::<usize>().is_err()).cloned();
     let setup = Setup::start().await;

@@ -43,7 +43,9 @@ pub struct Running {
     pub sweeper: Arc<Sweeper>,
     /// This replica's waiting FetchTask calls.
     pub waiters: Arc<crate::dispatch::Queue>,
-    passes: Arc<crate::dispatch::Passes>,
+    /// This replica's fetch passes running in their own tasks (a pass answers its caller
+    /// before it has settled everything; tests wait for them before reading counters).
+    pub passes: Arc<crate::dispatch::Passes>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: JoinHandle<()>,
