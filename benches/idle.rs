@@ -3,6 +3,9 @@
 //!
 //! - **Dispatch latency**: 100 idle workers; 50 tasks inserted one at a time; time from the
 //!   insert's commit to a worker holding the task (p50, p99).
+//! - **Burst**: the same 100 idle workers; 100 tasks inserted in one statement; time from the
+//!   commit to the last worker holding its task (each task takes 3 s, so nobody polls again
+//!   meanwhile), and the broker's passes over the queue for it, with shared scans (`--fetch-share 64`, the default) and without (`--fetch-share 0`).
 //! - **Scale-up herd**: 500 idle workers for 10 s; task-table queries per second at idle
 //!   (`pg_stat_user_tables` scans of `core_task`).
 //!
@@ -26,6 +29,8 @@ use uuid::Uuid;
 
 const TASKS: usize = 50;
 const HERD_WINDOW: Duration = Duration::from_secs(10);
+/// How long each task of the burst takes (longer than the burst).
+const BURST_WORK: Duration = Duration::from_secs(3);
 
 /// Scans of core_task so far (sequential and index), as the statistics views count them.
 async fn task_table_scans(db: &tokio_postgres::Client) -> i64 {
@@ -85,6 +90,58 @@ async fn latencies(
     out
 }
 
+/// Inserts `n` tasks in one statement; returns the time from its commit to the last receipt.
+async fn burst(
+    db: &tokio_postgres::Client,
+    receipts: &mut mpsc::UnboundedReceiver<Receipt>,
+    n: usize,
+) -> Duration {
+    while receipts.try_recv().is_ok() {}
+    let tag = Uuid::new_v4().to_string();
+    let rows = db
+        .query(
+            "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), now() + i * interval '1 us', 'burst', 'waiting', \
+                    ARRAY['prn:file.repository:B' || i || '-' || $1] \
+             FROM generate_series(1, $2::int) AS i RETURNING pulp_id",
+            &[&tag, &(n as i32)],
+        )
+        .await
+        .unwrap();
+    let committed = Instant::now();
+    let mut ids: std::collections::HashSet<Uuid> = rows.iter().map(|r| r.get(0)).collect();
+    let mut last = committed;
+    while !ids.is_empty() {
+        let receipt = tokio::time::timeout(Duration::from_secs(30), receipts.recv())
+            .await
+            .expect("every task of the burst was received")
+            .unwrap();
+        if ids.remove(&receipt.id) {
+            last = last.max(receipt.received);
+        }
+    }
+    last.saturating_duration_since(committed)
+}
+
+/// A burst against a broker fleet: (time to the last receipt, passes, tasks handed out by
+/// shared passes).
+async fn broker_burst(
+    broker: &dispatch_broker::server::Running,
+    db: &tokio_postgres::Client,
+    workers: usize,
+) -> (Duration, u64, u64) {
+    let endpoint = format!("http://{}", broker.addr);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // Each task takes longer than the burst, so no worker polls again while it is measured.
+    let fleet = broker_fleet(&endpoint, workers, BURST_WORK, tx).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = broker.stats.snapshot();
+    let took = burst(db, &mut rx, workers).await;
+    let spent = broker.stats.snapshot() - before;
+    fleet.stop().await;
+    (took, spent.fetches, spent.shared)
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<usize> = std::env::args()
@@ -129,6 +186,24 @@ async fn main() {
     let baseline_latency = latencies(&db, &mut rx).await;
     fleet.stop().await;
 
+    // Burst: as many tasks at once as there are idle workers.
+    eprintln!("burst: {latency_workers} tasks to {latency_workers} idle broker workers ...");
+    let shared_burst = broker_burst(&broker, &db, latency_workers).await;
+    let mut unshared_args = ServeArgs::with_urls(&url, &redis.url());
+    unshared_args.fetch.share = 0;
+    let unshared = dispatch_broker::server::start(&unshared_args)
+        .await
+        .unwrap();
+    eprintln!("burst: the same without shared scans ...");
+    let unshared_burst = broker_burst(&unshared, &db, latency_workers).await;
+    unshared.shutdown().await.unwrap();
+    eprintln!("burst: {latency_workers} baseline workers ...");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let fleet = baseline_fleet(&url, &redis.url(), latency_workers, BURST_WORK, tx).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let baseline_burst = burst(&db, &mut rx, latency_workers).await;
+    fleet.stop().await;
+
     // Scale-up herd: idle query rate.
     eprintln!("herd: {herd_workers} idle broker workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
@@ -163,6 +238,22 @@ async fn main() {
             ratio(b.map(|d| d.as_secs_f64()), r.map(|d| d.as_secs_f64()))
         );
     }
+    let secs = |d: Duration| Some(d.as_secs_f64());
+    println!(
+        "| burst of {latency_workers} tasks, {latency_workers} idle workers, commit to last receipt | {} | {} | {} |",
+        ms(Some(shared_burst.0)),
+        ms(Some(baseline_burst)),
+        ratio(secs(shared_burst.0), secs(baseline_burst))
+    );
+    println!(
+        "| the same burst, broker passes over the queue (tasks handed out by a shared pass) | {} ({}) | | |",
+        shared_burst.1, shared_burst.2
+    );
+    println!(
+        "| the same burst without shared scans (`--fetch-share 0`): time, passes | {}, {} | | |",
+        ms(Some(unshared_burst.0)),
+        unshared_burst.1
+    );
     println!(
         "| task-table queries/s, {herd_workers} idle workers | {broker_rate:.1} | {baseline_rate:.1} | {:.1}x |",
         baseline_rate / broker_rate.max(0.01)
