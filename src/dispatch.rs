@@ -991,15 +991,8 @@ impl Dispatch {
         passed_over: Arc<AtomicBool>,
         lease_out: Arc<Mutex<Option<Arc<LeaseRecord>>>>,
     ) -> Result<Option<Grant>> {
-        let (deliver, receive) = tokio::sync::oneshot::channel();
         let this = self.clone();
-        let running = self.passes.enter();
-        tokio::spawn(async move {
-            let _running = running;
-            let mut answer = Answer {
-                deliver: Some(deliver),
-                restore: this.restore.clone(),
-            };
+        self.answered(move |mut answer| async move {
             let outcome = crate::metrics::count_pass(this.fetch_once(
                 lease_id,
                 skip,
@@ -1010,10 +1003,8 @@ impl Dispatch {
             ))
             .await;
             answer.send(outcome).await;
-        });
-        receive
-            .await
-            .map_err(|_| Error::Internal("a fetch pass ended without an answer".into()))?
+        })
+        .await
     }
 
     /// Runs a granting step in its own task, so a caller that goes away cannot interrupt it
@@ -1023,23 +1014,30 @@ impl Dispatch {
         &self,
         step: impl std::future::Future<Output = Result<Option<Grant>>> + Send + 'static,
     ) -> Result<Option<Grant>> {
+        self.answered(move |mut answer| async move { answer.send(step.await).await })
+            .await
+    }
+
+    /// Runs `step` in its own task, counted in [`Dispatch::passes`], with the caller's
+    /// [`Answer`]; returns what the step answers.
+    async fn answered<F, Fut>(&self, step: F) -> Result<Option<Grant>>
+    where
+        F: FnOnce(Answer) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let (deliver, receive) = tokio::sync::oneshot::channel();
-        let this = self.clone();
+        let answer = Answer {
+            deliver: Some(deliver),
+            restore: self.restore.clone(),
+        };
         let running = self.passes.enter();
         tokio::spawn(async move {
             let _running = running;
-            if let Err(Ok(Some(grant))) = deliver.send(step.await) {
-                this.undo(&grant).await;
-            }
+            step(answer).await;
         });
         receive
             .await
             .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
-    }
-
-    /// Takes back a grant that could not be delivered.
-    async fn undo(&self, grant: &Grant) {
-        self.restore.undo(grant).await
     }
 
     async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {

@@ -358,20 +358,26 @@ async fn queue_of_waiters(
     handles
 }
 
-#[tokio::test]
-async fn one_pass_hands_a_burst_of_ready_tasks_to_every_waiter_oldest_to_longest() {
-    const N: usize = 20;
-    let mut env = no_polling().await;
-    let handles = queue_of_waiters(&mut env, N).await;
+/// A burst of `n` tasks reaching `n` queued waiters: each waiter's task, oldest task to the
+/// longest waiter, and what the broker spent on it.
+async fn serve_burst(env: &mut Env, n: usize) -> dispatch_broker::metrics::StatsSnapshot {
+    let handles = queue_of_waiters(env, n).await;
     let before = env.broker().stats.snapshot();
-    insert_burst(&env, N).await;
+    insert_burst(env, n).await;
     let mut names = Vec::new();
     for h in handles {
         names.push(got(h).await.expect("every waiter is served").name);
     }
-    let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
+    let expected: Vec<String> = (1..=n).map(|i| format!("t{i}")).collect();
     assert_eq!(names, expected, "oldest task to the longest waiter");
-    let spent = env.broker().stats.snapshot() - before;
+    env.broker().stats.snapshot() - before
+}
+
+#[tokio::test]
+async fn one_pass_hands_a_burst_of_ready_tasks_to_every_waiter_oldest_to_longest() {
+    const N: usize = 20;
+    let mut env = no_polling().await;
+    let spent = serve_burst(&mut env, N).await;
     assert_eq!(
         spent.shared,
         N as u64 - 1,
@@ -394,16 +400,7 @@ async fn without_sharing_each_waiter_of_a_burst_makes_its_own_pass() {
         a.fetch.share = 0;
     })
     .await;
-    let handles = queue_of_waiters(&mut env, N).await;
-    let before = env.broker().stats.snapshot();
-    insert_burst(&env, N).await;
-    let mut names = Vec::new();
-    for h in handles {
-        names.push(got(h).await.expect("every waiter is served").name);
-    }
-    let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
-    assert_eq!(names, expected, "still oldest task to the longest waiter");
-    let spent = env.broker().stats.snapshot() - before;
+    let spent = serve_burst(&mut env, N).await;
     assert_eq!(spent.shared, 0);
     assert!(spent.fetches >= N as u64, "{} passes", spent.fetches);
     env.shutdown().await;
