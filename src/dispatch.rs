@@ -208,6 +208,23 @@ struct Restore {
 }
 
 impl Restore {
+    /// Undoes a grant in a task of its own (counted in `passes`, so shutdown waits for it).
+    fn spawn_undo(&self, grant: Grant, passes: &Arc<Passes>) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let undo = self.clone();
+                let running = passes.enter();
+                runtime.spawn(async move {
+                    let _running = running;
+                    undo.undo(&grant).await
+                });
+            }
+            Err(_) => {
+                tracing::error!(task_id = %grant.task_id, "a grant whose caller left could not be undone (no runtime); it goes back when its lease ends");
+            }
+        }
+    }
+
     /// Takes back a grant that could not be delivered.
     async fn undo(&self, grant: &Grant) {
         tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
@@ -338,6 +355,22 @@ impl Answer {
     }
 }
 
+/// The caller's side of an [`Answer`]: a grant sent but never read is undone.
+struct Awaiting {
+    receive: tokio::sync::oneshot::Receiver<Result<Option<Grant>>>,
+    restore: Restore,
+    passes: Arc<Passes>,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.receive.close();
+        if let Ok(Ok(Some(grant))) = self.receive.try_recv() {
+            self.restore.spawn_undo(grant, &self.passes);
+        }
+    }
+}
+
 /// Passes and granting steps running in their own tasks, so shutdown can wait for them (a
 /// grant they make for a caller that is gone is undone before the process ends).
 #[derive(Debug, Default)]
@@ -417,18 +450,12 @@ impl Dispatch {
             stats: Arc::clone(&stats),
         };
         let undo = restore.clone();
+        let passes = Arc::new(Passes::default());
+        let undoing = Arc::clone(&passes);
         // A grant delivered to a waiting call that left before taking it goes back.
         let abandoned = Box::new(move |delivery: Delivery| {
             if let Ok(grant) = delivery {
-                match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        let undo = undo.clone();
-                        runtime.spawn(async move { undo.undo(&grant).await });
-                    }
-                    Err(_) => {
-                        tracing::error!(task_id = %grant.task_id, "a grant whose caller left could not be undone (no runtime); it goes back when its lease ends");
-                    }
-                }
+                undo.spawn_undo(grant, &undoing);
             }
         });
         Dispatch {
@@ -439,7 +466,7 @@ impl Dispatch {
             hint: Arc::new(Mutex::new(None)),
             waiters: Arc::new(Waiters::new(policy.max_waiters, abandoned)),
             restore,
-            passes: Arc::new(Passes::default()),
+            passes,
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
             policy,
@@ -878,6 +905,11 @@ impl Dispatch {
             // ready, so the turn moves on and nothing is known to be empty.
             passed_over.store(true, Ordering::SeqCst);
         }
+        if own_served && own_place.is_none() && passed_over.load(Ordering::SeqCst) {
+            // Its caller, not a waiter, was answered already and hands no turn on: the waiters
+            // get one, for what this pass left.
+            self.waiters.wake();
+        }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         if safe {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting);
@@ -1035,7 +1067,14 @@ impl Dispatch {
             let _running = running;
             step(answer).await;
         });
-        receive
+        // Dropped before the answer is read (the caller went away just after it was sent), the
+        // guard undoes the grant in it.
+        let mut awaiting = Awaiting {
+            receive,
+            restore: self.restore.clone(),
+            passes: Arc::clone(&self.passes),
+        };
+        (&mut awaiting.receive)
             .await
             .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
     }

@@ -58,17 +58,19 @@ impl Running {
     /// broker serves them.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.trigger.fire();
+        let deadline = tokio::time::Instant::now() + self.grace;
         let mut server = self.server;
-        match tokio::time::timeout(self.grace, &mut server).await {
+        match tokio::time::timeout_at(deadline, &mut server).await {
             Ok(joined) => joined.context("server task")??,
             Err(_) => {
                 tracing::warn!(grace = ?self.grace, "in-flight calls outlived the grace period; stopping anyway");
                 server.abort();
             }
         }
-        // Passes run in their own tasks: let them settle, so a grant made for a caller that is
-        // gone is undone before the process ends (they start no new attempts after the signal).
-        if tokio::time::timeout(self.grace, self.passes.idle())
+        // Passes run in their own tasks: let them settle within the same grace, so a grant made
+        // for a caller that is gone is undone before the process ends (they start no new
+        // attempts after the signal).
+        if tokio::time::timeout_at(deadline, self.passes.idle())
             .await
             .is_err()
         {
