@@ -3,9 +3,15 @@
 //!
 //! Order of every grant: check the lease, walk candidates in queue order (`tasks::candidates`
 //! skips resources whose queues are known to be blocked, so a blocked head costs no reads per
-//! task), judge each with `ready::judge`, lock all resources in one Lua script, claim in Postgres.
-//! Whatever fails after the locks were taken releases them before the call returns. The pipeline
-//! runs in its own tokio task, so a client that hangs up mid-way cannot leave it half-done.
+//! task), judge each by the readiness rule (`ready::obstacles`), lock all resources in one Lua
+//! script, claim in Postgres. Whatever fails after the locks were taken releases them before the
+//! call returns. The pipeline runs in its own tokio task, so a client that hangs up mid-way cannot
+//! leave it half-done.
+//!
+//! A pass also serves the other waiting FetchTask calls of this replica (shared scans,
+//! `waiters`): each ready task goes to the longest waiter whose lease may take it (versions and
+//! skips per lease, `ready::runs_on`), under that waiter's own lease, locks and fencing token, and
+//! a grant no caller can take any more is put back (`Restore`), never dropped.
 
 mod waiters;
 pub mod wakeups;
@@ -94,12 +100,7 @@ pub struct Offer {
 impl Offer {
     /// True when this lease may be given `row` (its versions, its skips), if it is ready.
     fn takes(&self, row: &TaskRow) -> bool {
-        !self.skip.contains(&row.id)
-            && row
-                .candidate
-                .versions
-                .as_ref()
-                .is_some_and(|needed| ready::is_compatible(needed, &self.lease.versions))
+        !self.skip.contains(&row.id) && ready::runs_on(&row.candidate, &self.lease.versions)
     }
 }
 

@@ -373,11 +373,17 @@ pub fn obstacles(
         older: candidate.older_conflicts > 0,
         reserved: reserved.conflicts_with(&candidate.resources),
         skipped: candidate.skipped,
-        incompatible: !candidate
-            .versions
-            .as_ref()
-            .is_some_and(|needed| is_compatible(needed, lease_versions)),
+        incompatible: !runs_on(candidate, lease_versions),
     }
+}
+
+/// True when a lease with these component versions may run the candidate (a task whose versions
+/// could not be read runs nowhere).
+pub fn runs_on(candidate: &Candidate, lease_versions: &BTreeMap<String, String>) -> bool {
+    candidate
+        .versions
+        .as_ref()
+        .is_some_and(|needed| is_compatible(needed, lease_versions))
 }
 
 /// Judges one candidate for one lease. Candidates must be judged oldest first, and every

@@ -89,6 +89,23 @@ fn compatibility_is_pulps_rule() {
 }
 
 #[test]
+fn a_task_runs_on_a_lease_whose_versions_satisfy_it_and_nowhere_if_unreadable() {
+    let lease = map(&[("core", "3.123.1")]);
+    let mut c = Candidate {
+        resources: Resources::default(),
+        older_conflicts: 0,
+        versions: Some(map(&[("core", "3.100")])),
+        skipped: false,
+    };
+    assert!(runs_on(&c, &lease));
+    c.versions = Some(map(&[("core", "3.200")]));
+    assert!(!runs_on(&c, &lease));
+    c.versions = None;
+    assert!(!runs_on(&c, &lease), "fail closed");
+    assert!(obstacles(&c, &Reservations::default(), &lease).incompatible);
+}
+
+#[test]
 fn releases_compare_numerically() {
     assert_eq!(compare_releases("3.123.1", "3.9.10"), Ordering::Greater);
     assert_eq!(compare_releases("3.1", "3.1.0"), Ordering::Equal);
