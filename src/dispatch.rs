@@ -303,6 +303,12 @@ enum Turn {
     Done,
 }
 
+/// True when a round can give no more rows: every claimant is trying one or done, and nobody
+/// else may be recruited.
+fn nobody_left(claimants: &[Claimant], may_recruit: usize) -> bool {
+    may_recruit == 0 && claimants.iter().all(|c| c.state != Turn::Free)
+}
+
 /// Whom a ready row goes to.
 enum Pick {
     Free(usize),
@@ -320,10 +326,9 @@ struct Step {
 enum Seen {
     /// Not ready by the rule.
     NotReady,
-    /// Ready, but nobody in the pass could take it.
+    /// Ready, but nobody in the pass could take it, or another pass of this replica is
+    /// granting it.
     PassedOver,
-    /// Ready, and another pass of this replica is granting it.
-    Elsewhere,
     /// Granted by this replica since its page was read.
     Left,
     /// Ready, and tried for `claimants[who]`.
@@ -733,8 +738,7 @@ impl Dispatch {
                     stop = true;
                     break;
                 }
-                let nobody_free = claimants.iter().all(|c| c.state != Turn::Free);
-                if rows.peek().is_none() || (nobody_free && may_recruit == 0) {
+                if rows.peek().is_none() || nobody_left(&claimants, may_recruit) {
                     break;
                 }
                 let mut steps: Vec<Step> = Vec::new();
@@ -752,7 +756,7 @@ impl Dispatch {
                             Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
                                 // Another pass is granting it: whether it stays ready is that
                                 // pass's business.
-                                None => Seen::Elsewhere,
+                                None => Seen::PassedOver,
                                 Some(mine) => {
                                     claimants[who].state = Turn::Trying;
                                     Seen::Attempt { who, _mine: mine }
@@ -774,7 +778,7 @@ impl Dispatch {
                     reserved.reserve(&row.candidate.resources);
                     excluded.extend(row.candidate.resources.conflict_keys());
                     steps.push(Step { row, seen });
-                    if claimants.iter().all(|c| c.state != Turn::Free) && may_recruit == 0 {
+                    if nobody_left(&claimants, may_recruit) {
                         break;
                     }
                 }
@@ -1080,22 +1084,6 @@ impl Dispatch {
             .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
     }
 
-    async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
-        self.restore
-            .put_back(task_id, app_status, lease_id, fencing_token)
-            .await
-    }
-
-    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
-        self.restore
-            .release_after_failure(lease_id, task_id, fencing_token)
-            .await
-    }
-
-    async fn note_requeue(&self) {
-        self.restore.note_requeue().await
-    }
-
     async fn claim_once(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
         let lease = self.live_lease(lease_id).await?;
         let task = self
@@ -1193,7 +1181,8 @@ impl Dispatch {
                         .await,
                     Ok(Ok(_))
                 ) {
-                    self.put_back(row.id, app_status, &lease_str, fencing_token)
+                    self.restore
+                        .put_back(row.id, app_status, &lease_str, fencing_token)
                         .await;
                     return Ok(Attempt::LeaseGone);
                 }
@@ -1211,19 +1200,22 @@ impl Dispatch {
             }
             Ok(false) => {
                 // Canceled, finished or claimed elsewhere since it was read.
-                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                self.restore
+                    .release_after_failure(&lease_str, &task_str, fencing_token)
                     .await;
                 Ok(Attempt::Lost)
             }
             Err(e) if e.certainly_not_applied() => {
-                self.release_after_failure(&lease_str, &task_str, fencing_token)
+                self.restore
+                    .release_after_failure(&lease_str, &task_str, fencing_token)
                     .await;
                 Err(e.into())
             }
             Err(e) => {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
-                self.put_back(row.id, app_status, &lease_str, fencing_token)
+                self.restore
+                    .put_back(row.id, app_status, &lease_str, fencing_token)
                     .await;
                 Err(e.into())
             }
@@ -1238,7 +1230,7 @@ impl Dispatch {
             .unclaim_unless_running(task_id, app_status)
             .await?;
         if requeued {
-            self.note_requeue().await;
+            self.restore.note_requeue().await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
         Ok(running)
