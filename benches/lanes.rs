@@ -4,19 +4,23 @@
 //! 1,000,000 incomplete tasks. Mix: 60% on one repository (exclusive) and the rest over 2,000
 //! repositories, every task with a shared domain resource (10 domains).
 //!
+//! Each run times a full pass (the whole queue), then applies one interval's changes (the 200
+//! oldest heads of their queues end, 100 waiting tasks anywhere are canceled, 200 new tasks
+//! arrive) and times the maintained pass that brings the full pass's counter up to date, then
+//! the reference on the changed queue; both counts are checked against the reference.
+//!
 //! Run: `cargo bench --bench lanes` (add sizes as arguments to choose others). Prints a Markdown
 //! table: median of 3 runs, and the process's peak resident memory growth during each run.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dispatch_broker::lanes::TRACK_LIMIT;
 use dispatch_broker::metrics::Stats;
-use dispatch_broker::tasks::Tasks;
+use dispatch_broker::tasks::{LaneReads, Tasks};
 use dispatch_broker::testkit::Postgres;
 
 const RUNS: usize = 3;
-/// Blocked resources the gauge's survey keeps (as the broker does).
-const SURVEY: usize = dispatch_broker::lanes::SURVEY_KEEP;
 
 fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -83,50 +87,89 @@ async fn main() {
     .await
     .unwrap();
 
-    println!("| incomplete tasks | lanes | broker (streamed) | broker peak RSS growth | reference (load all) | reference peak RSS growth | time ratio |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| incomplete tasks | lanes | broker: full pass | broker: maintained pass | broker peak RSS growth (full / maintained) | reference (load all) | reference peak RSS growth | ratio: full | ratio: maintained |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut have = 0u64;
     for size in sizes {
         eprintln!("inserting up to {size} tasks ...");
-        db.batch_execute(&format!(
-            "BEGIN; SET LOCAL session_replication_role = replica; \
-             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
-             SELECT gen_random_uuid(), clock_timestamp() - interval '1 hour', 't', \
-                    CASE WHEN i % 10 = 0 THEN 'running' ELSE 'waiting' END, \
-                    CASE WHEN i % 5 < 3 \
-                         THEN ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D' || (i % 10)] \
-                         ELSE ARRAY['prn:file.repository:F' || (i % 2000), 'shared:prn:core.domain:D' || (i % 10)] END \
-             FROM generate_series({from}, {to}) AS i; COMMIT;",
-            from = have + 1,
-            to = size
-        ))
-        .await
-        .unwrap();
+        insert(&db, have + 1, size, "1 hour").await;
         db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
         have = size;
-        let (mut broker_times, mut reference_times) = (Vec::new(), Vec::new());
-        let (mut broker_mem, mut reference_mem) = (0, 0);
-        let (mut broker_lanes, mut reference_lanes) = (0, 0);
-        for _ in 0..RUNS {
-            let (lanes, took, mem) =
-                measure(async { tasks.lanes(Duration::ZERO, SURVEY).await.map(|s| s.lanes) }).await;
-            broker_lanes = lanes.unwrap();
-            broker_times.push(took);
-            broker_mem = broker_mem.max(mem);
-            let (lanes, took, mem) = measure(reference(&db)).await;
-            reference_lanes = lanes;
+        let (mut full_times, mut maintained_times, mut reference_times) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let (mut full_mem, mut maintained_mem, mut reference_mem) = (0, 0, 0);
+        let mut lanes = 0;
+        for run in 0..RUNS {
+            let (counter, took, mem) =
+                measure(tasks.count_lanes(Duration::ZERO, TRACK_LIMIT)).await;
+            let counter = counter.unwrap();
+            assert_eq!(counter.lanes(), reference(&db).await, "full pass");
+            full_times.push(took);
+            full_mem = full_mem.max(mem);
+            // What changes between two passes: the oldest 200 heads end (the lanes workers
+            // run), 100 tasks deep in the queue are canceled, 200 new tasks arrive.
+            churn(&db, size + run as u64 * 1_000).await;
+            let (counter, took, mem) =
+                measure(tasks.maintain_lanes(counter, Duration::ZERO, LaneReads::default())).await;
+            let counter = counter.unwrap().expect("maintained without a full pass");
+            maintained_times.push(took);
+            maintained_mem = maintained_mem.max(mem);
+            let (reference_lanes, took, mem) = measure(reference(&db)).await;
+            assert_eq!(counter.lanes(), reference_lanes, "maintained pass");
+            lanes = reference_lanes;
             reference_times.push(took);
             reference_mem = reference_mem.max(mem);
         }
-        assert_eq!(broker_lanes, reference_lanes, "the two counts disagree");
-        let (b, r) = (median(broker_times), median(reference_times));
+        let (f, m, r) = (
+            median(full_times),
+            median(maintained_times),
+            median(reference_times),
+        );
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
-            "| {size} | {broker_lanes} | {:.1} ms | {:.1} MiB | {:.1} ms | {:.1} MiB | {:.2}x |",
-            b.as_secs_f64() * 1e3,
-            broker_mem as f64 / 1024.0,
-            r.as_secs_f64() * 1e3,
+            "| {size} | {lanes} | {:.1} ms | {:.1} ms | {:.1} / {:.1} MiB | {:.1} ms | {:.1} MiB | {:.2}x | {:.1}x |",
+            ms(f),
+            ms(m),
+            full_mem as f64 / 1024.0,
+            maintained_mem as f64 / 1024.0,
+            ms(r),
             reference_mem as f64 / 1024.0,
-            r.as_secs_f64() / b.as_secs_f64(),
+            r.as_secs_f64() / f.as_secs_f64(),
+            r.as_secs_f64() / m.as_secs_f64(),
         );
     }
+}
+
+/// Inserts tasks `from..=to` of the mix, `age` before now.
+async fn insert(db: &tokio_postgres::Client, from: u64, to: u64, age: &str) {
+    db.batch_execute(&format!(
+        "BEGIN; SET LOCAL session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+         SELECT gen_random_uuid(), clock_timestamp() - interval '{age}', 't', \
+                CASE WHEN i % 10 = 0 THEN 'running' ELSE 'waiting' END, \
+                CASE WHEN i % 5 < 3 \
+                     THEN ARRAY['prn:python.repository:R0', 'shared:prn:core.domain:D' || (i % 10)] \
+                     ELSE ARRAY['prn:file.repository:F' || (i % 2000), 'shared:prn:core.domain:D' || (i % 10)] END \
+         FROM generate_series({from}, {to}) AS i; COMMIT;"
+    ))
+    .await
+    .unwrap();
+}
+
+/// One interval's changes: the 200 oldest heads of their queues end, 100 waiting tasks
+/// anywhere are canceled, 200 new tasks arrive (numbered from `next`).
+async fn churn(db: &tokio_postgres::Client, next: u64) {
+    db.batch_execute(
+        "UPDATE core_task SET state = 'completed' WHERE pulp_id IN ( \
+             SELECT pulp_id FROM ( \
+                 SELECT DISTINCT ON (reserved_resources_record[1]) pulp_id, pulp_created \
+                 FROM core_task WHERE state IN ('waiting', 'running') \
+                 ORDER BY reserved_resources_record[1], pulp_created, pulp_id) heads \
+             ORDER BY pulp_created LIMIT 200); \
+         UPDATE core_task SET state = 'canceled' WHERE pulp_id IN ( \
+             SELECT pulp_id FROM core_task WHERE state = 'waiting' ORDER BY random() LIMIT 100)",
+    )
+    .await
+    .unwrap();
+    insert(db, next + 1, next + 200, "30 minutes").await;
 }

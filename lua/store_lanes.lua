@@ -1,11 +1,16 @@
--- store_lanes.lua: publishes a freshly computed lane count and the survey of blocked resources
--- from the same pass, stamped with Redis server time.
+-- store_lanes.lua: publishes a freshly computed lane count, stamped with Redis server time, and
+-- the survey of blocked resources when the pass took one (a full pass; a maintained pass leaves
+-- the last survey and its own stamp in place).
 --
--- KEYS[1]  PREFIX:lanes   hash {value, at, blocked}
--- ARGV     the lane count, the survey (JSON: [[resource, waiting, head task id], ...])
+-- KEYS[1]  PREFIX:lanes   hash {value, at, blocked, surveyed_at}
+-- ARGV     the lane count, the survey (JSON: [[resource, waiting, head task id], ...]) or ""
 -- Returns  the stamp (ms since the epoch, server time).
 -- Never    touches lock state.
 
 local now = now_ms()
-redis.call('HSET', KEYS[1], 'value', ARGV[1], 'at', now, 'blocked', ARGV[2])
+if ARGV[2] == '' then
+  redis.call('HSET', KEYS[1], 'value', ARGV[1], 'at', now)
+else
+  redis.call('HSET', KEYS[1], 'value', ARGV[1], 'at', now, 'blocked', ARGV[2], 'surveyed_at', now)
+end
 return now

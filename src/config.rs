@@ -304,6 +304,14 @@ pub struct LaneArgs {
     /// Tasks younger than this are not counted as lanes yet (Pulp uses 5 s).
     #[arg(id = "lane_cutoff", long = "lane-cutoff", env = "DISPATCH_LANE_CUTOFF", default_value = "5s", value_parser = parse_duration)]
     pub cutoff: Duration,
+    /// How often the lane count is computed by reading the whole queue (and the survey of
+    /// blocked resources taken). In between, a computation reads only what changed since the
+    /// last one (tasks that ended and held a resource's first place or were lanes, their
+    /// successors, new tasks), falling back to the whole queue when that would read as much.
+    /// A task committed more than --lane-cutoff after its creation time is counted from the
+    /// next full pass.
+    #[arg(id = "lane_full_interval", long = "lane-full-interval", env = "DISPATCH_LANE_FULL_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub full_interval: Duration,
     /// How often each replica refreshes what it serves (live leases, the shared lane count; and
     /// activity for KEDA's StreamIsActive push after a task notification).
     #[arg(id = "lane_refresh", long = "lane-refresh", env = "DISPATCH_LANE_REFRESH", default_value = "500ms", value_parser = parse_duration)]

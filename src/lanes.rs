@@ -18,9 +18,9 @@ use tokio::sync::watch;
 use crate::error::Result;
 use crate::locks::Locks;
 use crate::metrics;
-use crate::ready::BlockedResource;
+use crate::ready::{BlockedResource, LaneCounter};
 use crate::shutdown::Shutdown;
-use crate::tasks::Tasks;
+use crate::tasks::{LaneReads, Tasks};
 
 /// What the gauge serves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -98,6 +98,9 @@ pub struct LaneConfig {
     pub interval: Duration,
     /// Tasks younger than this are not counted yet.
     pub cutoff: Duration,
+    /// How often the count reads the whole queue (and surveys it); in between it is maintained
+    /// from what changed.
+    pub full_interval: Duration,
     /// How often live leases and the shared count are refreshed (and activity, after a task
     /// notification).
     pub refresh: Duration,
@@ -116,7 +119,19 @@ pub struct Lanes {
     /// Signalled on every task notification (`dispatch::wakeups`): an inactive queue may have
     /// become active.
     inserted: Arc<tokio::sync::Notify>,
+    /// The counter of this replica's last computation, to maintain at its next one.
+    kept: tokio::sync::Mutex<Option<Kept>>,
 }
+
+/// A counter kept between computations, and when it last read the whole queue.
+struct Kept {
+    counter: LaneCounter,
+    full_at: Instant,
+}
+
+/// A counter tracks at most this many tasks (places and lanes); a queue with more lanes is
+/// counted by full passes only, so memory stays bounded.
+pub const TRACK_LIMIT: usize = 50_000;
 
 impl Lanes {
     /// Builds the gauge; call [`Lanes::run`] to keep it current.
@@ -128,6 +143,7 @@ impl Lanes {
             replica,
             state: watch::channel(Gauge::default()).0,
             inserted: Arc::new(tokio::sync::Notify::new()),
+            kept: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -148,21 +164,64 @@ impl Lanes {
         }))
     }
 
-    /// Computes the lane count and the survey now, whoever computed them last (an operator
-    /// asking for blocked resources before the first computation, and tests).
+    /// Computes the lane count and the survey now by reading the whole queue, whoever computed
+    /// them last (an operator asking for blocked resources before the first computation, and
+    /// tests).
     pub async fn compute_now(&self) -> Result<()> {
-        let survey = self.tasks.lanes(self.config.cutoff, SURVEY_KEEP).await?;
-        let stamp = self
-            .locks
-            .store_lanes(survey.lanes, &encode_survey(&survey.blocked))
-            .await?;
+        self.compute(true).await.map(|_| ())
+    }
+
+    /// Computes the lane count: from what changed since this replica's last computation when
+    /// it has one, a full pass was not asked for (`full`) and the last full pass is younger
+    /// than `full_interval`; otherwise (or when maintaining would read about as much) from the
+    /// whole queue, with a fresh survey. Says which kind it was.
+    pub async fn compute(&self, full: bool) -> Result<&'static str> {
+        let mut kept = self.kept.lock().await;
+        // Taken out: a computation that fails leaves no counter behind, so the next one is full.
+        let previous = kept.take();
+        let mut maintained = None;
+        if let Some(k) =
+            previous.filter(|k| !full && k.full_at.elapsed() < self.config.full_interval)
+        {
+            if let Some(counter) = self
+                .tasks
+                .maintain_lanes(k.counter, self.config.cutoff, LaneReads::default())
+                .await?
+            {
+                maintained = Some(Kept {
+                    counter,
+                    full_at: k.full_at,
+                });
+            }
+        }
+        let (now, survey, kind) = match maintained {
+            Some(k) => (k, None, "maintained"),
+            None => {
+                let counter = self
+                    .tasks
+                    .count_lanes(self.config.cutoff, TRACK_LIMIT)
+                    .await?;
+                let survey = encode_survey(&counter.most_blocked(SURVEY_KEEP));
+                let k = Kept {
+                    counter,
+                    full_at: Instant::now(),
+                };
+                (k, Some(survey), "full")
+            }
+        };
+        let lanes = now.counter.lanes();
+        // The counter stays valid whether or not Redis takes the value.
+        *kept = Some(now);
+        drop(kept);
+        let stamp = self.locks.store_lanes(lanes, survey.as_deref()).await?;
+        metrics::lane_pass(kind);
         self.state.send_modify(|g| {
-            g.lanes = survey.lanes;
+            g.lanes = lanes;
             g.computed_at_ms = stamp;
             g.observed_at_ms = stamp;
             g.observed_locally = Some(Instant::now());
         });
-        Ok(())
+        Ok(kind)
     }
 
     /// Watches the served value.
@@ -263,8 +322,8 @@ impl Lanes {
                 .await?
         {
             let started = Instant::now();
-            self.compute_now().await?;
-            tracing::debug!(lanes = self.current().lanes, took = ?started.elapsed(), "lanes computed");
+            let kind = self.compute(false).await?;
+            tracing::debug!(lanes = self.current().lanes, kind, took = ?started.elapsed(), "lanes computed");
         }
         Ok(())
     }

@@ -838,15 +838,15 @@ impl Locks {
         Ok(set.is_some())
     }
 
-    /// Publishes a lane count and the survey of blocked resources (JSON) from the same pass;
-    /// returns its stamp (ms, server time).
-    pub async fn store_lanes(&self, lanes: u64, survey: &str) -> Result<i64, Error> {
+    /// Publishes a lane count and, when the pass took one, the survey of blocked resources
+    /// (JSON); returns its stamp (ms, server time).
+    pub async fn store_lanes(&self, lanes: u64, survey: Option<&str>) -> Result<i64, Error> {
         self.run(
             self.scripts
                 .store_lanes
                 .key(self.keys.lanes())
                 .arg(lanes)
-                .arg(survey),
+                .arg(survey.unwrap_or_default()),
         )
         .await
     }

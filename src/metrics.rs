@@ -50,6 +50,9 @@ pub const WAITING_TASKS: &str = "dispatch_waiting_tasks";
 pub const LIVE_LEASES: &str = "dispatch_live_leases";
 /// Age of the served lane count.
 pub const LANE_AGE_SECONDS: &str = "dispatch_lane_age_seconds";
+/// Lane computations by kind: `full` (the whole queue) or `maintained` (what changed since the
+/// last).
+pub const LANE_PASSES_TOTAL: &str = "dispatch_lane_passes_total";
 /// Failed refreshes of the lane gauge.
 pub const LANE_ERRORS_TOTAL: &str = "dispatch_lane_errors_total";
 
@@ -78,6 +81,7 @@ pub const ALL: &[&str] = &[
     LIVE_LEASES,
     LANE_AGE_SECONDS,
     LANE_ERRORS_TOTAL,
+    LANE_PASSES_TOTAL,
     ADMIN_ACTIONS_TOTAL,
     LEASES_OPENED_TOTAL,
 ];
@@ -131,6 +135,10 @@ pub fn describe() {
         "Age of the served lane count."
     );
     describe_counter!(LANE_ERRORS_TOTAL, "Failed refreshes of the lane gauge.");
+    describe_counter!(
+        LANE_PASSES_TOTAL,
+        "Lane computations by kind: full (the whole queue) or maintained (what changed)."
+    );
     describe_counter!(LEASES_OPENED_TOTAL, "Leases opened through this replica.");
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -198,6 +206,11 @@ pub fn publish_gauge(g: &Gauge) {
     metrics::gauge!(WAITING_TASKS).set(g.waiting_tasks() as f64);
     metrics::gauge!(LIVE_LEASES).set(g.live_leases as f64);
     metrics::gauge!(LANE_AGE_SECONDS).set(g.age().as_secs_f64());
+}
+
+/// Counts a lane computation of this kind (`full` or `maintained`).
+pub fn lane_pass(kind: &'static str) {
+    metrics::counter!(LANE_PASSES_TOTAL, "kind" => kind).increment(1);
 }
 
 /// Counts a failed refresh of the lane gauge.

@@ -130,22 +130,10 @@ pub struct Conflict<'a> {
 }
 
 /// Resources reserved by the tasks seen so far in queue order (each incomplete task reserves its
-/// resources even when it cannot run), plus those of held locks: name -> how it is reserved.
-/// One hash look-up per name (foldhash: the gauge's hot loop hashes every record entry).
+/// resources even when it cannot run), plus those of held locks: name -> reserved exclusively.
 #[derive(Debug, Clone, Default)]
 pub struct Reservations {
-    names: HashMap<String, Reserved, foldhash::fast::RandomState>,
-}
-
-/// How one resource is reserved, and (for the gauge's survey) who is at the head of its queue
-/// and how many tasks wait behind it.
-#[derive(Debug, Clone, Copy, Default)]
-struct Reserved {
-    exclusive: bool,
-    /// Tasks seen after the head that conflict on this resource.
-    behind: u32,
-    /// The first task that reserved it, when the caller named its tasks.
-    head: Option<Uuid>,
+    names: HashMap<String, bool, foldhash::fast::RandomState>,
 }
 
 impl Reservations {
@@ -162,29 +150,15 @@ impl Reservations {
 
     /// True when `name` is reserved exclusively.
     fn is_exclusive(&self, name: &str) -> bool {
-        self.names.get(name).is_some_and(|r| r.exclusive)
+        self.names.get(name).copied().unwrap_or(false)
     }
 
-    /// Reserves `name` for everything that comes later (exclusive wins), on behalf of task
-    /// `id`; counts the task as waiting behind `name` when an earlier task's reservation
-    /// conflicts with it.
-    fn reserve_name(&mut self, name: &str, exclusive: bool, id: Option<Uuid>) {
+    /// Reserves `name` for everything that comes later (exclusive wins).
+    fn reserve_name(&mut self, name: &str, exclusive: bool) {
         match self.names.get_mut(name) {
-            Some(held) => {
-                if (exclusive || held.exclusive) && (id.is_none() || held.head != id) {
-                    held.behind = held.behind.saturating_add(1);
-                }
-                held.exclusive |= exclusive;
-            }
+            Some(held) => *held |= exclusive,
             None => {
-                self.names.insert(
-                    name.to_owned(),
-                    Reserved {
-                        exclusive,
-                        behind: 0,
-                        head: id,
-                    },
-                );
+                self.names.insert(name.to_owned(), exclusive);
             }
         }
     }
@@ -192,16 +166,16 @@ impl Reservations {
     /// Reserves `resources` for everything that comes later.
     pub fn reserve(&mut self, resources: &Resources) {
         for name in &resources.exclusive {
-            self.reserve_name(name, true, None);
+            self.reserve_name(name, true);
         }
         for name in &resources.shared {
-            self.reserve_name(name, false, None);
+            self.reserve_name(name, false);
         }
     }
 
     /// Reserves a held lock on one resource.
     pub fn reserve_lock(&mut self, name: &str, mode: Mode) {
-        self.reserve_name(name, mode == Mode::Exclusive, None);
+        self.reserve_name(name, mode == Mode::Exclusive);
     }
 }
 
@@ -214,87 +188,6 @@ pub struct BlockedResource {
     pub waiting: u32,
     /// The oldest incomplete task that needs it: the head of its queue.
     pub head: Uuid,
-}
-
-/// Counts lanes over incomplete tasks streamed in `(pulp_created, pulp_id)` order: a task is a
-/// lane when no older incomplete task conflicts with it. Every task reserves its resources,
-/// counted or not. Memory grows with the number of distinct resources, never with tasks.
-#[derive(Debug, Default)]
-pub struct LaneCounter {
-    reserved: Reservations,
-    lanes: u64,
-}
-
-impl LaneCounter {
-    /// Feeds the next-oldest incomplete task.
-    pub fn push(&mut self, resources: &Resources) {
-        if !self.reserved.conflicts_with(resources) {
-            self.lanes += 1;
-        }
-        self.reserved.reserve(resources);
-    }
-
-    /// Feeds the next-oldest incomplete task straight from its `reserved_resources_record`:
-    /// the same decision as [`LaneCounter::push`] without building [`Resources`], and without
-    /// allocating for a resource already reserved (the hot loop of the gauge).
-    pub fn push_record<S: AsRef<str>>(&mut self, record: &[S]) {
-        self.push_entries(None, record);
-    }
-
-    /// [`LaneCounter::push_record`] for a named task: also surveys the queues (the head of
-    /// each resource's queue and how many tasks wait behind it, [`LaneCounter::most_blocked`]).
-    pub fn push_task<S: AsRef<str>>(&mut self, id: Uuid, record: &[S]) {
-        self.push_entries(Some(id), record);
-    }
-
-    fn push_entries<S: AsRef<str>>(&mut self, id: Option<Uuid>, record: &[S]) {
-        let reserved = &self.reserved;
-        let blocked = record
-            .iter()
-            .any(|entry| match entry.as_ref().strip_prefix(SHARED_PREFIX) {
-                Some(name) => reserved.is_exclusive(name),
-                None => reserved.touches(entry.as_ref()),
-            });
-        if !blocked {
-            self.lanes += 1;
-        }
-        for entry in record {
-            match entry.as_ref().strip_prefix(SHARED_PREFIX) {
-                Some(name) => self.reserved.reserve_name(name, false, id),
-                None => self.reserved.reserve_name(entry.as_ref(), true, id),
-            }
-        }
-    }
-
-    /// Lanes counted so far.
-    pub fn lanes(&self) -> u64 {
-        self.lanes
-    }
-
-    /// The `n` resources with the most tasks waiting behind their head (most first, then by
-    /// name), among those fed with [`LaneCounter::push_task`] that have any.
-    pub fn most_blocked(&self, n: usize) -> Vec<BlockedResource> {
-        let mut blocked: Vec<BlockedResource> = self
-            .reserved
-            .names
-            .iter()
-            .filter_map(|(name, r)| {
-                Some(BlockedResource {
-                    resource: name.clone(),
-                    waiting: r.behind,
-                    head: r.head?,
-                })
-            })
-            .filter(|b| b.waiting > 0)
-            .collect();
-        blocked.sort_unstable_by(|a, b| {
-            b.waiting
-                .cmp(&a.waiting)
-                .then_with(|| a.resource.cmp(&b.resource))
-        });
-        blocked.truncate(n);
-        blocked
-    }
 }
 
 /// What dispatch knows about one waiting, unclaimed task while it walks the queue.
@@ -445,6 +338,9 @@ pub fn is_valid_release(v: &str) -> bool {
     v.chars().next().is_some_and(|c| c.is_ascii_digit())
         && v.split('.').all(|part| !part.is_empty())
 }
+
+mod counter;
+pub use counter::{Key, LaneCounter, Repair};
 
 #[cfg(test)]
 mod tests;

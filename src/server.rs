@@ -200,6 +200,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         LaneConfig {
             interval: args.lanes.interval,
             cutoff: args.lanes.cutoff,
+            full_interval: args.lanes.full_interval,
             refresh: args.lanes.refresh,
             activity_check: args.lanes.activity_check,
         },

@@ -18,7 +18,7 @@ use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
 use crate::metrics::Stats;
-use crate::ready::{Candidate, Resources};
+use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
@@ -49,6 +49,10 @@ pub mod sql {
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
+    pub const LANES_NEWER: &str = include_str!("tasks/lanes_newer.sql");
+    pub const LANES_GONE: &str = include_str!("tasks/lanes_gone.sql");
+    pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
+    pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
     pub const HIDING: &str = include_str!("tasks/hiding.sql");
     pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
@@ -58,7 +62,11 @@ pub mod sql {
     pub const TASK_FACTS: &str = include_str!("tasks/task_facts.sql");
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 29] = [
+        LANES_NEWER,
+        LANES_GONE,
+        LANES_USERS,
+        LANES_PAGE,
         CANCELING,
         TASK_FACTS,
         OLDER_CONFLICTS,
@@ -205,6 +213,46 @@ pub struct Survey {
     pub lanes: u64,
     /// The resources with the most tasks waiting behind the head of their queue, most first.
     pub blocked: Vec<crate::ready::BlockedResource>,
+}
+
+/// How much a maintained lane pass may read before a full pass is the better deal.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneReads {
+    /// A repair walks at most this many pages of `lanes_page.sql` from the oldest place (the
+    /// successors of most places are near) ...
+    pub walk_pages: usize,
+    /// ... and then looks up the users of the resources still unsettled by name (which reads
+    /// every one of them): at most this many (or a quarter of the queue the counter has seen,
+    /// if more), else a full pass is the better deal.
+    pub lookup_users: u64,
+}
+
+impl Default for LaneReads {
+    fn default() -> Self {
+        LaneReads {
+            walk_pages: 8,
+            lookup_users: 20_000,
+        }
+    }
+}
+
+/// Rows per page of `lanes_page.sql` (its LIMIT).
+const LANE_PAGE_ROWS: usize = 512;
+
+/// A counter's key as the statements take it.
+fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
+    (
+        DateTime::from_timestamp_micros(key.0).unwrap_or(DateTime::UNIX_EPOCH),
+        key.1,
+    )
+}
+
+/// A row of lanes_users.sql or lanes_page.sql: the task's key and record.
+fn lane_row(row: &Row) -> Result<(Key, Vec<String>), Error> {
+    let record: Option<Vec<String>> = row.try_get(0)?;
+    let id: Uuid = row.try_get(1)?;
+    let created: DateTime<Utc> = row.try_get(2)?;
+    Ok(((created.timestamp_micros(), id), record.unwrap_or_default()))
 }
 
 /// Handle on the task store.
@@ -625,33 +673,158 @@ impl Tasks {
     /// through `ready::LaneCounter`, so memory stays flat whatever the number of tasks. The same
     /// pass surveys the queues: the `keep` resources with the most tasks waiting behind them.
     pub async fn lanes(&self, cutoff: Duration, keep: usize) -> Result<Survey, Error> {
-        use futures::TryStreamExt;
-        let mut client = self.client().await?;
-        let statement = client.prepare_cached(sql::LANES).await?;
-        let tx = self.timed(client.transaction()).await?;
-        // The sort of the queue happens in Postgres; give it room to stay in memory.
-        self.timed(tx.batch_execute("SET LOCAL work_mem = '64MB'; SET LOCAL enable_seqscan = on"))
-            .await?;
-        let secs = cutoff.as_secs_f64();
-        self.stats.postgres_statement();
-        let rows = tokio::time::timeout(
-            self.timeout,
-            tx.query_raw(&statement, [&secs as &(dyn ToSql + Sync)]),
-        )
-        .await
-        .map_err(|_| Error::Timeout(self.timeout))??;
-        let mut rows = std::pin::pin!(rows);
-        let mut counter = crate::ready::LaneCounter::default();
-        while let Some(row) = rows.try_next().await? {
-            let record: Option<Vec<&str>> = row.try_get(0)?;
-            let id: Uuid = row.try_get(1)?;
-            counter.push_task(id, record.as_deref().unwrap_or_default());
-        }
-        self.timed(tx.commit()).await?;
+        let counter = self.count_lanes(cutoff, usize::MAX).await?;
         Ok(Survey {
             lanes: counter.lanes(),
             blocked: counter.most_blocked(keep),
         })
+    }
+
+    /// A full pass of the lane gauge: every incomplete task older than `cutoff`, in queue order,
+    /// through a fresh counter that tracks at most `track_limit` tasks (what
+    /// [`Tasks::maintain_lanes`] needs to bring it up to date later).
+    pub async fn count_lanes(
+        &self,
+        cutoff: Duration,
+        track_limit: usize,
+    ) -> Result<LaneCounter, Error> {
+        let mut client = self.client().await?;
+        let tx = self.timed(client.transaction()).await?;
+        // The sort of the queue happens in Postgres (without dispatch_lanes_idx); give it room to
+        // stay in memory.
+        self.timed(tx.batch_execute("SET LOCAL work_mem = '64MB'; SET LOCAL enable_seqscan = on"))
+            .await?;
+        let mut counter = LaneCounter::with_track_limit(track_limit);
+        self.feed_newer(&tx, &mut counter, cutoff, None).await?;
+        self.timed(tx.commit()).await?;
+        Ok(counter)
+    }
+
+    /// Brings a counter from an earlier pass up to date without reading the whole queue (see
+    /// `ready::counter`): which tracked tasks ended, the tasks that take over their places (a
+    /// short walk of the queue from the oldest place, then a look-up by name for the resources
+    /// whose successor is further), and the tasks newer than the counter's last one, all in one
+    /// snapshot. `None` when that would
+    /// read about as much as a full pass (too many places to repair, or tracking overflowed):
+    /// count afresh with [`Tasks::count_lanes`]. On an error the counter is lost too.
+    pub async fn maintain_lanes(
+        &self,
+        mut counter: LaneCounter,
+        cutoff: Duration,
+        reads: LaneReads,
+    ) -> Result<Option<LaneCounter>, Error> {
+        use futures::TryStreamExt;
+        let Some(watermark) = counter.watermark().filter(|_| counter.maintainable()) else {
+            return Ok(None);
+        };
+        let upto = key_bound(watermark);
+        let mut client = self.client().await?;
+        let gone_statement = client.prepare_cached(sql::LANES_GONE).await?;
+        let users_statement = client.prepare_cached(sql::LANES_USERS).await?;
+        let page_statement = client.prepare_cached(sql::LANES_PAGE).await?;
+        let tx = self
+            .timed(
+                client
+                    .build_transaction()
+                    .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                    .read_only(true)
+                    .start(),
+            )
+            .await?;
+        let tracked: Vec<Uuid> = counter.tracked_ids().collect();
+        let gone: Vec<Uuid> = self
+            .timed(tx.query(&gone_statement, &[&tracked]))
+            .await?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()?;
+        let mut repair = counter.gone(&gone);
+        if let Some(mut at) = repair.from() {
+            // Walk the queue from the oldest place: the successors of most places are near.
+            let mut pages = 0;
+            while repair.unsettled().next().is_some() && pages < reads.walk_pages {
+                pages += 1;
+                let (at_created, at_id) = key_bound(at);
+                let rows = self
+                    .timed(tx.query(&page_statement, &[&at_created, &at_id, &upto.0, &upto.1]))
+                    .await?;
+                for row in &rows {
+                    let (key, record) = lane_row(row)?;
+                    repair.feed(key, &record);
+                    at = key;
+                }
+                if rows.len() < LANE_PAGE_ROWS {
+                    at = watermark;
+                    break;
+                }
+            }
+            // The rest by name, from where the walk stopped.
+            let unsettled: Vec<(String, u32)> = repair
+                .unsettled()
+                .map(|(n, users)| (n.to_owned(), users))
+                .collect();
+            if !unsettled.is_empty() && at < watermark {
+                let users: u64 = unsettled.iter().map(|(_, u)| u64::from(*u)).sum();
+                if users > reads.lookup_users.max(counter.seen() / 4) {
+                    return Ok(None);
+                }
+                let names = || unsettled.iter().map(|(n, _)| n.as_str());
+                let mut rest = repair.take(names());
+                let entries = Repair::entries(names());
+                let rows = self
+                    .timed(tx.query_raw(&users_statement, [&entries as &(dyn ToSql + Sync)]))
+                    .await?;
+                let mut rows = std::pin::pin!(rows);
+                while let Some(row) = rows.try_next().await? {
+                    let (key, record) = lane_row(&row)?;
+                    if key > at && key <= watermark {
+                        rest.feed(key, &record);
+                    }
+                }
+                repair.merge(rest);
+            }
+        }
+        counter.repair(repair);
+        self.feed_newer(&tx, &mut counter, cutoff, Some(upto))
+            .await?;
+        self.timed(tx.commit()).await?;
+        Ok(Some(counter))
+    }
+
+    /// Feeds `counter` the incomplete tasks older than `cutoff`, all of them or (`after`) those
+    /// newer than a position.
+    async fn feed_newer(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        counter: &mut LaneCounter,
+        cutoff: Duration,
+        after: Option<(DateTime<Utc>, Uuid)>,
+    ) -> Result<(), Error> {
+        use futures::TryStreamExt;
+        let secs = cutoff.as_secs_f64();
+        let rows = match after {
+            None => {
+                let statement = tx.prepare_cached(sql::LANES).await?;
+                self.timed(tx.query_raw(&statement, [&secs as &(dyn ToSql + Sync)]))
+                    .await?
+            }
+            Some((created, id)) => {
+                let statement = tx.prepare_cached(sql::LANES_NEWER).await?;
+                self.timed(tx.query_raw(&statement, [&secs as &(dyn ToSql + Sync), &created, &id]))
+                    .await?
+            }
+        };
+        let mut rows = std::pin::pin!(rows);
+        while let Some(row) = rows.try_next().await? {
+            let record: Option<Vec<&str>> = row.try_get(0)?;
+            let id: Uuid = row.try_get(1)?;
+            let created: DateTime<Utc> = row.try_get(2)?;
+            counter.push_task(
+                (created.timestamp_micros(), id),
+                record.as_deref().unwrap_or_default(),
+            );
+        }
+        Ok(())
     }
 
     /// The `limit` oldest incomplete tasks older than `task` whose records overlap `keys` (its

@@ -77,6 +77,102 @@ proptest! {
     }
 }
 
+/// What happens to one task between two passes of the gauge.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Stays,
+    Starts,
+    Ends(&'static str),
+    Deleted,
+}
+
+fn arb_changes() -> impl Strategy<Value = Vec<Change>> {
+    let change = prop_oneof![
+        4 => Just(Change::Stays),
+        1 => Just(Change::Starts),
+        1 => Just(Change::Ends("completed")),
+        1 => Just(Change::Ends("canceled")),
+        1 => Just(Change::Ends("canceling")),
+        1 => Just(Change::Deleted),
+    ];
+    prop::collection::vec(change, 0..300)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    /// Between two passes tasks start, end, are canceled or deleted (heads, lanes and tasks deep
+    /// in the queue alike) and new ones arrive: the maintained count is Pulp's count, whether
+    /// the places are repaired by name or by walking the queue.
+    #[test]
+    fn a_maintained_count_is_pulps_count_after_any_changes(
+        rows in arb_rows(),
+        changes in arb_changes(),
+        arrivals in arb_rows(),
+        walk_pages in prop::sample::select(vec![0usize, 8]),
+    ) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async move {
+            let url = tokio::task::spawn_blocking(support::fresh_database).await.unwrap();
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(conn);
+            db.batch_execute("SET session_replication_role = replica").await.unwrap();
+            let insert = "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+                          VALUES (gen_random_uuid(), date_trunc('second', now()) - make_interval(secs => $1), 't', $2, $3) \
+                          RETURNING pulp_id";
+            let mut ids = Vec::new();
+            for row in &rows {
+                let id: uuid::Uuid = db
+                    .query_one(insert, &[&(f64::from(row.age) + 10.0), &row.state, &row.record])
+                    .await
+                    .unwrap()
+                    .get(0);
+                ids.push(id);
+            }
+            let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+                .await
+                .unwrap();
+            let counter = tasks.count_lanes(Duration::ZERO, usize::MAX).await.unwrap();
+            assert_eq!(counter.lanes(), pulp_reference(&db).await);
+            for (id, change) in ids.iter().zip(&changes) {
+                match change {
+                    Change::Stays => {}
+                    Change::Starts => {
+                        db.execute("UPDATE core_task SET state = 'running' WHERE pulp_id = $1 AND state = 'waiting'", &[id]).await.unwrap();
+                    }
+                    Change::Ends(state) => {
+                        db.execute("UPDATE core_task SET state = $2 WHERE pulp_id = $1 AND state IN ('waiting', 'running')", &[id, state]).await.unwrap();
+                    }
+                    Change::Deleted => {
+                        db.execute("DELETE FROM core_task WHERE pulp_id = $1", &[id]).await.unwrap();
+                    }
+                }
+            }
+            // Newer than every task counted (at most 4 s apart among themselves).
+            for row in &arrivals {
+                db.execute(insert, &[&(f64::from(row.age) + 1.0), &row.state, &row.record])
+                    .await
+                    .unwrap();
+            }
+            // No walk: every place repaired by name; eight pages: the walk reaches the end.
+            let reads = dispatch_broker::tasks::LaneReads {
+                walk_pages,
+                ..Default::default()
+            };
+            let counter = tasks
+                .maintain_lanes(counter, Duration::ZERO, reads)
+                .await
+                .unwrap()
+                .expect("maintained without a full pass");
+            assert_eq!(
+                counter.lanes(),
+                pulp_reference(&db).await,
+                "{rows:?}\n{changes:?}\n{arrivals:?}"
+            );
+        });
+    }
+}
+
 fn get(addr: std::net::SocketAddr, path: &str) -> String {
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
@@ -124,9 +220,63 @@ async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
         "dispatch_fetch_redis_calls_bucket",
         "dispatch_postgres_statements_total",
         "# HELP dispatch_lanes",
+        "dispatch_lane_passes_total{kind=\"full\"}",
     ] {
         assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
     }
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn between_full_passes_the_gauge_counts_what_changed() {
+    let mut env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_secs(3600);
+        a.lanes.full_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let head = env.task(&["a"]).await;
+    env.task(&["a"]).await;
+    env.task(&["shared:d", "b"]).await;
+    let lanes = Arc::clone(&env.broker().lanes);
+    assert_eq!(lanes.compute(true).await.unwrap(), "full");
+    assert_eq!(lanes.current().lanes, 2);
+    let (survey, _) = lanes.survey().await.unwrap().expect("a full pass surveys");
+    assert_eq!(survey[0].head, head);
+    // The head of a's queue ends; an exclusive user of d and a task on c arrive.
+    let lease = env.open("w").await;
+    let task = env.fetch(&lease).await.expect("the head of a");
+    assert_eq!(support::id(&task), head);
+    env.start(&lease, &task).await;
+    env.finish(&lease, &task, "completed").await;
+    env.task(&["d"]).await;
+    env.task(&["c"]).await;
+    assert_eq!(lanes.compute(false).await.unwrap(), "maintained");
+    // a's second task, the shared user of d, c; the exclusive user of d waits.
+    assert_eq!(lanes.current().lanes, 3);
+    // The survey is a full pass's: still the one that named the old head.
+    let (survey, _) = lanes.survey().await.unwrap().unwrap();
+    assert_eq!(survey[0].head, head);
+    assert_eq!(lanes.compute(true).await.unwrap(), "full");
+    assert_eq!(lanes.current().lanes, 3);
+    let (survey, _) = lanes.survey().await.unwrap().unwrap();
+    assert!(survey.iter().all(|b| b.head != head), "{survey:?}");
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_the_full_interval_passes_the_gauge_reads_the_whole_queue_again() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_secs(3600);
+        a.lanes.full_interval = Duration::ZERO;
+    })
+    .await;
+    env.task(&["a"]).await;
+    let lanes = Arc::clone(&env.broker().lanes);
+    lanes.compute(true).await.unwrap();
+    assert_eq!(lanes.compute(false).await.unwrap(), "full");
+    assert_eq!(lanes.current().lanes, 1);
     env.shutdown().await;
 }
 

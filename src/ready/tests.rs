@@ -133,6 +133,15 @@ fn lanes_reference(queue: &[Resources]) -> u64 {
         .count() as u64
 }
 
+/// The `reserved_resources_record` of a task with these resources.
+fn record_of(t: &Resources) -> Vec<String> {
+    t.exclusive
+        .iter()
+        .cloned()
+        .chain(t.shared.iter().map(|s| format!("{SHARED_PREFIX}{s}")))
+        .collect()
+}
+
 fn arb_queue() -> impl Strategy<Value = Vec<Resources>> {
     let entry = (0..6u8, any::<bool>())
         .prop_map(|(r, shared)| format!("{}r{r}", if shared { "shared:" } else { "" }));
@@ -153,19 +162,19 @@ proptest! {
     #[test]
     fn lane_counter_matches_the_pairwise_reference(queue in arb_queue()) {
         let mut counter = LaneCounter::default();
-        for task in &queue {
-            counter.push(task);
+        for (i, task) in queue.iter().enumerate() {
+            counter.push_task((i as i64, Uuid::new_v4()), &record_of(task));
         }
         prop_assert_eq!(counter.lanes(), lanes_reference(&queue));
     }
 
     #[test]
-    fn push_record_counts_exactly_like_push(queue in arb_records()) {
+    fn records_with_repeated_names_count_like_their_resources(queue in arb_records()) {
         let mut by_resources = LaneCounter::default();
         let mut by_record = LaneCounter::default();
-        for record in &queue {
-            by_resources.push(&Resources::from_record(record));
-            by_record.push_record(record);
+        for (i, record) in queue.iter().enumerate() {
+            by_resources.push_task((i as i64, Uuid::new_v4()), &record_of(&Resources::from_record(record)));
+            by_record.push_task((i as i64, Uuid::new_v4()), record);
         }
         prop_assert_eq!(by_record.lanes(), by_resources.lanes());
     }
@@ -246,12 +255,12 @@ fn the_survey_finds_the_head_of_line_blocking_resource() {
     // The incident: R0's head runs, many tasks wait behind it; another domain flows freely.
     let ids: Vec<Uuid> = (0..8).map(|_| Uuid::new_v4()).collect();
     let mut counter = LaneCounter::default();
-    for id in &ids[..5] {
-        counter.push_task(*id, &["R0", "shared:dom-a"]);
+    for (i, id) in ids[..5].iter().enumerate() {
+        counter.push_task((i as i64, *id), &["R0", "shared:dom-a"]);
     }
-    counter.push_task(ids[5], &["R1", "shared:dom-b"]);
-    counter.push_task(ids[6], &["R2", "shared:dom-b"]);
-    counter.push_task(ids[7], &["R1"]);
+    counter.push_task((5, ids[5]), &["R1", "shared:dom-b"]);
+    counter.push_task((6, ids[6]), &["R2", "shared:dom-b"]);
+    counter.push_task((7, ids[7]), &["R1"]);
     let top = counter.most_blocked(10);
     assert_eq!(
         top,
@@ -307,11 +316,8 @@ proptest! {
     fn the_survey_matches_its_reference(queue in arb_queue()) {
         let ids: Vec<Uuid> = queue.iter().map(|_| Uuid::new_v4()).collect();
         let mut counter = LaneCounter::default();
-        for (id, t) in ids.iter().zip(&queue) {
-            let record: Vec<String> = t.exclusive.iter().cloned()
-                .chain(t.shared.iter().map(|s| format!("{SHARED_PREFIX}{s}")))
-                .collect();
-            counter.push_task(*id, &record);
+        for (i, (id, t)) in ids.iter().zip(&queue).enumerate() {
+            counter.push_task((i as i64, *id), &record_of(t));
         }
         let expected: Vec<BlockedResource> = {
             let mut v: Vec<BlockedResource> = survey_reference(&queue)

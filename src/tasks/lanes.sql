@@ -1,12 +1,14 @@
 -- lanes.sql: the records of incomplete tasks older than the cut-off, in queue order, streamed to
--- ready::LaneCounter (memory grows with distinct resources, never with tasks).
+-- ready::LaneCounter (memory grows with distinct resources and lanes, never with tasks): the
+-- lane gauge's full pass.
 --
 -- $1 double precision  the cut-off in seconds (tasks younger than this are not counted yet)
--- Returns: reserved_resources_record (NULL for none) and pulp_id per task (the survey of blocked
--- resources names each queue's head), ordered by (pulp_created, pulp_id);
--- with dispatch_lanes_idx (lanes_index.sql) an ordered index scan of incomplete tasks, no sort.
+-- Returns: reserved_resources_record (NULL for none), pulp_id, pulp_created per task, ordered
+-- by (pulp_created, pulp_id); with dispatch_lanes_idx (lanes_index.sql) an ordered index scan
+-- of incomplete tasks, no sort. (A lower bound on the position, as lanes_newer.sql has, would
+-- make the generic plan sort the whole queue.)
 -- Never writes.
-SELECT reserved_resources_record, pulp_id
+SELECT reserved_resources_record, pulp_id, pulp_created
 FROM core_task
 WHERE state IN ('waiting', 'running') AND pulp_created < now() - make_interval(secs => $1)
 ORDER BY pulp_created, pulp_id
