@@ -219,7 +219,8 @@ pub struct Survey {
 #[derive(Debug, Clone, Copy)]
 pub struct LaneReads {
     /// A repair walks at most this many pages of `lanes_page.sql` from the oldest place (the
-    /// successors of most places are near) ...
+    /// successors of most places are near), or as many as hold a 32nd of the queue the counter
+    /// has seen, if more ...
     pub walk_pages: usize,
     /// ... and then looks up the users of the resources still unsettled by name (which reads
     /// every one of them): at most this many (or a quarter of the queue the counter has seen,
@@ -742,7 +743,14 @@ impl Tasks {
         if let Some(mut at) = repair.from() {
             // Walk the queue from the oldest place: the successors of most places are near.
             let mut pages = 0;
-            while repair.unsettled().next().is_some() && pages < reads.walk_pages {
+            let most = if reads.walk_pages == 0 {
+                0
+            } else {
+                reads
+                    .walk_pages
+                    .max((counter.seen() / 32) as usize / LANE_PAGE_ROWS)
+            };
+            while repair.unsettled().next().is_some() && pages < most {
                 pages += 1;
                 let (at_created, at_id) = key_bound(at);
                 let rows = self

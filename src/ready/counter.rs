@@ -422,6 +422,13 @@ impl Repair {
     /// Feeds the next incomplete task (oldest first; tasks that need none of the repaired
     /// resources, or come before the places repaired, are ignored).
     pub fn feed<S: AsRef<str>>(&mut self, key: Key, record: &[S]) {
+        // Most tasks a walk reads need none of the resources repaired: check before parsing.
+        if !record
+            .iter()
+            .any(|e| self.needs.contains_key(entry_name(e.as_ref()).0))
+        {
+            return;
+        }
         let mut candidate = false;
         let resources = Resources::from_record(record);
         let uses = resources
