@@ -197,10 +197,14 @@ impl Lanes {
         let (now, survey, kind) = match maintained {
             Some(k) => (k, None, "maintained"),
             None => {
-                let counter = self
+                let mut counter = self
                     .tasks
                     .count_lanes(self.config.cutoff, TRACK_LIMIT)
                     .await?;
+                if !self.tasks.has_lanes_index().await? {
+                    // Walking the queue would sort what it reads: full passes only.
+                    counter.invalidate();
+                }
                 let survey = encode_survey(&counter.most_blocked(SURVEY_KEEP));
                 let k = Kept {
                     counter,

@@ -50,6 +50,7 @@ pub mod sql {
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
     pub const LANES_NEWER: &str = include_str!("tasks/lanes_newer.sql");
+    pub const LANES_LATE: &str = include_str!("tasks/lanes_late.sql");
     pub const LANES_GONE: &str = include_str!("tasks/lanes_gone.sql");
     pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
@@ -61,8 +62,19 @@ pub mod sql {
     pub const OLDER_CONFLICTS: &str = include_str!("tasks/older_conflicts.sql");
     pub const TASK_FACTS: &str = include_str!("tasks/task_facts.sql");
 
+    /// Set in the lane gauge's transactions: its queue-order reads (lanes.sql, lanes_page.sql,
+    /// lanes_newer.sql) must be the ordered range scans of `dispatch_lanes_idx`. Without these
+    /// the generic plans on Pulp's schema walk Pulp's `pulp_created` index, completed tasks
+    /// included, and sort. (Where the index is missing, a sort is still planned: disabling only
+    /// penalises.)
+    pub const ORDERED_SCANS: &str = "SET LOCAL enable_sort = off; \
+        SET LOCAL enable_incremental_sort = off; SET LOCAL enable_bitmapscan = off";
+    /// Set before lanes_users.sql, the one look-up by name (a bitmap of the GIN index, sorted).
+    pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
+
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
+        LANES_LATE,
         LANES_NEWER,
         LANES_GONE,
         LANES_USERS,
@@ -381,6 +393,16 @@ impl Tasks {
         Ok(migrate::missing(&self.schema_items().await?))
     }
 
+    /// Whether the lane gauge's index `dispatch_lanes_idx` exists and is valid (without it a
+    /// walk of the queue sorts what it reads, and only full passes are worth it).
+    pub async fn has_lanes_index(&self) -> Result<bool, Error> {
+        Ok(self
+            .schema_items()
+            .await?
+            .iter()
+            .any(|i| i == "lanes-index"))
+    }
+
     /// What `schema_check.sql` finds present.
     async fn schema_items(&self) -> Result<Vec<String>, Error> {
         let client = self.client().await?;
@@ -674,7 +696,8 @@ impl Tasks {
     /// through `ready::LaneCounter`, so memory stays flat whatever the number of tasks. The same
     /// pass surveys the queues: the `keep` resources with the most tasks waiting behind them.
     pub async fn lanes(&self, cutoff: Duration, keep: usize) -> Result<Survey, Error> {
-        let counter = self.count_lanes(cutoff, usize::MAX).await?;
+        // Tracks nothing (this counter is not maintained).
+        let counter = self.count_lanes(cutoff, 0).await?;
         Ok(Survey {
             lanes: counter.lanes(),
             blocked: counter.most_blocked(keep),
@@ -693,10 +716,14 @@ impl Tasks {
         let tx = self.timed(client.transaction()).await?;
         // The sort of the queue happens in Postgres (without dispatch_lanes_idx); give it room to
         // stay in memory.
-        self.timed(tx.batch_execute("SET LOCAL work_mem = '64MB'; SET LOCAL enable_seqscan = on"))
-            .await?;
+        self.timed(tx.batch_execute(&format!(
+            "SET LOCAL work_mem = '64MB'; SET LOCAL enable_seqscan = on; {}",
+            sql::ORDERED_SCANS
+        )))
+        .await?;
         let mut counter = LaneCounter::with_track_limit(track_limit);
         self.feed_newer(&tx, &mut counter, cutoff, None).await?;
+        self.check_late(&tx, &mut counter, cutoff).await?;
         self.timed(tx.commit()).await?;
         Ok(counter)
     }
@@ -732,6 +759,7 @@ impl Tasks {
                     .start(),
             )
             .await?;
+        self.timed(tx.batch_execute(sql::ORDERED_SCANS)).await?;
         let tracked: Vec<Uuid> = counter.tracked_ids().collect();
         let gone: Vec<Uuid> = self
             .timed(tx.query(&gone_statement, &[&tracked]))
@@ -779,6 +807,7 @@ impl Tasks {
                 let names = || unsettled.iter().map(|(n, _)| n.as_str());
                 let mut rest = repair.take(names());
                 let entries = Repair::entries(names());
+                self.timed(tx.batch_execute(sql::LOOKUP_BY_NAME)).await?;
                 let rows = self
                     .timed(tx.query_raw(&users_statement, [&entries as &(dyn ToSql + Sync)]))
                     .await?;
@@ -795,8 +824,29 @@ impl Tasks {
         counter.repair(repair);
         self.feed_newer(&tx, &mut counter, cutoff, Some(upto))
             .await?;
+        self.check_late(&tx, &mut counter, cutoff).await?;
         self.timed(tx.commit()).await?;
         Ok(Some(counter))
+    }
+
+    /// Invalidates `counter` when a task could still appear behind its watermark
+    /// (`lanes_late.sql`): a maintained pass would never see it, so the next one is full.
+    async fn check_late(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        counter: &mut LaneCounter,
+        cutoff: Duration,
+    ) -> Result<(), Error> {
+        let statement = tx.prepare_cached(sql::LANES_LATE).await?;
+        let secs = cutoff.as_secs_f64();
+        let late: bool = self
+            .timed(tx.query_one(&statement, &[&secs]))
+            .await?
+            .try_get(0)?;
+        if late {
+            counter.invalidate();
+        }
+        Ok(())
     }
 
     /// Feeds `counter` the incomplete tasks older than `cutoff`, all of them or (`after`) those
@@ -1032,4 +1082,18 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
 /// prepared statement per page size, each planned once per connection.
 fn candidates_sql(limit: i64) -> String {
     sql::CANDIDATES.replacen("LIMIT $4", &format!("LIMIT {}", limit.max(1)), 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_walk_knows_the_page_size_of_lanes_page_sql() {
+        // A page shorter than LANE_PAGE_ROWS ends the walk: the two must agree.
+        assert!(
+            sql::LANES_PAGE.contains(&format!("LIMIT {LANE_PAGE_ROWS}\n")),
+            "lanes_page.sql's LIMIT differs from LANE_PAGE_ROWS"
+        );
+    }
 }

@@ -173,6 +173,143 @@ proptest! {
     }
 }
 
+/// A database with these tasks, oldest first (one millisecond apart, ten seconds ago).
+async fn queue_of(records: &[Vec<String>]) -> (String, tokio_postgres::Client, Vec<uuid::Uuid>) {
+    let url = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute("SET session_replication_role = replica")
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for (i, record) in records.iter().enumerate() {
+        let id: uuid::Uuid = db
+            .query_one(
+                "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+                 VALUES (gen_random_uuid(), now() - interval '10 seconds' + make_interval(secs => $1), 't', 'waiting', $2) \
+                 RETURNING pulp_id",
+                &[&(i as f64 / 1000.0), record],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.push(id);
+    }
+    (url, db, ids)
+}
+
+fn record(entries: &[&str]) -> Vec<String> {
+    entries.iter().map(|e| e.to_string()).collect()
+}
+
+#[tokio::test]
+async fn a_walk_that_stops_before_a_successor_is_continued_by_name() {
+    // The head of x (sharing y) ends; x's and y's next users sit behind 600 tasks on r, past
+    // the one page the walk may read.
+    let mut records = vec![record(&["x", "shared:y"])];
+    records.extend((0..600).map(|_| record(&["r"])));
+    records.push(record(&["x"]));
+    records.push(record(&["y"]));
+    let (url, db, ids) = queue_of(&records).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let counter = tasks.count_lanes(Duration::ZERO, usize::MAX).await.unwrap();
+    assert_eq!(counter.lanes(), 2);
+    db.execute(
+        "UPDATE core_task SET state = 'completed' WHERE pulp_id = $1",
+        &[&ids[0]],
+    )
+    .await
+    .unwrap();
+    let one_page = dispatch_broker::tasks::LaneReads {
+        walk_pages: 1,
+        ..Default::default()
+    };
+    let counter = tasks
+        .maintain_lanes(counter, Duration::ZERO, one_page)
+        .await
+        .unwrap()
+        .expect("maintained");
+    // r's head, x's next user, y's exclusive user.
+    assert_eq!(counter.lanes(), 3);
+    assert_eq!(counter.lanes(), pulp_reference(&db).await);
+}
+
+#[tokio::test]
+async fn a_writing_transaction_open_longer_than_the_cutoff_makes_the_next_pass_full() {
+    let (url, _db, _) = queue_of(&[record(&["a"])]).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let cutoff = Duration::from_millis(300);
+    let counter = tasks.count_lanes(cutoff, usize::MAX).await.unwrap();
+    assert!(counter.maintainable(), "no transaction open yet");
+    // Another session inserts a task created before every task counted (its clock, or a slow
+    // request) and has not committed: a maintained pass would never look behind its watermark.
+    let (other, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    other
+        .batch_execute(
+            "BEGIN; INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             VALUES (gen_random_uuid(), now() - interval '20 seconds', 't', 'waiting', ARRAY['b'])",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(cutoff * 2).await;
+    let counter = tasks
+        .maintain_lanes(counter, cutoff, Default::default())
+        .await
+        .unwrap()
+        .expect("this pass is still maintained");
+    assert!(
+        !counter.maintainable(),
+        "the next pass must read the whole queue"
+    );
+    other.batch_execute("COMMIT").await.unwrap();
+    assert!(tasks
+        .maintain_lanes(counter, cutoff, Default::default())
+        .await
+        .unwrap()
+        .is_none());
+    let counter = tasks.count_lanes(cutoff, usize::MAX).await.unwrap();
+    assert_eq!(
+        counter.lanes(),
+        2,
+        "the late task is counted by the full pass"
+    );
+    assert!(counter.maintainable());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_lanes_index_the_gauge_reads_the_whole_queue_every_time() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.interval = Duration::from_secs(3600);
+        a.lanes.full_interval = Duration::from_secs(3600);
+    })
+    .await;
+    env.task(&["a"]).await;
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute("DROP INDEX dispatch_lanes_idx")
+        .await
+        .unwrap();
+    let lanes = Arc::clone(&env.broker().lanes);
+    assert_eq!(lanes.compute(true).await.unwrap(), "full");
+    assert_eq!(lanes.compute(false).await.unwrap(), "full");
+    assert_eq!(lanes.current().lanes, 1);
+    env.shutdown().await;
+}
+
 fn get(addr: std::net::SocketAddr, path: &str) -> String {
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();

@@ -285,3 +285,102 @@ async fn the_readiness_lookup_uses_pulps_gin_index() {
         "the older-conflicts look-up scans the table:\n{plan}"
     );
 }
+
+/// The maintained lane pass's statements, planned as the broker plans them (generic plans,
+/// sequential scans off) on Pulp's schema with `migrate --lanes-index`'s index: successors by
+/// name through Pulp's GIN index, the walk and the arrivals as ordered ranges of
+/// `dispatch_lanes_idx` (no sort), the ended tasks by primary key.
+#[tokio::test]
+async fn the_maintained_lane_pass_uses_the_intended_indexes() {
+    let (_url, db) = pulp_database_client().await;
+    pulp_task(&db, &["prn:python.repository:R0"]).await;
+    db.batch_execute(
+        "SET session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
+             pulp_domain_id, versions, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), CASE WHEN i % 3 = 0 THEN 'completed' ELSE 'waiting' END, \
+                't', 'c', ARRAY['prn:file.repository:' || (i % 500), 'shared:prn:core.domain:D1'], \
+                d.pulp_id, ''::hstore, 'v3' \
+         FROM core_domain d, generate_series(1, 20000) AS i; \
+         SET session_replication_role = origin; ANALYZE core_task;",
+    )
+    .await
+    .unwrap();
+    db.batch_execute(dispatch_broker::tasks::sql::LANES_INDEX)
+        .await
+        .unwrap();
+    use dispatch_broker::tasks::sql;
+    db.batch_execute(&format!(
+        "ANALYZE core_task; SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; \
+         BEGIN; {}",
+        sql::ORDERED_SCANS
+    ))
+    .await
+    .unwrap();
+    let plan = |name: &str, params: &str, statement: &str, call: &str| {
+        let (name, params, statement, call) = (
+            name.to_owned(),
+            params.to_owned(),
+            statement.to_owned(),
+            call.to_owned(),
+        );
+        let db = &db;
+        async move {
+            db.batch_execute(&format!("PREPARE {name}({params}) AS {statement}"))
+                .await
+                .unwrap();
+            db.query(&format!("EXPLAIN EXECUTE {name}({call})"), &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0) + "\n")
+                .collect::<String>()
+        }
+    };
+    let page = plan(
+        "page",
+        "timestamptz, uuid, timestamptz, uuid",
+        sql::LANES_PAGE,
+        "now() - interval '1 hour', gen_random_uuid(), now(), gen_random_uuid()",
+    )
+    .await;
+    assert!(
+        page.contains("Index Scan using dispatch_lanes_idx"),
+        "{page}"
+    );
+    assert!(!page.contains("Sort"), "{page}");
+    let newer = plan(
+        "newer",
+        "double precision, timestamptz, uuid",
+        sql::LANES_NEWER,
+        "0, now() - interval '1 hour', gen_random_uuid()",
+    )
+    .await;
+    assert!(newer.contains("dispatch_lanes_idx"), "{newer}");
+    let full = plan("whole", "double precision", sql::LANES, "0").await;
+    assert!(
+        full.contains("Index Scan using dispatch_lanes_idx"),
+        "{full}"
+    );
+    assert!(!full.contains("Sort"), "{full}");
+    let gone = plan(
+        "gone",
+        "uuid[]",
+        sql::LANES_GONE,
+        "ARRAY[gen_random_uuid(), gen_random_uuid()]",
+    )
+    .await;
+    assert!(gone.contains("core_task_pkey"), "{gone}");
+    db.batch_execute(sql::LOOKUP_BY_NAME).await.unwrap();
+    let users = plan(
+        "users",
+        "text[]",
+        sql::LANES_USERS,
+        "ARRAY['prn:file.repository:7', 'shared:prn:file.repository:7']",
+    )
+    .await;
+    assert!(
+        users.contains("Bitmap Index Scan on pulp_task_resources_index"),
+        "{users}"
+    );
+}

@@ -61,6 +61,8 @@ pub struct LaneCounter {
     /// At most this many tasks are tracked; beyond it tracking stops (the count stays exact,
     /// only the next pass must read the whole queue again).
     track_limit: usize,
+    /// The counter cannot be maintained: tracking hit its limit, or its reader said so
+    /// ([`LaneCounter::invalidate`]).
     overflowed: bool,
 }
 
@@ -177,13 +179,17 @@ impl LaneCounter {
         self.seen += 1;
     }
 
+    /// Says that the counter must not be maintained: the next pass must read the whole queue
+    /// (e.g. a task may still appear behind the watermark).
+    pub fn invalidate(&mut self) {
+        self.overflowed = true;
+    }
+
     fn track(&mut self, key: Key, resources: Resources, lane: bool) {
-        if self.overflowed {
-            return;
-        }
+        // Beyond the limit tracking stops, but what is tracked stays until the counter is
+        // dropped: a repair in progress still finds the lanes it tracks (and counts none twice).
         if self.tracked.len() >= self.track_limit {
             self.overflowed = true;
-            self.tracked = Map::default();
             return;
         }
         self.tracked.insert(

@@ -151,7 +151,6 @@ proptest! {
             next += 1_000;
             maintain(&mut counter, &queue, reader);
             prop_assert_eq!(counter.lanes(), reference(&queue));
-            prop_assert!(counter.maintainable());
             // Only places and lanes are remembered, never the tasks behind them.
             let fresh = counted(&queue);
             prop_assert_eq!(counter.tracked(), fresh.tracked());
@@ -218,5 +217,39 @@ fn tracking_stops_at_its_limit_and_the_count_stays_exact() {
     }
     assert_eq!(counter.lanes(), 10);
     assert!(!counter.maintainable());
-    assert_eq!(counter.tracked(), 0);
+    assert_eq!(counter.tracked(), 4);
+}
+
+#[test]
+fn a_repair_that_reaches_the_track_limit_counts_every_lane_once() {
+    // F and L share s; F is first of s, a and b. When F ends, L (a lane already) takes s's first
+    // place and A and B become lanes; tracking overflows on the way, in whatever order the
+    // candidates come (hash order differs between counters, so try many).
+    for _ in 0..64 {
+        let queue = vec![
+            (k(1), rec(&["shared:s", "a", "b"])),
+            (k(2), rec(&["shared:s"])),
+            (k(3), rec(&["a"])),
+            (k(4), rec(&["b"])),
+        ];
+        let mut counter = LaneCounter::with_track_limit(2);
+        for (key, record) in &queue {
+            counter.push_task(*key, record);
+        }
+        assert_eq!(counter.lanes(), 2);
+        assert!(counter.maintainable());
+        let rest = queue[1..].to_vec();
+        maintain(&mut counter, &rest, Reader::Walk);
+        assert_eq!(counter.lanes(), 3);
+        assert!(!counter.maintainable());
+    }
+}
+
+#[test]
+fn an_invalidated_counter_cannot_be_maintained() {
+    let mut counter = counted(&[(k(1), rec(&["a"]))]);
+    assert!(counter.maintainable());
+    counter.invalidate();
+    assert!(!counter.maintainable());
+    assert_eq!(counter.lanes(), 1);
 }
