@@ -21,6 +21,21 @@ async fn pulp_reference(db: &tokio_postgres::Client) -> u64 {
     dispatch_broker::testkit::reference_lanes(db).await.unwrap()
 }
 
+/// A fresh database and a client that inserts tasks as they are (the insert trigger bypassed).
+async fn fresh_queue() -> (String, tokio_postgres::Client) {
+    let url = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute("SET session_replication_role = replica")
+        .await
+        .unwrap();
+    (url, db)
+}
+
 #[derive(Debug, Clone)]
 struct Row {
     record: Vec<String>,
@@ -54,10 +69,7 @@ proptest! {
     fn lanes_equal_pulps_algorithm_on_random_queues(rows in arb_rows()) {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         runtime.block_on(async move {
-            let url = tokio::task::spawn_blocking(support::fresh_database).await.unwrap();
-            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-            tokio::spawn(conn);
-            db.batch_execute("SET session_replication_role = replica").await.unwrap();
+            let (url, db) = fresh_queue().await;
             for row in &rows {
                 db.execute(
                     "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
@@ -75,6 +87,31 @@ proptest! {
             assert_eq!(broker, reference, "{rows:?}");
         });
     }
+}
+
+/// The task store of a test database (one connection).
+async fn store(url: &str) -> Tasks {
+    Tasks::connect(url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap()
+}
+
+/// Brings `counter` up to date, walking at most `walk_pages` pages before looking up by name;
+/// fails if the pass fell back to a full one.
+async fn maintained(
+    tasks: &Tasks,
+    counter: dispatch_broker::ready::LaneCounter,
+    walk_pages: usize,
+) -> dispatch_broker::ready::LaneCounter {
+    let reads = dispatch_broker::tasks::LaneReads {
+        walk_pages,
+        ..Default::default()
+    };
+    tasks
+        .maintain_lanes(counter, Duration::ZERO, reads)
+        .await
+        .unwrap()
+        .expect("maintained without a full pass")
 }
 
 /// What happens to one task between two passes of the gauge.
@@ -113,10 +150,7 @@ proptest! {
     ) {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         runtime.block_on(async move {
-            let url = tokio::task::spawn_blocking(support::fresh_database).await.unwrap();
-            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-            tokio::spawn(conn);
-            db.batch_execute("SET session_replication_role = replica").await.unwrap();
+            let (url, db) = fresh_queue().await;
             let insert = "INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
                           VALUES (gen_random_uuid(), date_trunc('second', now()) - make_interval(secs => $1), 't', $2, $3) \
                           RETURNING pulp_id";
@@ -129,9 +163,7 @@ proptest! {
                     .get(0);
                 ids.push(id);
             }
-            let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-                .await
-                .unwrap();
+            let tasks = store(&url).await;
             let counter = tasks.count_lanes(Duration::ZERO, usize::MAX).await.unwrap();
             assert_eq!(counter.lanes(), pulp_reference(&db).await);
             for (id, change) in ids.iter().zip(&changes) {
@@ -155,15 +187,7 @@ proptest! {
                     .unwrap();
             }
             // No walk: every place repaired by name; eight pages: the walk reaches the end.
-            let reads = dispatch_broker::tasks::LaneReads {
-                walk_pages,
-                ..Default::default()
-            };
-            let counter = tasks
-                .maintain_lanes(counter, Duration::ZERO, reads)
-                .await
-                .unwrap()
-                .expect("maintained without a full pass");
+            let counter = maintained(&tasks, counter, walk_pages).await;
             assert_eq!(
                 counter.lanes(),
                 pulp_reference(&db).await,
@@ -175,16 +199,7 @@ proptest! {
 
 /// A database with these tasks, oldest first (one millisecond apart, ten seconds ago).
 async fn queue_of(records: &[Vec<String>]) -> (String, tokio_postgres::Client, Vec<uuid::Uuid>) {
-    let url = tokio::task::spawn_blocking(support::fresh_database)
-        .await
-        .unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    db.batch_execute("SET session_replication_role = replica")
-        .await
-        .unwrap();
+    let (url, db) = fresh_queue().await;
     let mut ids = Vec::new();
     for (i, record) in records.iter().enumerate() {
         let id: uuid::Uuid = db
@@ -215,9 +230,7 @@ async fn a_walk_that_stops_before_a_successor_is_continued_by_name() {
     records.push(record(&["x"]));
     records.push(record(&["y"]));
     let (url, db, ids) = queue_of(&records).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = store(&url).await;
     let counter = tasks.count_lanes(Duration::ZERO, usize::MAX).await.unwrap();
     assert_eq!(counter.lanes(), 2);
     db.execute(
@@ -226,15 +239,7 @@ async fn a_walk_that_stops_before_a_successor_is_continued_by_name() {
     )
     .await
     .unwrap();
-    let one_page = dispatch_broker::tasks::LaneReads {
-        walk_pages: 1,
-        ..Default::default()
-    };
-    let counter = tasks
-        .maintain_lanes(counter, Duration::ZERO, one_page)
-        .await
-        .unwrap()
-        .expect("maintained");
+    let counter = maintained(&tasks, counter, 1).await;
     // r's head, x's next user, y's exclusive user.
     assert_eq!(counter.lanes(), 3);
     assert_eq!(counter.lanes(), pulp_reference(&db).await);
@@ -243,9 +248,7 @@ async fn a_walk_that_stops_before_a_successor_is_continued_by_name() {
 #[tokio::test]
 async fn a_writing_transaction_open_longer_than_the_cutoff_makes_the_next_pass_full() {
     let (url, _db, _) = queue_of(&[record(&["a"])]).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = store(&url).await;
     let cutoff = Duration::from_millis(300);
     let counter = tasks.count_lanes(cutoff, usize::MAX).await.unwrap();
     assert!(counter.maintainable(), "no transaction open yet");
@@ -289,12 +292,7 @@ async fn a_writing_transaction_open_longer_than_the_cutoff_makes_the_next_pass_f
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_lanes_index_the_gauge_reads_the_whole_queue_every_time() {
-    let env = Env::with(|a| {
-        a.lanes.cutoff = Duration::ZERO;
-        a.lanes.interval = Duration::from_secs(3600);
-        a.lanes.full_interval = Duration::from_secs(3600);
-    })
-    .await;
+    let env = gauge_env(Duration::from_secs(3600)).await;
     env.task(&["a"]).await;
     let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
         .await
@@ -364,14 +362,20 @@ async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
     env.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn between_full_passes_the_gauge_counts_what_changed() {
-    let mut env = Env::with(|a| {
+/// A broker whose gauge computes only when a test asks (`Lanes::compute`), counting every task
+/// at once, with a full pass every `full_interval`.
+async fn gauge_env(full_interval: Duration) -> Env {
+    Env::with(|a| {
         a.lanes.cutoff = Duration::ZERO;
         a.lanes.interval = Duration::from_secs(3600);
-        a.lanes.full_interval = Duration::from_secs(3600);
+        a.lanes.full_interval = full_interval;
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn between_full_passes_the_gauge_counts_what_changed() {
+    let mut env = gauge_env(Duration::from_secs(3600)).await;
     let head = env.task(&["a"]).await;
     env.task(&["a"]).await;
     env.task(&["shared:d", "b"]).await;
@@ -403,12 +407,7 @@ async fn between_full_passes_the_gauge_counts_what_changed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn once_the_full_interval_passes_the_gauge_reads_the_whole_queue_again() {
-    let env = Env::with(|a| {
-        a.lanes.cutoff = Duration::ZERO;
-        a.lanes.interval = Duration::from_secs(3600);
-        a.lanes.full_interval = Duration::ZERO;
-    })
-    .await;
+    let env = gauge_env(Duration::ZERO).await;
     env.task(&["a"]).await;
     let lanes = Arc::clone(&env.broker().lanes);
     lanes.compute(true).await.unwrap();
