@@ -307,9 +307,9 @@ pub struct LaneArgs {
     /// How often the lane count is computed by reading the whole queue (and the survey of
     /// blocked resources taken). In between, a computation reads only what changed since the
     /// last one (tasks that ended and held a resource's first place or were lanes, their
-    /// successors, new tasks), falling back to the whole queue when that would read as much.
-    /// A task committed more than --lane-cutoff after its creation time is counted from the
-    /// next full pass.
+    /// successors, new tasks), falling back to the whole queue when that would read as much,
+    /// or when a transaction writing to core_task has been open for most of --lane-cutoff
+    /// (it may commit a task behind what was counted).
     #[arg(id = "lane_full_interval", long = "lane-full-interval", env = "DISPATCH_LANE_FULL_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub full_interval: Duration,
     /// How often each replica refreshes what it serves (live leases, the shared lane count; and

@@ -722,8 +722,9 @@ impl Tasks {
         )))
         .await?;
         let mut counter = LaneCounter::with_track_limit(track_limit);
-        self.feed_newer(&tx, &mut counter, cutoff, None).await?;
+        // Before the queue is read: a writer that starts later stamps its tasks after the cut-off.
         self.check_late(&tx, &mut counter, cutoff).await?;
+        self.feed_newer(&tx, &mut counter, cutoff, None).await?;
         self.timed(tx.commit()).await?;
         Ok(counter)
     }
@@ -742,14 +743,19 @@ impl Tasks {
         reads: LaneReads,
     ) -> Result<Option<LaneCounter>, Error> {
         use futures::TryStreamExt;
-        let Some(watermark) = counter.watermark().filter(|_| counter.maintainable()) else {
+        if !counter.maintainable() {
             return Ok(None);
-        };
+        }
+        // A counter that has seen no task yet takes every task as an arrival.
+        let watermark = counter.watermark().unwrap_or((0, Uuid::nil()));
         let upto = key_bound(watermark);
         let mut client = self.client().await?;
         let gone_statement = client.prepare_cached(sql::LANES_GONE).await?;
         let users_statement = client.prepare_cached(sql::LANES_USERS).await?;
         let page_statement = client.prepare_cached(sql::LANES_PAGE).await?;
+        // Before the snapshot is taken: a writer that starts later stamps its tasks after the
+        // cut-off.
+        self.check_late(&client, &mut counter, cutoff).await?;
         let tx = self
             .timed(
                 client
@@ -819,12 +825,12 @@ impl Tasks {
                     }
                 }
                 repair.merge(rest);
+                self.timed(tx.batch_execute(sql::ORDERED_SCANS)).await?;
             }
         }
         counter.repair(repair);
         self.feed_newer(&tx, &mut counter, cutoff, Some(upto))
             .await?;
-        self.check_late(&tx, &mut counter, cutoff).await?;
         self.timed(tx.commit()).await?;
         Ok(Some(counter))
     }
@@ -833,7 +839,7 @@ impl Tasks {
     /// (`lanes_late.sql`): a maintained pass would never see it, so the next one is full.
     async fn check_late(
         &self,
-        tx: &deadpool_postgres::Transaction<'_>,
+        tx: &impl deadpool_postgres::GenericClient,
         counter: &mut LaneCounter,
         cutoff: Duration,
     ) -> Result<(), Error> {

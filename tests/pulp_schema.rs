@@ -357,6 +357,7 @@ async fn the_maintained_lane_pass_uses_the_intended_indexes() {
     )
     .await;
     assert!(newer.contains("dispatch_lanes_idx"), "{newer}");
+    assert!(!newer.contains("Sort"), "{newer}");
     let full = plan("whole", "double precision", sql::LANES, "0").await;
     assert!(
         full.contains("Index Scan using dispatch_lanes_idx"),

@@ -1,18 +1,23 @@
 -- lanes_late.sql: whether a task could still appear behind the position a lane pass counts up
--- to: another session has had a writing transaction open for longer than the cut-off (it may
--- have inserted a task created before the cut-off and commit after this pass; a transaction
--- that inserts later creates its task later), or a session this role may not see is busy. The
--- next pass then reads the whole queue.
+-- to: a transaction that has written to core_task (a RowExclusiveLock on it) has been open for
+-- longer than four fifths of the cut-off (a margin: Pulp stamps pulp_created before its INSERT), so
+-- it may have inserted a task created before the cut-off that commits after this pass; or such a
+-- writer's start cannot be read (a prepared transaction, or a session of a role this one may not
+-- see). The next pass then reads the whole queue. Asked before the pass reads any task: a
+-- transaction that inserts after this look-up stamps its task after the cut-off.
 --
 -- $1 double precision  the cut-off in seconds
 -- Returns: one boolean.
 -- Never writes.
 SELECT EXISTS (
     SELECT 1
-    FROM pg_stat_activity
-    WHERE datname = current_database()
-      AND pid <> pg_backend_pid()
-      AND backend_type = 'client backend'
-      AND ((backend_xid IS NOT NULL AND xact_start < now() - make_interval(secs => $1))
-           OR (xact_start IS NULL AND state IS NULL))
+    FROM pg_locks l
+    LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'relation'
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.relation = 'core_task'::regclass
+      AND l.mode = 'RowExclusiveLock'
+      AND l.pid IS DISTINCT FROM pg_backend_pid()
+      AND (a.xact_start IS NULL
+           OR a.xact_start < now() - make_interval(secs => $1::double precision * 0.8))
 )

@@ -151,6 +151,7 @@ proptest! {
             next += 1_000;
             maintain(&mut counter, &queue, reader);
             prop_assert_eq!(counter.lanes(), reference(&queue));
+            prop_assert!(counter.maintainable());
             // Only places and lanes are remembered, never the tasks behind them.
             let fresh = counted(&queue);
             prop_assert_eq!(counter.tracked(), fresh.tracked());
