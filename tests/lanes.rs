@@ -324,6 +324,7 @@ async fn without_the_lanes_index_the_gauge_reads_the_whole_queue_every_time() {
         .await
         .unwrap();
     let lanes = Arc::clone(&env.broker().lanes);
+    past_cutoff().await;
     assert_eq!(lanes.compute(true).await.unwrap(), "full");
     assert_eq!(lanes.compute(false).await.unwrap(), "full");
     assert_eq!(lanes.current().lanes, 1);
@@ -384,15 +385,24 @@ async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
     env.shutdown().await;
 }
 
-/// A broker whose gauge computes only when a test asks (`Lanes::compute`), counting every task
-/// at once, with a full pass every `full_interval`.
+/// The cut-off of [`gauge_env`]'s gauge: not zero, so that a statement of the broker writing
+/// to the task table at the moment of a pass (open for milliseconds) is no late writer.
+const GAUGE_CUTOFF: Duration = Duration::from_millis(500);
+
+/// A broker whose gauge computes only when a test asks (`Lanes::compute`), with a full pass
+/// every `full_interval`.
 async fn gauge_env(full_interval: Duration) -> Env {
     Env::with(|a| {
-        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.cutoff = GAUGE_CUTOFF;
         a.lanes.interval = Duration::from_secs(3600);
         a.lanes.full_interval = full_interval;
     })
     .await
+}
+
+/// Waits until the tasks inserted so far are older than [`GAUGE_CUTOFF`].
+async fn past_cutoff() {
+    tokio::time::sleep(GAUGE_CUTOFF + Duration::from_millis(100)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -402,6 +412,7 @@ async fn between_full_passes_the_gauge_counts_what_changed() {
     env.task(&["a"]).await;
     env.task(&["shared:d", "b"]).await;
     let lanes = Arc::clone(&env.broker().lanes);
+    past_cutoff().await;
     assert_eq!(lanes.compute(true).await.unwrap(), "full");
     assert_eq!(lanes.current().lanes, 2);
     let (survey, _) = lanes.survey().await.unwrap().expect("a full pass surveys");
@@ -414,6 +425,7 @@ async fn between_full_passes_the_gauge_counts_what_changed() {
     env.finish(&lease, &task, "completed").await;
     env.task(&["d"]).await;
     env.task(&["c"]).await;
+    past_cutoff().await;
     assert_eq!(lanes.compute(false).await.unwrap(), "maintained");
     // a's second task, the shared user of d, c; the exclusive user of d waits.
     assert_eq!(lanes.current().lanes, 3);
@@ -432,6 +444,7 @@ async fn once_the_full_interval_passes_the_gauge_reads_the_whole_queue_again() {
     let env = gauge_env(Duration::ZERO).await;
     env.task(&["a"]).await;
     let lanes = Arc::clone(&env.broker().lanes);
+    past_cutoff().await;
     lanes.compute(true).await.unwrap();
     assert_eq!(lanes.compute(false).await.unwrap(), "full");
     assert_eq!(lanes.current().lanes, 1);
