@@ -260,9 +260,10 @@ fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
     )
 }
 
-/// A row of lanes_users.sql or lanes_page.sql: the task's key and record.
-fn lane_row(row: &Row) -> Result<(Key, Vec<String>), Error> {
-    let record: Option<Vec<String>> = row.try_get(0)?;
+/// A row of the lane statements (record, pulp_id, pulp_created): the task's key and record,
+/// borrowed from the row.
+fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
+    let record: Option<Vec<&str>> = row.try_get(0)?;
     let id: Uuid = row.try_get(1)?;
     let created: DateTime<Utc> = row.try_get(2)?;
     Ok(((created.timestamp_micros(), id), record.unwrap_or_default()))
@@ -733,16 +734,16 @@ impl Tasks {
     /// `ready::counter`): which tracked tasks ended, the tasks that take over their places (a
     /// short walk of the queue from the oldest place, then a look-up by name for the resources
     /// whose successor is further), and the tasks newer than the counter's last one, all in one
-    /// snapshot. `None` when that would
-    /// read about as much as a full pass (too many places to repair, or tracking overflowed):
-    /// count afresh with [`Tasks::count_lanes`]. On an error the counter is lost too.
+    /// snapshot. `None` when that would read about as much as a full pass (too many places to
+    /// repair), or the counter cannot be maintained (tracking overflowed, a late writer, no
+    /// `dispatch_lanes_idx`): count afresh with [`Tasks::count_lanes`]. On an error the counter
+    /// is lost too.
     pub async fn maintain_lanes(
         &self,
         mut counter: LaneCounter,
         cutoff: Duration,
         reads: LaneReads,
     ) -> Result<Option<LaneCounter>, Error> {
-        use futures::TryStreamExt;
         if !counter.maintainable() {
             return Ok(None);
         }
@@ -751,8 +752,6 @@ impl Tasks {
         let upto = key_bound(watermark);
         let mut client = self.client().await?;
         let gone_statement = client.prepare_cached(sql::LANES_GONE).await?;
-        let users_statement = client.prepare_cached(sql::LANES_USERS).await?;
-        let page_statement = client.prepare_cached(sql::LANES_PAGE).await?;
         // Before the snapshot is taken: a writer that starts later stamps its tasks after the
         // cut-off.
         self.check_late(&client, &mut counter, cutoff).await?;
@@ -774,15 +773,44 @@ impl Tasks {
             .map(|r| r.try_get(0))
             .collect::<Result<_, _>>()?;
         let mut repair = counter.gone(&gone);
+        if !self
+            .feed_repair(&tx, &mut repair, counter.seen(), watermark, reads)
+            .await?
+        {
+            return Ok(None);
+        }
+        counter.repair(repair);
+        self.feed_newer(&tx, &mut counter, cutoff, Some(upto))
+            .await?;
+        self.timed(tx.commit()).await?;
+        Ok(Some(counter))
+    }
+
+    /// Feeds a repair the tasks that take over the places it repairs, up to the counter's
+    /// `watermark`: a walk of the queue from the oldest place
+    /// (`lanes_page.sql`; successors are usually near), then a look-up by name
+    /// (`lanes_users.sql`) for the resources still unsettled, from where the walk stopped.
+    /// False when the look-up would read more than `reads` allows (a full pass is the better
+    /// deal). `seen`: the tasks the counter has seen (the queue's size, roughly).
+    async fn feed_repair(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        repair: &mut Repair,
+        seen: u64,
+        watermark: Key,
+        reads: LaneReads,
+    ) -> Result<bool, Error> {
+        use futures::TryStreamExt;
+        let upto = key_bound(watermark);
+        let page_statement = tx.prepare_cached(sql::LANES_PAGE).await?;
+        let users_statement = tx.prepare_cached(sql::LANES_USERS).await?;
         if let Some(mut at) = repair.from() {
             // Walk the queue from the oldest place: the successors of most places are near.
             let mut pages = 0;
             let most = if reads.walk_pages == 0 {
                 0
             } else {
-                reads
-                    .walk_pages
-                    .max((counter.seen() / 32) as usize / LANE_PAGE_ROWS)
+                reads.walk_pages.max((seen / 32) as usize / LANE_PAGE_ROWS)
             };
             while repair.unsettled().next().is_some() && pages < most {
                 pages += 1;
@@ -807,8 +835,8 @@ impl Tasks {
                 .collect();
             if !unsettled.is_empty() && at < watermark {
                 let users: u64 = unsettled.iter().map(|(_, u)| u64::from(*u)).sum();
-                if users > reads.lookup_users.max(counter.seen() / 4) {
-                    return Ok(None);
+                if users > reads.lookup_users.max(seen / 4) {
+                    return Ok(false);
                 }
                 let names = || unsettled.iter().map(|(n, _)| n.as_str());
                 let mut rest = repair.take(names());
@@ -828,11 +856,7 @@ impl Tasks {
                 self.timed(tx.batch_execute(sql::ORDERED_SCANS)).await?;
             }
         }
-        counter.repair(repair);
-        self.feed_newer(&tx, &mut counter, cutoff, Some(upto))
-            .await?;
-        self.timed(tx.commit()).await?;
-        Ok(Some(counter))
+        Ok(true)
     }
 
     /// Invalidates `counter` when a task could still appear behind its watermark
@@ -880,13 +904,8 @@ impl Tasks {
         };
         let mut rows = std::pin::pin!(rows);
         while let Some(row) = rows.try_next().await? {
-            let record: Option<Vec<&str>> = row.try_get(0)?;
-            let id: Uuid = row.try_get(1)?;
-            let created: DateTime<Utc> = row.try_get(2)?;
-            counter.push_task(
-                (created.timestamp_micros(), id),
-                record.as_deref().unwrap_or_default(),
-            );
+            let (key, record) = lane_row(&row)?;
+            counter.push_task(key, &record);
         }
         Ok(())
     }

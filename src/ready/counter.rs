@@ -398,12 +398,15 @@ impl Repair {
         self.candidates.extend(part.candidates);
     }
 
-    /// The record entries (`r` and `shared:r`) of the named resources, for an overlap look-up.
+    /// The record entries of every task that needs one of the named resources, in any mode
+    /// (`r` and `shared:r`), for an overlap look-up: the conflict keys of a task needing them
+    /// all exclusively.
     pub fn entries<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<String> {
-        names
-            .into_iter()
-            .flat_map(|n| [n.to_owned(), format!("{SHARED_PREFIX}{n}")])
-            .collect()
+        Resources {
+            exclusive: names.into_iter().map(str::to_owned).collect(),
+            shared: Vec::new(),
+        }
+        .conflict_keys()
     }
 
     /// The oldest place being repaired: no task older than it matters.
