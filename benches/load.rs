@@ -12,8 +12,8 @@
 //!   finish and release) and Postgres statements per task.
 //!
 //! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`;
-//! `page=N` and `share=N` set the broker's `--fetch-page` and `--fetch-share` (e.g.
-//! `-- throughput share=0` to compare without shared scans). Prints Markdown tables.
+//! `page=N`, `share=N` and `passes=N` set the broker's `--fetch-page`, `--fetch-share` and
+//! `--fetch-passes` (e.g. `-- throughput share=0` to compare without shared scans). Prints Markdown tables.
 
 #[path = "support/fleets.rs"]
 mod fleets;
@@ -154,6 +154,7 @@ async fn insert_head(db: &tokio_postgres::Client) {
 struct Tweaks {
     page: Option<i64>,
     share: Option<u64>,
+    passes: Option<u64>,
 }
 
 static TWEAKS: std::sync::OnceLock<Tweaks> = std::sync::OnceLock::new();
@@ -165,6 +166,9 @@ fn tweak(args: &mut ServeArgs) {
         }
         if let Some(share) = t.share {
             args.fetch.share = share;
+        }
+        if let Some(passes) = t.passes {
+            args.fetch.passes = passes;
         }
     }
 }
@@ -544,6 +548,7 @@ async fn main() {
         match arg.split_once('=') {
             Some(("page", n)) => tweaks.page = n.parse().ok(),
             Some(("share", n)) => tweaks.share = n.parse().ok(),
+            Some(("passes", n)) => tweaks.passes = n.parse().ok(),
             _ => {}
         }
     }

@@ -366,6 +366,18 @@ pub struct FetchArgs {
         value_parser = clap::value_parser!(u64).range(0..=1000)
     )]
     pub share: u64,
+    /// Passes over the queue one replica runs at once. A FetchTask with a `wait` that arrives,
+    /// or whose turn comes, while that many run waits for them instead: a running pass may
+    /// serve it, and the next turn comes when one ends. Under load calls combine (one scan, many
+    /// grants) instead of each reading the queue and racing the others for its head. A call
+    /// with no `wait` always makes its own pass. 0: no limit. Needs `--fetch-share` above 0.
+    #[arg(
+        long = "fetch-passes",
+        env = "DISPATCH_FETCH_PASSES",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u64).range(0..=1000)
+    )]
+    pub passes: u64,
 }
 
 /// Options of `migrate`.

@@ -87,6 +87,10 @@ pub struct FetchPolicy {
     pub hint_max_age: Duration,
     /// How many other waiting calls one pass may serve besides its own (0: no sharing).
     pub share: usize,
+    /// Fetch passes this replica runs at once. A call that arrives, or whose turn comes, while
+    /// that many run waits for them instead: they may serve it, and the next turn comes when
+    /// one ends (0: no limit).
+    pub passes: usize,
 }
 
 /// What a pass needs to serve a waiting call: its lease and what it asked to skip.
@@ -170,6 +174,34 @@ pub struct Dispatch {
     /// gone). A page read after the grant that still shows the task waiting and unclaimed shows
     /// it put back in the queue (by whatever path), and it is tried as usual.
     recent: Arc<Mutex<Recent>>,
+    /// The fetch passes running (see [`FetchPolicy::passes`]).
+    slots: Arc<PassSlots>,
+}
+
+/// Fetch passes running now, and whether a call waits for them: it joined the waiters, or
+/// gave up its turn, because as many passes ran as may (combining: under load one pass serves
+/// every waiter, instead of each call's pass racing the others for the same rows). The pass
+/// that ends next gives the longest waiter a turn.
+#[derive(Debug, Default)]
+struct PassSlots {
+    running: std::sync::atomic::AtomicUsize,
+    owed: AtomicBool,
+}
+
+/// A running fetch pass, from before its first read until every grant it made is settled;
+/// dropping it counts it out and gives the longest waiter a turn if one is owed.
+struct PassSlot {
+    slots: Arc<PassSlots>,
+    waiters: Arc<Queue>,
+}
+
+impl Drop for PassSlot {
+    fn drop(&mut self) {
+        self.slots.running.fetch_sub(1, Ordering::SeqCst);
+        if self.slots.owed.swap(false, Ordering::SeqCst) {
+            self.waiters.wake();
+        }
+    }
 }
 
 /// How long a grant is remembered by [`Dispatch::recent`]: far longer than a pass.
@@ -475,6 +507,7 @@ impl Dispatch {
             passes,
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
+            slots: Arc::new(PassSlots::default()),
             policy,
         }
     }
@@ -499,6 +532,12 @@ impl Dispatch {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
             let lease = Arc::new(self.live_lease(lease_id).await?);
             place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
+        } else if !wait.is_zero() && self.congested() {
+            // Enough passes run already: one of them, or the next, serves this call with the
+            // others waiting then (one scan for all) instead of this call reading the queue too.
+            let lease = Arc::new(self.live_lease(lease_id).await?);
+            place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
+            self.defer_to_running();
         }
         loop {
             if let Some(waiting) = place.as_mut() {
@@ -513,12 +552,21 @@ impl Dispatch {
                             .fetch(if delivery.is_ok() { "claimed" } else { "error" });
                         return delivery.map(Some);
                     }
+                    Some(Woken::Turn) if self.congested() => {
+                        // A pass runs already: it may serve this call, and the turn comes back
+                        // when it ends (one pass at a time serves every waiter, instead of
+                        // each waiter's pass racing the others for the same rows).
+                        waiting.defer();
+                        self.defer_to_running();
+                        continue;
+                    }
                     Some(Woken::Turn) => {}
                 }
             }
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
             let lease_seen: Arc<Mutex<Option<Arc<LeaseRecord>>>> = Arc::new(Mutex::new(None));
+            let slot = self.pass_slot();
             let outcome = self
                 .run_pass(
                     lease_id,
@@ -526,6 +574,7 @@ impl Dispatch {
                     place.as_ref().map(|p| p.id()),
                     Arc::clone(&passed_over),
                     Arc::clone(&lease_seen),
+                    slot,
                 )
                 .await;
             self.stats.fetch_pass();
@@ -568,6 +617,32 @@ impl Dispatch {
                 };
                 place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
             }
+        }
+    }
+
+    /// True when as many fetch passes run as may (never without sharing: a waiter then is
+    /// served only by its own pass).
+    fn congested(&self) -> bool {
+        self.policy.share > 0
+            && self.policy.passes > 0
+            && self.slots.running.load(Ordering::SeqCst) >= self.policy.passes
+    }
+
+    /// Has the running passes give the longest waiter a turn when the next of them ends (at
+    /// once if they all ended meanwhile, perhaps before they could see the request).
+    fn defer_to_running(&self) {
+        self.slots.owed.store(true, Ordering::SeqCst);
+        if !self.congested() {
+            self.waiters.wake();
+        }
+    }
+
+    /// Counts a fetch pass in until the slot is dropped.
+    fn pass_slot(&self) -> PassSlot {
+        self.slots.running.fetch_add(1, Ordering::SeqCst);
+        PassSlot {
+            slots: Arc::clone(&self.slots),
+            waiters: Arc::clone(&self.waiters),
         }
     }
 
@@ -1027,9 +1102,12 @@ impl Dispatch {
         own_place: Option<u64>,
         passed_over: Arc<AtomicBool>,
         lease_out: Arc<Mutex<Option<Arc<LeaseRecord>>>>,
+        slot: PassSlot,
     ) -> Result<Option<Grant>> {
         let this = self.clone();
         self.answered(move |mut answer| async move {
+            // Counted until the pass has settled every grant, not just its caller's.
+            let _slot = slot;
             let outcome = crate::metrics::count_pass(this.fetch_once(
                 lease_id,
                 skip,

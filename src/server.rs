@@ -171,6 +171,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             max_wait: args.fetch.max_wait,
             hint_max_age: args.fetch.hint_max_age,
             share: args.fetch.share as usize,
+            passes: args.fetch.passes as usize,
         },
         shutdown.clone(),
     );

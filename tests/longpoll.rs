@@ -569,3 +569,133 @@ async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass(
     env.assert_locks(&[&granted]).await;
     env.shutdown().await;
 }
+
+/// While one pass is held up (its claim waits on a row lock), `n` more waiting fetches arrive,
+/// each with a ready task: returns how many of them were served while the pass was still held
+/// up, and what the broker spent from their arrival until every call was served.
+async fn arrivals_during_a_pass(
+    passes: u64,
+    n: usize,
+) -> (usize, dispatch_broker::metrics::StatsSnapshot) {
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = NEVER;
+        a.backend_timeout = Duration::from_secs(30);
+        a.fetch.passes = passes;
+    })
+    .await;
+    let first = env.task(&["x"]).await;
+    let blocker = support::RowLock::take(&env.db_url, first).await;
+    let lease = env.open("held-up").await;
+    let held_up = spawn_wait(&env, &lease);
+    a_claim_waits_on_a_row_lock(&env).await;
+    insert_burst(&env, n).await;
+    let before = env.broker().stats.snapshot();
+    let mut handles = Vec::new();
+    for i in 0..n {
+        let lease = env.open(&format!("w{i}")).await;
+        handles.push(spawn_wait(&env, &lease));
+    }
+    let env_ref = &env;
+    let settled = eventually(Duration::from_secs(5), || async {
+        let finished = handles.iter().filter(|h| h.is_finished()).count();
+        finished + env_ref.broker().waiters.len() >= n
+    })
+    .await;
+    settled.expect("every arriving call was served or waits");
+    // (A moment for calls that would be served without waiting to finish.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let served_meanwhile = handles.iter().filter(|h| h.is_finished()).count();
+    blocker.rollback().await;
+    assert_eq!(id(&got(held_up).await.expect("served")), first);
+    let mut names = Vec::new();
+    for h in handles {
+        names.push(got(h).await.expect("every arriving call is served").name);
+    }
+    names.sort();
+    let mut expected: Vec<String> = (1..=n).map(|i| format!("t{i}")).collect();
+    expected.sort();
+    assert_eq!(names, expected, "each task handed out once");
+    let spent = env.broker().stats.snapshot() - before;
+    env.shutdown().await;
+    (served_meanwhile, spent)
+}
+
+#[tokio::test]
+async fn calls_arriving_while_a_pass_runs_wait_for_it_and_one_pass_serves_them_all() {
+    const N: usize = 8;
+    let (served_meanwhile, spent) = arrivals_during_a_pass(1, N).await;
+    assert_eq!(
+        served_meanwhile, 0,
+        "with --fetch-passes 1 no call made a pass of its own while one ran"
+    );
+    assert!(
+        spent.fetches <= 2,
+        "{} passes for {N} calls that arrived together: one scan serves them all",
+        spent.fetches
+    );
+    assert!(spent.shared >= N as u64 - 1, "shared: {}", spent.shared);
+}
+
+#[tokio::test]
+async fn without_a_pass_limit_each_arriving_call_makes_its_own_pass() {
+    const N: usize = 8;
+    let (served_meanwhile, spent) = arrivals_during_a_pass(0, N).await;
+    assert_eq!(
+        served_meanwhile, N,
+        "each call was served by its own pass at once"
+    );
+    assert!(spent.fetches >= N as u64, "{} passes", spent.fetches);
+}
+
+#[tokio::test]
+async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
+    const N: usize = 4;
+    let mut env = woken_by_hand().await;
+    // A call that does not wait makes its own pass whatever runs; its claim is held up. (Its
+    // task needs a plugin only its worker has, so no waiter is given it.)
+    let first = env
+        .task_with(&["x"], "x", &[("core", "3.123.1"), ("rare", "1.0")])
+        .await;
+    let blocker = support::RowLock::take(&env.db_url, first).await;
+    let lease = env
+        .open_with("held-up", &[("core", "3.123.1"), ("rare", "1.0")], None)
+        .await;
+    let mut client = env.client.clone();
+    let request = support::fetch_request(&lease);
+    let held_up = tokio::spawn(async move {
+        client
+            .fetch_task(request)
+            .await
+            .map(|r| r.into_inner().task)
+    });
+    a_claim_waits_on_a_row_lock(&env).await;
+    // Waiters queue up behind it (the held-up pass cannot serve them: it read its page before).
+    let handles = queue_of_waiters(&mut env, N).await;
+    insert_burst(&env, N).await;
+    let before = env.broker().stats.snapshot();
+    wake_by_hand(&env).await; // the longest waiter's turn, while the held-up pass runs
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let served_meanwhile = handles.iter().filter(|h| h.is_finished()).count();
+    assert_eq!(
+        served_meanwhile, 0,
+        "the turn waited for the running pass instead of starting a second one"
+    );
+    assert_eq!(env.broker().stats.snapshot().fetches, before.fetches);
+    blocker.rollback().await;
+    assert_eq!(id(&got(held_up).await.expect("served")), first);
+    let mut names = Vec::new();
+    for h in handles {
+        names.push(
+            got(h)
+                .await
+                .expect("every waiter is served once the pass ended")
+                .name,
+        );
+    }
+    let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
+    assert_eq!(names, expected, "oldest task to the longest waiter");
+    let spent = env.broker().stats.snapshot() - before;
+    assert!(spent.fetches <= 2, "{} passes", spent.fetches);
+    env.shutdown().await;
+}

@@ -329,6 +329,12 @@ impl<O, D> Place<O, D> {
         self.reopen();
     }
 
+    /// Gives up a turn because a pass is already running (it may serve this place): the place
+    /// goes back to waiting. The caller sees to it that a turn comes once that pass ends.
+    pub fn defer(&self) {
+        self.found_nothing();
+    }
+
     /// Hands a turn to the waiter behind this one (this one keeps its place).
     pub fn pass_on(&self) {
         self.slot.owes_turn.store(false, Ordering::SeqCst);
