@@ -378,6 +378,12 @@ pub struct FetchArgs {
         value_parser = clap::value_parser!(u64).range(0..=1000)
     )]
     pub passes: u64,
+    /// How long a running pass holds up the calls that wait for it (see `--fetch-passes`). A
+    /// pass still running after this (a claim waiting on a row lock, a slow backend) no longer
+    /// counts: the next waiter makes a pass of its own. A call whose `wait` is shorter never
+    /// waits for a running pass.
+    #[arg(long = "fetch-pass-stall", env = "DISPATCH_FETCH_PASS_STALL", default_value = "100ms", value_parser = parse_duration)]
+    pub pass_stall: Duration,
 }
 
 /// Options of `migrate`.
@@ -625,8 +631,14 @@ impl ServeArgs {
                 self.fetch.page
             ));
         }
-        if self.fetch.recheck.is_zero() || self.fetch.wake_poll.is_zero() {
-            return Err("--fetch-recheck and --fetch-wake-poll must be positive".to_owned());
+        if self.fetch.recheck.is_zero()
+            || self.fetch.wake_poll.is_zero()
+            || self.fetch.pass_stall.is_zero()
+        {
+            return Err(
+                "--fetch-recheck, --fetch-wake-poll and --fetch-pass-stall must be positive"
+                    .to_owned(),
+            );
         }
         if self.fetch.wake_poll > self.fetch.recheck {
             return Err(format!(

@@ -91,6 +91,10 @@ pub struct FetchPolicy {
     /// that many run waits for them instead: they may serve it, and the next turn comes when
     /// one ends (0: no limit).
     pub passes: usize,
+    /// How long a running pass holds up the calls waiting for it: after this it no longer
+    /// counts as running (a claim waiting on a row lock must not stall every waiter), and a
+    /// call with less time left than this never waits for a running pass.
+    pub pass_stall: Duration,
 }
 
 /// What a pass needs to serve a waiting call: its lease and what it asked to skip.
@@ -188,8 +192,9 @@ struct PassSlots {
     owed: AtomicBool,
 }
 
-/// A running fetch pass, from before its first read until every grant it made is settled;
-/// dropping it counts it out and gives the longest waiter a turn if one is owed.
+/// A running fetch pass, from before its first read until every grant it made is settled or
+/// [`FetchPolicy::pass_stall`] has passed; dropping it counts it out and gives the longest
+/// waiter a turn if one is owed.
 struct PassSlot {
     slots: Arc<PassSlots>,
     waiters: Arc<Queue>,
@@ -520,7 +525,8 @@ impl Dispatch {
         wait: Duration,
         skip: HashSet<Uuid>,
     ) -> Result<Option<Grant>> {
-        let deadline = tokio::time::Instant::now() + wait.min(self.policy.max_wait);
+        let wait = wait.min(self.policy.max_wait);
+        let deadline = tokio::time::Instant::now() + wait;
         let skip = Arc::new(skip);
         // Joined after the first pass found nothing (and `wait` is not over).
         let mut place: Option<Place<Offer, Delivery>> = None;
@@ -532,12 +538,15 @@ impl Dispatch {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
             let lease = Arc::new(self.live_lease(lease_id).await?);
             place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
-        } else if !wait.is_zero() && self.congested() {
+        } else if wait > self.policy.pass_stall && self.congested() {
             // Enough passes run already: one of them, or the next, serves this call with the
             // others waiting then (one scan for all) instead of this call reading the queue too.
+            // With the waiter queue full it makes its own pass instead.
             let lease = Arc::new(self.live_lease(lease_id).await?);
-            place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
-            self.defer_to_running();
+            if let Ok(joined) = self.waiters.join(seen, self.offer(lease_id, lease, &skip)) {
+                place = Some(joined);
+                self.defer_to_running();
+            }
         }
         loop {
             if let Some(waiting) = place.as_mut() {
@@ -552,7 +561,11 @@ impl Dispatch {
                             .fetch(if delivery.is_ok() { "claimed" } else { "error" });
                         return delivery.map(Some);
                     }
-                    Some(Woken::Turn) if self.congested() => {
+                    Some(Woken::Turn)
+                        if self.congested()
+                            && deadline.saturating_duration_since(tokio::time::Instant::now())
+                                > self.policy.pass_stall =>
+                    {
                         // A pass runs already: it may serve this call, and the turn comes back
                         // when it ends (one pass at a time serves every waiter, instead of
                         // each waiter's pass racing the others for the same rows).
@@ -632,7 +645,7 @@ impl Dispatch {
     /// once if they all ended meanwhile, perhaps before they could see the request).
     fn defer_to_running(&self) {
         self.slots.owed.store(true, Ordering::SeqCst);
-        if !self.congested() {
+        if !self.congested() && self.slots.owed.swap(false, Ordering::SeqCst) {
             self.waiters.wake();
         }
     }
@@ -653,17 +666,21 @@ impl Dispatch {
         lease: Arc<LeaseRecord>,
         skip: &Arc<HashSet<Uuid>>,
     ) -> Result<Place<Offer, Delivery>> {
-        let offer = Offer {
-            lease_id,
-            lease,
-            skip: Arc::clone(skip),
-        };
+        let offer = self.offer(lease_id, lease, skip);
         self.waiters.join(seen, offer).map_err(|Full(max)| {
             Error::ResourceExhausted(format!(
                 "{max} FetchTask calls are already waiting on this broker \
                  (--fetch-max-waiters); retry with backoff, or wait for less"
             ))
         })
+    }
+
+    fn offer(&self, lease_id: Uuid, lease: Arc<LeaseRecord>, skip: &Arc<HashSet<Uuid>>) -> Offer {
+        Offer {
+            lease_id,
+            lease,
+            skip: Arc::clone(skip),
+        }
     }
 
     /// Waits for `place`'s turn or for a delivery; `None` when the deadline passed or the
@@ -858,7 +875,9 @@ impl Dispatch {
                     }
                 }
                 // The round's attempts run at once; each grant is delivered as soon as it is
-                // made (the caller's own through `answer`), so a slow claim holds up no one else.
+                // made (the caller's own through `answer`), so a slow claim holds up no other
+                // grant of the round (the pass's next round waits for it; calls waiting for
+                // the pass, only up to `pass_stall`).
                 let mut attempts: futures::stream::FuturesUnordered<_> = steps
                     .iter()
                     .enumerate()
@@ -1106,17 +1125,32 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let this = self.clone();
         self.answered(move |mut answer| async move {
-            // Counted until the pass has settled every grant, not just its caller's.
-            let _slot = slot;
-            let outcome = crate::metrics::count_pass(this.fetch_once(
-                lease_id,
-                skip,
-                own_place,
-                &passed_over,
-                &lease_out,
-                &mut answer,
-            ))
-            .await;
+            // Counted until the pass has settled every grant, not just its caller's, or until
+            // it has run for `pass_stall` (held up: the waiters no longer wait for it).
+            let mut slot = Some(slot);
+            let stall = this.policy.pass_stall;
+            let stats = Arc::clone(&this.stats);
+            let outcome = {
+                let pass = crate::metrics::count_pass(this.fetch_once(
+                    lease_id,
+                    skip,
+                    own_place,
+                    &passed_over,
+                    &lease_out,
+                    &mut answer,
+                ));
+                tokio::pin!(pass);
+                tokio::select! {
+                    outcome = &mut pass => outcome,
+                    () = tokio::time::sleep(stall) => {
+                        stats.fetch_pass_stalled();
+                        drop(slot.take());
+                        pass.await
+                    }
+                }
+            };
+            // Counted out before the answer: the turn it hands on need not wait for it.
+            drop(slot);
             answer.send(outcome).await;
         })
         .await

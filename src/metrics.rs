@@ -25,6 +25,9 @@ pub const REDIS_CALLS_TOTAL: &str = "dispatch_redis_calls_total";
 pub const FETCH_TOTAL: &str = "dispatch_fetch_total";
 /// Tasks a fetch pass handed to other waiting FetchTask calls than its own (shared scans).
 pub const FETCH_SHARED_TOTAL: &str = "dispatch_fetch_shared_total";
+/// Fetch passes still running after `--fetch-pass-stall`: calls waiting for them stopped
+/// waiting and made passes of their own.
+pub const FETCH_PASS_STALLS_TOTAL: &str = "dispatch_fetch_pass_stalls_total";
 /// Postgres statements per fetch pass.
 pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements";
 /// Redis calls per fetch pass.
@@ -68,6 +71,7 @@ pub const ALL: &[&str] = &[
     REDIS_CALLS_TOTAL,
     FETCH_TOTAL,
     FETCH_SHARED_TOTAL,
+    FETCH_PASS_STALLS_TOTAL,
     FETCH_POSTGRES_STATEMENTS,
     FETCH_REDIS_CALLS,
     LOCKS_RELEASED_TOTAL,
@@ -95,6 +99,10 @@ pub fn describe() {
     describe_counter!(
         FETCH_SHARED_TOTAL,
         "Tasks a fetch pass handed to other waiting FetchTask calls than its own."
+    );
+    describe_counter!(
+        FETCH_PASS_STALLS_TOTAL,
+        "Fetch passes still running after --fetch-pass-stall (the calls waiting for them made passes of their own)."
     );
     describe_histogram!(
         FETCH_POSTGRES_STATEMENTS,
@@ -254,6 +262,7 @@ pub struct Stats {
     redis_calls: AtomicU64,
     fetches: AtomicU64,
     shared: AtomicU64,
+    stalls: AtomicU64,
     leases_swept: AtomicU64,
     locks_reconciled: AtomicU64,
     rebuilds: AtomicU64,
@@ -270,6 +279,8 @@ pub struct StatsSnapshot {
     pub fetches: u64,
     /// Tasks passes handed to other waiting calls than their own.
     pub shared: u64,
+    /// Passes still running after `--fetch-pass-stall`.
+    pub stalls: u64,
     /// Expired leases this replica swept.
     pub leases_swept: u64,
     /// Locks this replica's reconciler released.
@@ -309,6 +320,12 @@ impl Stats {
         metrics::counter!(FETCH_SHARED_TOTAL).increment(1);
     }
 
+    /// Counts a fetch pass that outlasted `--fetch-pass-stall`.
+    pub fn fetch_pass_stalled(&self) {
+        self.stalls.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_PASS_STALLS_TOTAL).increment(1);
+    }
+
     /// Counts released task locks on a path.
     pub fn locks_released(&self, path: &'static str, n: u64) {
         metrics::counter!(LOCKS_RELEASED_TOTAL, "path" => path).increment(n);
@@ -344,6 +361,7 @@ impl Stats {
             redis_calls: self.redis_calls.load(Ordering::Relaxed),
             fetches: self.fetches.load(Ordering::Relaxed),
             shared: self.shared.load(Ordering::Relaxed),
+            stalls: self.stalls.load(Ordering::Relaxed),
             leases_swept: self.leases_swept.load(Ordering::Relaxed),
             locks_reconciled: self.locks_reconciled.load(Ordering::Relaxed),
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
@@ -359,6 +377,7 @@ impl std::ops::Sub for StatsSnapshot {
             redis_calls: self.redis_calls - earlier.redis_calls,
             fetches: self.fetches - earlier.fetches,
             shared: self.shared - earlier.shared,
+            stalls: self.stalls - earlier.stalls,
             leases_swept: self.leases_swept - earlier.leases_swept,
             locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
             rebuilds: self.rebuilds - earlier.rebuilds,

@@ -172,6 +172,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             hint_max_age: args.fetch.hint_max_age,
             share: args.fetch.share as usize,
             passes: args.fetch.passes as usize,
+            pass_stall: args.fetch.pass_stall,
         },
         shutdown.clone(),
     );

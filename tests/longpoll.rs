@@ -16,6 +16,9 @@ use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(20);
 const NEVER: Duration = Duration::from_secs(60);
+/// A pass stall longer than any test's wait for a held-up pass, shorter than `LONG` (a call
+/// whose wait is shorter than the stall does not wait for a running pass).
+const HOLD: Duration = Duration::from_secs(15);
 
 /// A broker whose waiting fetches wake only on notifications and this replica's own RPCs.
 async fn no_polling() -> Env {
@@ -570,25 +573,70 @@ async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass(
     env.shutdown().await;
 }
 
-/// While one pass is held up (its claim waits on a row lock), `n` more waiting fetches arrive,
-/// each with a ready task: returns how many of them were served while the pass was still held
-/// up, and what the broker spent from their arrival until every call was served.
-async fn arrivals_during_a_pass(
+/// A broker for the combining tests: at most `passes` fetch passes at once, a running pass
+/// holding waiting calls up for at most `stall`; waiting calls wake only by hand (no insert
+/// trigger, no safety re-check), so what serves them is the end of a pass or its stall.
+async fn combining(
     passes: u64,
-    n: usize,
-) -> (usize, dispatch_broker::metrics::StatsSnapshot) {
-    let mut env = Env::with(|a| {
+    stall: Duration,
+    tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
+) -> Env {
+    let env = Env::with(|a| {
         a.fetch.recheck = NEVER;
         a.fetch.wake_poll = NEVER;
-        a.backend_timeout = Duration::from_secs(30);
+        a.backend_timeout = Duration::from_secs(60);
         a.fetch.passes = passes;
+        a.fetch.pass_stall = stall;
+        tweak(a);
     })
     .await;
-    let first = env.task(&["x"]).await;
+    env.db
+        .batch_execute("DROP TRIGGER dispatch_task_notify ON core_task")
+        .await
+        .unwrap();
+    env
+}
+
+/// A call with no `wait` whose pass is held up: its claim of a task waits on a row lock until
+/// the returned lock ends. The task needs a plugin only that call's worker has, so no waiter
+/// is given it. Returns the lock, the call and the task.
+async fn held_up_pass(
+    env: &mut Env,
+) -> (
+    support::RowLock,
+    tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>>,
+    uuid::Uuid,
+) {
+    let versions = [("core", "3.123.1"), ("rare", "1.0")];
+    let first = env.task_with(&["x"], "x", &versions).await;
     let blocker = support::RowLock::take(&env.db_url, first).await;
-    let lease = env.open("held-up").await;
-    let held_up = spawn_wait(&env, &lease);
-    a_claim_waits_on_a_row_lock(&env).await;
+    let lease = env.open_with("held-up", &versions, None).await;
+    let mut client = env.client.clone();
+    let request = support::fetch_request(&lease);
+    let held_up = tokio::spawn(async move {
+        client
+            .fetch_task(request)
+            .await
+            .map(|r| r.into_inner().task)
+    });
+    a_claim_waits_on_a_row_lock(env).await;
+    (blocker, held_up, first)
+}
+
+/// While one pass is held up, `n` waiting fetches arrive, each with a ready task `t1`..`tn`:
+/// returns how many of them were served while the pass was still held up, what the broker
+/// spent from their arrival until every call was served, and its counters in all.
+async fn arrivals_during_a_pass(
+    passes: u64,
+    stall: Duration,
+    n: usize,
+) -> (
+    usize,
+    dispatch_broker::metrics::StatsSnapshot,
+    dispatch_broker::metrics::StatsSnapshot,
+) {
+    let mut env = combining(passes, stall, |_| {}).await;
+    let (blocker, held_up, first) = held_up_pass(&mut env).await;
     insert_burst(&env, n).await;
     let before = env.broker().stats.snapshot();
     let mut handles = Vec::new();
@@ -603,8 +651,8 @@ async fn arrivals_during_a_pass(
     })
     .await;
     settled.expect("every arriving call was served or waits");
-    // (A moment for calls that would be served without waiting to finish.)
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // (A moment for calls that are served without the held-up pass ending.)
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let served_meanwhile = handles.iter().filter(|h| h.is_finished()).count();
     blocker.rollback().await;
     assert_eq!(id(&got(held_up).await.expect("served")), first);
@@ -617,20 +665,22 @@ async fn arrivals_during_a_pass(
     expected.sort();
     assert_eq!(names, expected, "each task handed out once");
     let spent = env.broker().stats.snapshot() - before;
+    let total = env.broker().stats.snapshot();
     env.shutdown().await;
-    (served_meanwhile, spent)
+    (served_meanwhile, spent, total)
 }
 
 #[tokio::test]
 async fn calls_arriving_while_a_pass_runs_wait_for_it_and_one_pass_serves_them_all() {
     const N: usize = 8;
-    let (served_meanwhile, spent) = arrivals_during_a_pass(1, N).await;
+    let (served_meanwhile, spent, _) = arrivals_during_a_pass(1, HOLD, N).await;
     assert_eq!(
         served_meanwhile, 0,
         "with --fetch-passes 1 no call made a pass of its own while one ran"
     );
+    // One pass after the held-up one serves all; a second may look once more for its caller.
     assert!(
-        spent.fetches <= 2,
+        spent.fetches <= 3,
         "{} passes for {N} calls that arrived together: one scan serves them all",
         spent.fetches
     );
@@ -640,7 +690,7 @@ async fn calls_arriving_while_a_pass_runs_wait_for_it_and_one_pass_serves_them_a
 #[tokio::test]
 async fn without_a_pass_limit_each_arriving_call_makes_its_own_pass() {
     const N: usize = 8;
-    let (served_meanwhile, spent) = arrivals_during_a_pass(0, N).await;
+    let (served_meanwhile, spent, _) = arrivals_during_a_pass(0, HOLD, N).await;
     assert_eq!(
         served_meanwhile, N,
         "each call was served by its own pass at once"
@@ -649,32 +699,97 @@ async fn without_a_pass_limit_each_arriving_call_makes_its_own_pass() {
 }
 
 #[tokio::test]
+async fn a_pass_held_up_past_the_stall_no_longer_holds_up_the_calls_waiting_for_it() {
+    const N: usize = 8;
+    let (served_meanwhile, spent, total) =
+        arrivals_during_a_pass(1, Duration::from_millis(50), N).await;
+    assert_eq!(
+        served_meanwhile, N,
+        "every call was served while the held-up pass still waited on its row lock"
+    );
+    assert!(total.stalls >= 1, "the held-up pass was counted as stalled");
+    assert!(spent.shared >= 1, "the calls still combined: {spent:?}");
+}
+
+#[tokio::test]
+async fn a_call_that_cannot_wait_for_a_running_pass_makes_its_own() {
+    // Cut to no wait by --fetch-max-wait 0; a wait shorter than --fetch-pass-stall; a full
+    // waiter queue.
+    for case in ["max wait 0", "short wait", "queue full"] {
+        let mut env = combining(1, NEVER, |a| match case {
+            "max wait 0" => a.fetch.max_wait = Duration::ZERO,
+            "queue full" => {
+                // (A stall shorter than the queued call's wait, so that it joins.)
+                a.fetch.max_waiters = 1;
+                a.fetch.pass_stall = Duration::from_secs(15);
+            }
+            _ => a.fetch.pass_stall = Duration::from_secs(30),
+        })
+        .await;
+        let (blocker, held_up, first) = held_up_pass(&mut env).await;
+        let mut tasks = vec![env.task(&["a"]).await];
+        let mut calls = Vec::new();
+        if case == "queue full" {
+            // The one place in the queue is taken by a call that joined for the running pass.
+            tasks.push(env.task(&["b"]).await);
+            let lease = env.open("queued").await;
+            calls.push(spawn_wait(&env, &lease));
+            waiting_reach(&env, 1).await;
+        }
+        let lease = env.open("arriving").await;
+        let mut client = env.client.clone();
+        let wait = if case == "short wait" {
+            Duration::from_secs(10)
+        } else {
+            LONG
+        };
+        let request = wait_request(&lease, wait);
+        calls.push(tokio::spawn(async move {
+            client
+                .fetch_task(request)
+                .await
+                .map(|r| r.into_inner().task)
+        }));
+        let mut served = Vec::new();
+        for call in calls {
+            let task = tokio::time::timeout(LONG, call)
+                .await
+                .expect("answered while the running pass is held up")
+                .unwrap()
+                .unwrap_or_else(|status| panic!("{case}: {status}"));
+            served.push(id(&task.unwrap_or_else(|| panic!("{case}: served"))));
+        }
+        served.sort();
+        tasks.sort();
+        assert_eq!(served, tasks, "{case}");
+        blocker.rollback().await;
+        assert_eq!(id(&got(held_up).await.expect("served")), first);
+        env.shutdown().await;
+    }
+}
+
+#[tokio::test]
 async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
     const N: usize = 4;
-    let mut env = woken_by_hand().await;
-    // A call that does not wait makes its own pass whatever runs; its claim is held up. (Its
-    // task needs a plugin only its worker has, so no waiter is given it.)
-    let first = env
-        .task_with(&["x"], "x", &[("core", "3.123.1"), ("rare", "1.0")])
-        .await;
-    let blocker = support::RowLock::take(&env.db_url, first).await;
-    let lease = env
-        .open_with("held-up", &[("core", "3.123.1"), ("rare", "1.0")], None)
-        .await;
-    let mut client = env.client.clone();
-    let request = support::fetch_request(&lease);
-    let held_up = tokio::spawn(async move {
-        client
-            .fetch_task(request)
-            .await
-            .map(|r| r.into_inner().task)
-    });
-    a_claim_waits_on_a_row_lock(&env).await;
-    // Waiters queue up behind it (the held-up pass cannot serve them: it read its page before).
+    let mut env = combining(1, HOLD, |_| {}).await;
+    // A pass finds nothing: the queue is known empty until the next wake-up.
+    let idle = env.open("idle").await;
+    assert!(env.fetch(&idle).await.is_none());
+    // The held-up pass starts with nobody waiting (so it recruits nobody); then the waiters
+    // join the known-empty queue without a pass and without asking for a turn when it ends:
+    // only the turn they are given makes them wait for it.
+    let (blocker, held_up, first) = held_up_pass(&mut env).await;
     let handles = queue_of_waiters(&mut env, N).await;
     insert_burst(&env, N).await;
     let before = env.broker().stats.snapshot();
+    let generation = env.broker().waiters.generation();
     wake_by_hand(&env).await; // the longest waiter's turn, while the held-up pass runs
+    let env_ref = &env;
+    eventually(LONG, || async {
+        env_ref.broker().waiters.generation() > generation
+    })
+    .await
+    .expect("the wake-up arrived");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let served_meanwhile = handles.iter().filter(|h| h.is_finished()).count();
     assert_eq!(
@@ -682,6 +797,7 @@ async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
         "the turn waited for the running pass instead of starting a second one"
     );
     assert_eq!(env.broker().stats.snapshot().fetches, before.fetches);
+    // Nothing else wakes the queue: the pass's end gives the deferred turn back.
     blocker.rollback().await;
     assert_eq!(id(&got(held_up).await.expect("served")), first);
     let mut names = Vec::new();
