@@ -133,7 +133,7 @@ async fn broker_burst(
     let endpoint = format!("http://{}", broker.addr);
     let (tx, mut rx) = mpsc::unbounded_channel();
     // Each task takes longer than the burst, so no worker polls again while it is measured.
-    let fleet = broker_fleet(&endpoint, workers, BURST_WORK, tx).await;
+    let fleet = broker_fleet(&endpoint, workers, BURST_WORK, true, tx).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = broker.stats.snapshot();
     let took = burst(db, &mut rx, workers).await;
@@ -174,7 +174,7 @@ async fn main() {
     // Dispatch latency.
     eprintln!("dispatch latency: {latency_workers} broker workers ...");
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let fleet = broker_fleet(&endpoint, latency_workers, Duration::ZERO, tx).await;
+    let fleet = broker_fleet(&endpoint, latency_workers, Duration::ZERO, true, tx).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let broker_latency = latencies(&db, &mut rx).await;
     fleet.stop().await;
@@ -207,7 +207,7 @@ async fn main() {
     // Scale-up herd: idle query rate.
     eprintln!("herd: {herd_workers} idle broker workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
-    let fleet = broker_fleet(&endpoint, herd_workers, Duration::ZERO, tx).await;
+    let fleet = broker_fleet(&endpoint, herd_workers, Duration::ZERO, true, tx).await;
     let statements_before = broker.stats.snapshot().postgres_statements
         + broker.background_stats.snapshot().postgres_statements;
     let started = Instant::now();

@@ -13,7 +13,9 @@
 //!
 //! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`;
 //! `page=N`, `share=N` and `passes=N` set the broker's `--fetch-page`, `--fetch-share` and
-//! `--fetch-passes` (e.g. `-- throughput share=0` to compare without shared scans). Prints Markdown tables.
+//! `--fetch-passes` (e.g. `-- throughput share=0` to compare without shared scans); broker
+//! workers fetch with `start` (the grant starts the task, as the baseline's claim does), and
+//! `start=0` has them call StartTask after the fetch instead. Prints Markdown tables.
 
 #[path = "support/fleets.rs"]
 mod fleets;
@@ -155,6 +157,12 @@ struct Tweaks {
     page: Option<i64>,
     share: Option<u64>,
     passes: Option<u64>,
+    /// `start=0`: broker workers fetch, then call StartTask (by default the fetch starts it).
+    start: Option<bool>,
+}
+
+fn start_on_fetch() -> bool {
+    TWEAKS.get().and_then(|t| t.start).unwrap_or(true)
 }
 
 static TWEAKS: std::sync::OnceLock<Tweaks> = std::sync::OnceLock::new();
@@ -189,7 +197,14 @@ async fn incident_broker(setup: &Setup, blocked: usize) -> Run {
     insert_incident(&db, blocked).await;
     let (tx, rx) = mpsc::unbounded_channel();
     let started = Instant::now();
-    let fleet = broker_fleet(&endpoint, INCIDENT_WORKERS, INCIDENT_WORK, tx).await;
+    let fleet = broker_fleet(
+        &endpoint,
+        INCIDENT_WORKERS,
+        INCIDENT_WORK,
+        start_on_fetch(),
+        tx,
+    )
+    .await;
     let finish_head = tokio::spawn(async move {
         tokio::time::sleep(HEAD_HOLD).await;
         head.finish(FinalState::Completed, None).await.unwrap();
@@ -462,7 +477,14 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     };
     let before = totals();
     let started = Instant::now();
-    let fleet = broker_fleet(&endpoint, THROUGHPUT_WORKERS, Duration::ZERO, tx).await;
+    let fleet = broker_fleet(
+        &endpoint,
+        THROUGHPUT_WORKERS,
+        Duration::ZERO,
+        start_on_fetch(),
+        tx,
+    )
+    .await;
     let run = collect(fleet, rx, started, THROUGHPUT_LIMIT, |d| d.len() >= tasks).await;
     let took = run.done.last().map(|d| d.0).unwrap_or(THROUGHPUT_LIMIT);
     let after = totals();
@@ -549,6 +571,7 @@ async fn main() {
             Some(("page", n)) => tweaks.page = n.parse().ok(),
             Some(("share", n)) => tweaks.share = n.parse().ok(),
             Some(("passes", n)) => tweaks.passes = n.parse().ok(),
+            Some(("start", n)) => tweaks.start = Some(n != "0"),
             _ => {}
         }
     }

@@ -51,6 +51,9 @@ pub struct Grant {
     pub immediate: bool,
     /// `pulp_created`.
     pub created_at: DateTime<Utc>,
+    /// When the grant started the task (the request asked it to), `None` when it is claimed
+    /// and waiting for StartTask.
+    pub started_at: Option<DateTime<Utc>>,
     /// The lease it was granted to (not sent to the worker).
     pub lease_id: Uuid,
     /// The lease's worker row that claimed it (not sent to the worker).
@@ -97,12 +100,14 @@ pub struct FetchPolicy {
     pub pass_stall: Duration,
 }
 
-/// What a pass needs to serve a waiting call: its lease and what it asked to skip.
+/// What a pass needs to serve a waiting call: its lease, what it asked to skip, and whether
+/// its grant starts the task.
 #[derive(Debug, Clone)]
 pub struct Offer {
     lease_id: Uuid,
     lease: Arc<LeaseRecord>,
     skip: Arc<HashSet<Uuid>>,
+    start: bool,
 }
 
 impl Offer {
@@ -110,6 +115,15 @@ impl Offer {
     fn takes(&self, row: &TaskRow) -> bool {
         !self.skip.contains(&row.id) && ready::runs_on(&row.candidate, &self.lease.versions)
     }
+}
+
+/// A FetchTask call as its own pass serves it: the lease, what it skips, whether its grant
+/// starts the task.
+#[derive(Debug, Clone)]
+struct Call {
+    lease_id: Uuid,
+    skip: Arc<HashSet<Uuid>>,
+    start: bool,
 }
 
 /// What a shared pass delivers to a waiting call: its grant, or why it has none.
@@ -271,15 +285,24 @@ impl Restore {
             grant.app_status_id,
             &grant.lease_id.to_string(),
             grant.fencing_token,
+            grant.started_at.is_some(),
         )
         .await;
     }
 
-    /// Puts a task claimed by this grant back in the queue, then releases its locks. If it
-    /// cannot be put back (Postgres unreachable), the locks stay with the claim, so the state
-    /// stays consistent until the lease ends or the reconciler finds it.
-    async fn put_back(&self, task_id: Uuid, app_status: Uuid, lease_id: &str, fencing_token: u64) {
-        match self.tasks.unclaim(task_id, app_status).await {
+    /// Puts a task claimed by this grant back in the queue, then releases its locks (`started`:
+    /// the grant also started it, and was never delivered). If it cannot be put back (Postgres
+    /// unreachable), the locks stay with the claim, so the state stays consistent until the
+    /// lease ends or the reconciler finds it.
+    async fn put_back(
+        &self,
+        task_id: Uuid,
+        app_status: Uuid,
+        lease_id: &str,
+        fencing_token: u64,
+        started: bool,
+    ) {
+        match self.tasks.unclaim(task_id, app_status, started).await {
             Ok(requeued) => {
                 if requeued {
                     self.note_requeue().await;
@@ -524,6 +547,7 @@ impl Dispatch {
         lease_id: Uuid,
         wait: Duration,
         skip: HashSet<Uuid>,
+        start: bool,
     ) -> Result<Option<Grant>> {
         let wait = wait.min(self.policy.max_wait);
         let deadline = tokio::time::Instant::now() + wait;
@@ -537,13 +561,14 @@ impl Dispatch {
         if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty(seen) {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
             let lease = Arc::new(self.live_lease(lease_id).await?);
-            place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
+            place = Some(self.join_waiters(seen, lease_id, lease, &skip, start)?);
         } else if wait > self.policy.pass_stall && self.congested() {
             // Enough passes run already: one of them, or the next, serves this call with the
             // others waiting then (one scan for all) instead of this call reading the queue too.
             // With the waiter queue full it makes its own pass instead.
             let lease = Arc::new(self.live_lease(lease_id).await?);
-            if let Ok(joined) = self.waiters.join(seen, self.offer(lease_id, lease, &skip)) {
+            let offer = self.offer(lease_id, lease, &skip, start);
+            if let Ok(joined) = self.waiters.join(seen, offer) {
                 place = Some(joined);
                 self.defer_to_running();
             }
@@ -582,8 +607,11 @@ impl Dispatch {
             let slot = self.pass_slot();
             let outcome = self
                 .run_pass(
-                    lease_id,
-                    Arc::clone(&skip),
+                    Call {
+                        lease_id,
+                        skip: Arc::clone(&skip),
+                        start,
+                    },
                     place.as_ref().map(|p| p.id()),
                     Arc::clone(&passed_over),
                     Arc::clone(&lease_seen),
@@ -628,7 +656,7 @@ impl Dispatch {
                     Some(lease) => lease,
                     None => Arc::new(self.live_lease(lease_id).await?),
                 };
-                place = Some(self.join_waiters(seen, lease_id, lease, &skip)?);
+                place = Some(self.join_waiters(seen, lease_id, lease, &skip, start)?);
             }
         }
     }
@@ -665,8 +693,9 @@ impl Dispatch {
         lease_id: Uuid,
         lease: Arc<LeaseRecord>,
         skip: &Arc<HashSet<Uuid>>,
+        start: bool,
     ) -> Result<Place<Offer, Delivery>> {
-        let offer = self.offer(lease_id, lease, skip);
+        let offer = self.offer(lease_id, lease, skip, start);
         self.waiters.join(seen, offer).map_err(|Full(max)| {
             Error::ResourceExhausted(format!(
                 "{max} FetchTask calls are already waiting on this broker \
@@ -675,11 +704,18 @@ impl Dispatch {
         })
     }
 
-    fn offer(&self, lease_id: Uuid, lease: Arc<LeaseRecord>, skip: &Arc<HashSet<Uuid>>) -> Offer {
+    fn offer(
+        &self,
+        lease_id: Uuid,
+        lease: Arc<LeaseRecord>,
+        skip: &Arc<HashSet<Uuid>>,
+        start: bool,
+    ) -> Offer {
         Offer {
             lease_id,
             lease,
             skip: Arc::clone(skip),
+            start,
         }
     }
 
@@ -729,13 +765,17 @@ impl Dispatch {
     /// (versions, `skip_task_ids`): another waiter may take it.
     async fn fetch_once(
         &self,
-        lease_id: Uuid,
-        skip: Arc<HashSet<Uuid>>,
+        call: Call,
         own_place: Option<u64>,
         passed_over: &AtomicBool,
         lease_out: &Mutex<Option<Arc<LeaseRecord>>>,
         answer: &mut Answer,
     ) -> Result<Option<Grant>> {
+        let Call {
+            lease_id,
+            skip,
+            start,
+        } = call;
         let held = self.hint.lock().ok().and_then(|h| h.clone());
         let (lease, changes) = self
             .locks
@@ -796,6 +836,7 @@ impl Dispatch {
                 lease_id,
                 lease: Arc::clone(&lease),
                 skip,
+                start,
             },
             recruit: None,
             state: Turn::Free,
@@ -888,7 +929,13 @@ impl Dispatch {
                             Some(async move {
                                 (
                                     i,
-                                    self.lock_and_claim(offer.lease_id, &offer.lease, row).await,
+                                    self.lock_and_claim(
+                                        offer.lease_id,
+                                        &offer.lease,
+                                        row,
+                                        offer.start,
+                                    )
+                                    .await,
                                 )
                             })
                         }
@@ -1116,8 +1163,7 @@ impl Dispatch {
     /// waiters it recruited; a grant whose caller is gone by then is undone.
     async fn run_pass(
         &self,
-        lease_id: Uuid,
-        skip: Arc<HashSet<Uuid>>,
+        call: Call,
         own_place: Option<u64>,
         passed_over: Arc<AtomicBool>,
         lease_out: Arc<Mutex<Option<Arc<LeaseRecord>>>>,
@@ -1132,8 +1178,7 @@ impl Dispatch {
             let stats = Arc::clone(&this.stats);
             let outcome = {
                 let pass = crate::metrics::count_pass(this.fetch_once(
-                    lease_id,
-                    skip,
+                    call,
                     own_place,
                     &passed_over,
                     &lease_out,
@@ -1219,7 +1264,10 @@ impl Dispatch {
         {
             return Ok(None);
         }
-        match self.lock_and_claim(lease_id, &lease, &task.row).await? {
+        match self
+            .lock_and_claim(lease_id, &lease, &task.row, false)
+            .await?
+        {
             Attempt::Granted(grant) => Ok(Some(grant)),
             Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
             Attempt::NotGranted | Attempt::Blocked | Attempt::Lost => Ok(None),
@@ -1233,7 +1281,7 @@ impl Dispatch {
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))
     }
 
-    /// Locks a ready task's resources and claims it. Every exit after the locks were taken
+    /// Locks a ready task's resources and claims it (and with `start`, starts it). Every exit after the locks were taken
     /// either returns the grant or releases them, except one: when the claim's outcome is
     /// unknown and the task cannot be put back, the locks stay with the claim, so the state
     /// stays consistent until the lease ends.
@@ -1242,6 +1290,7 @@ impl Dispatch {
         lease_id: Uuid,
         lease: &LeaseRecord,
         row: &TaskRow,
+        start: bool,
     ) -> Result<Attempt> {
         let lease_str = lease_id.to_string();
         let task_str = row.id.to_string();
@@ -1283,8 +1332,8 @@ impl Dispatch {
                 return Ok(Attempt::Blocked);
             }
         };
-        match self.tasks.claim(row.id, app_status).await {
-            Ok(true) => {
+        match self.tasks.claim(row.id, app_status, start).await {
+            Ok(Some(started_at)) => {
                 // The lease may have been closed or swept between the lock and the claim; its
                 // clean-up then missed this claim. Hand out only what the live lease still holds.
                 if !matches!(
@@ -1294,7 +1343,7 @@ impl Dispatch {
                     Ok(Ok(_))
                 ) {
                     self.restore
-                        .put_back(row.id, app_status, &lease_str, fencing_token)
+                        .put_back(row.id, app_status, &lease_str, fencing_token, start)
                         .await;
                     return Ok(Attempt::LeaseGone);
                 }
@@ -1306,11 +1355,12 @@ impl Dispatch {
                     fencing_token,
                     immediate: row.immediate,
                     created_at: row.created,
+                    started_at,
                     lease_id,
                     app_status_id: app_status,
                 }))
             }
-            Ok(false) => {
+            Ok(None) => {
                 // Canceled, finished or claimed elsewhere since it was read.
                 self.restore
                     .release_after_failure(&lease_str, &task_str, fencing_token)
@@ -1327,7 +1377,7 @@ impl Dispatch {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
                 self.restore
-                    .put_back(row.id, app_status, &lease_str, fencing_token)
+                    .put_back(row.id, app_status, &lease_str, fencing_token, start)
                     .await;
                 Err(e.into())
             }

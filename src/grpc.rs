@@ -174,7 +174,7 @@ impl proto::broker_server::Broker for BrokerService {
         span.record("lease_id", tracing::field::display(lease_id));
         let grant = self
             .dispatch
-            .fetch(lease_id, wait, skip)
+            .fetch(lease_id, wait, skip, request.start)
             .instrument(span)
             .await?;
         Ok(Response::new(proto::FetchTaskResponse {

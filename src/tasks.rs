@@ -498,17 +498,33 @@ impl Tasks {
             .transpose()
     }
 
-    /// Claims a waiting, unclaimed task for a worker row; false when it was not claimable.
-    pub async fn claim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
-        Ok(!self
-            .query(sql::CLAIM, &[&task, &app_status])
-            .await?
-            .is_empty())
+    /// Claims a waiting, unclaimed task for a worker row, and with `start` starts it too;
+    /// `None` when it was not claimable, else when it started (`None` without `start`).
+    pub async fn claim(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+        start: bool,
+    ) -> Result<Option<Option<DateTime<Utc>>>, Error> {
+        let rows = self
+            .query(sql::CLAIM, &[&task, &app_status, &start])
+            .await?;
+        rows.first()
+            .map(|row| row.try_get(0))
+            .transpose()
+            .map_err(Error::from)
     }
 
-    /// Puts a claimed, not started task back in the queue; true when it went back.
-    pub async fn unclaim(&self, task: Uuid, app_status: Uuid) -> Result<bool, Error> {
-        Ok(self.unclaim_unless_running(task, app_status).await?.0)
+    /// Puts a claimed task back in the queue; true when it went back. `started`: the grant
+    /// being undone started it and was never delivered (a running task under this row goes
+    /// back too); otherwise only a task that has not started does.
+    pub async fn unclaim(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+        started: bool,
+    ) -> Result<bool, Error> {
+        Ok(self.unclaim_rows(task, app_status, started).await?.0)
     }
 
     /// [`Tasks::unclaim`], also saying whether the task is running (or canceling) under this
@@ -518,7 +534,18 @@ impl Tasks {
         task: Uuid,
         app_status: Uuid,
     ) -> Result<(bool, bool), Error> {
-        let rows = self.query(sql::UNCLAIM, &[&task, &app_status]).await?;
+        self.unclaim_rows(task, app_status, false).await
+    }
+
+    async fn unclaim_rows(
+        &self,
+        task: Uuid,
+        app_status: Uuid,
+        started: bool,
+    ) -> Result<(bool, bool), Error> {
+        let rows = self
+            .query(sql::UNCLAIM, &[&task, &app_status, &started])
+            .await?;
         let row = rows
             .first()
             .ok_or_else(|| Error::Schema("unclaim.sql returned no row".into()))?;

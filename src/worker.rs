@@ -339,6 +339,26 @@ impl Worker {
         wait: Duration,
         skip: &[String],
     ) -> Result<Option<TaskGuard>, WorkerError> {
+        self.fetch(wait, skip, false).await
+    }
+
+    /// [`Worker::next_task`], with the task started by its grant (`FetchTaskRequest.start`): one
+    /// call instead of FetchTask and StartTask, for a worker that runs what it fetches at once.
+    /// The task counts as running from the grant: if the lease ends before it is finished it is
+    /// failed, not requeued. [`TaskGuard::start`] on it makes no call.
+    pub async fn next_task_started(
+        &self,
+        wait: Duration,
+    ) -> Result<Option<TaskGuard>, WorkerError> {
+        self.fetch(wait, &[], true).await
+    }
+
+    async fn fetch(
+        &self,
+        wait: Duration,
+        skip: &[String],
+        start: bool,
+    ) -> Result<Option<TaskGuard>, WorkerError> {
         let stopping = self.shared.stopping.clone();
         if stopping.is_cancelled() {
             return Ok(None);
@@ -350,6 +370,7 @@ impl Worker {
                     lease_id,
                     wait: prost_types::Duration::try_from(wait).ok(),
                     skip_task_ids: skip.to_vec(),
+                    start,
                 };
                 async move { client.fetch_task(request).await }
             });
@@ -496,7 +517,7 @@ impl Worker {
             cancel: CancellationToken::new(),
             lost: AtomicBool::new(lost),
             detached: AtomicBool::new(false),
-            started: AtomicBool::new(false),
+            started: AtomicBool::new(task.started_at.is_some()),
         });
         if lost {
             held.cancel.cancel();
@@ -800,8 +821,12 @@ impl TaskGuard {
     }
 
     /// Marks the task running (StartTask), for workers that keep task state through the broker.
+    /// A task whose grant started it ([`Worker::next_task_started`]) is not started again.
     pub async fn start(&self) -> Result<(), WorkerError> {
         self.check_held()?;
+        if self.task.started_at.is_some() {
+            return Ok(());
+        }
         let task_id = self.task.task_id.clone();
         let held = Arc::clone(&self.held);
         self.shared

@@ -365,6 +365,7 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
         lease_id: lease_id.into(),
         wait: None,
         skip_task_ids: vec![],
+        start: false,
     };
     case!(
         "FetchTask",

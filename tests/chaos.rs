@@ -413,6 +413,7 @@ async fn worker(
                 lease_id: current.id.clone(),
                 wait: Some(Duration::from_millis(300).try_into().unwrap()),
                 skip_task_ids: vec![],
+                start: false,
             }),
         )
         .await;

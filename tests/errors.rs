@@ -109,6 +109,7 @@ async fn empty_and_malformed_ids_are_invalid_arguments() {
             lease_id: lease.clone(),
             wait: None,
             skip_task_ids: vec!["x".into()],
+            start: false,
         })
         .await,
         Code::InvalidArgument,
@@ -122,6 +123,7 @@ async fn empty_and_malformed_ids_are_invalid_arguments() {
                 nanos: 0,
             }),
             skip_task_ids: vec![],
+            start: false,
         })
         .await,
         Code::InvalidArgument,

@@ -332,6 +332,7 @@ async fn fetch_with_wait_returns_a_task_inserted_while_waiting() {
                     nanos: 0,
                 }),
                 skip_task_ids: vec![],
+                start: false,
             })
             .await
             .unwrap()
@@ -393,5 +394,96 @@ async fn a_task_released_before_it_started_is_handed_out_again_at_once() {
     let again = env.fetch(&w2).await.expect("the same task, at once");
     assert_eq!(id(&again), task);
     assert!(again.fencing_token > granted.fencing_token);
+    env.shutdown().await;
+}
+
+/// FetchTask asking the grant to start its task.
+async fn fetch_started(env: &Env, lease: &str) -> Option<dispatch_broker::proto::Task> {
+    env.client
+        .clone()
+        .fetch_task(dispatch_broker::proto::FetchTaskRequest {
+            start: true,
+            ..support::fetch_request(lease)
+        })
+        .await
+        .expect("fetch")
+        .into_inner()
+        .task
+}
+
+#[tokio::test]
+async fn a_fetch_that_starts_its_task_hands_it_out_running_in_one_call() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let granted = fetch_started(&env, &lease).await.expect("the task");
+    assert_eq!(id(&granted), task);
+    assert!(
+        granted.started_at.is_some(),
+        "the grant says when it started"
+    );
+    assert_eq!(env.state(task).await, "running");
+    let row = env
+        .db
+        .query_one(
+            "SELECT started_at IS NOT NULL, app_lock_id IS NOT NULL FROM core_task \
+             WHERE pulp_id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
+    assert!(
+        row.get::<_, bool>(0) && row.get::<_, bool>(1),
+        "started and claimed"
+    );
+    env.assert_locks(&[&granted]).await;
+    // StartTask has nothing left to do: refused, and nothing changes.
+    let again = env
+        .client
+        .start_task(dispatch_broker::proto::StartTaskRequest {
+            lease_id: lease.clone(),
+            task_id: granted.task_id.clone(),
+            fencing_token: granted.fencing_token,
+        })
+        .await
+        .expect_err("already started");
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(env.state(task).await, "running");
+    env.assert_locks(&[&granted]).await;
+    assert_eq!(
+        env.finish(&lease, &granted, "completed").await.state,
+        "completed"
+    );
+    env.assert_locks(&[]).await;
+    // Without `start` the grant is claimed and waits for StartTask, as before.
+    let other = env.task(&["b"]).await;
+    let plain = env.fetch(&lease).await.expect("the other task");
+    assert!(plain.started_at.is_none());
+    assert_eq!(env.state(other).await, "waiting");
+    assert!(env.app_lock(other).await.is_some());
+    env.shutdown().await;
+}
+
+#[tokio::test]
+async fn closing_a_lease_fails_a_task_its_fetch_started_and_requeues_one_only_claimed() {
+    let mut env = Env::new().await;
+    let started = env.task(&["a"]).await;
+    let claimed = env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    assert_eq!(id(&fetch_started(&env, &lease).await.unwrap()), started);
+    assert_eq!(id(&env.fetch(&lease).await.unwrap()), claimed);
+    let closed = env
+        .client
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+            lease_id: lease.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((closed.failed_tasks, closed.requeued_tasks), (1, 1));
+    assert_eq!(env.state(started).await, "failed");
+    assert_eq!(env.state(claimed).await, "waiting");
+    assert_eq!(env.app_lock(claimed).await, None);
+    env.assert_locks(&[]).await;
     env.shutdown().await;
 }

@@ -40,8 +40,20 @@ fn spawn_wait(
     env: &Env,
     lease: &str,
 ) -> tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>> {
+    spawn_wait_starting(env, lease, false)
+}
+
+/// [`spawn_wait`], with `start` asking the grant to start the task.
+fn spawn_wait_starting(
+    env: &Env,
+    lease: &str,
+    start: bool,
+) -> tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>> {
     let mut client = env.client.clone();
-    let request = wait_request(lease, LONG);
+    let request = FetchTaskRequest {
+        start,
+        ..wait_request(lease, LONG)
+    };
     tokio::spawn(async move {
         client
             .fetch_task(request)
@@ -497,12 +509,24 @@ async fn wake_by_hand(env: &Env) {
 
 #[tokio::test]
 async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing_behind() {
+    leaving_while_a_shared_pass_claims(false).await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_leaves_while_a_shared_pass_claims_and_starts_its_task_leaves_it_waiting() {
+    leaving_while_a_shared_pass_claims(true).await;
+}
+
+/// Two waiters; the second's claim waits on a row lock while it disconnects. `start`: the
+/// leaving waiter asked its grant to start the task (the longest did not: each is served as
+/// it asked).
+async fn leaving_while_a_shared_pass_claims(start: bool) {
     let mut env = woken_by_hand().await;
     let a = env.open("longest").await;
     let longest = spawn_wait(&env, &a);
     waiting_reach(&env, 1).await;
     let b = env.open("leaves").await;
-    let leaving = spawn_wait(&env, &b);
+    let leaving = spawn_wait_starting(&env, &b, start);
     waiting_reach(&env, 2).await;
     let first = env.task(&["a"]).await;
     let second = env.task(&["b"]).await;
@@ -513,6 +537,8 @@ async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing
     // The longest waiter's grant does not wait for the other's claim.
     let granted = got(longest).await.expect("the longest waiter was served");
     assert_eq!(id(&granted), first);
+    assert!(granted.started_at.is_none(), "claimed, not started");
+    assert_eq!(env.state(first).await, "waiting");
     a_claim_waits_on_a_row_lock(&env).await;
     leaving.abort(); // its client disconnects while the pass claims its task
     let _ = leaving.await;
@@ -528,6 +554,17 @@ async fn a_waiter_that_leaves_while_a_shared_pass_claims_its_task_leaves_nothing
     eventually(LONG, || async { env_ref.app_lock(second).await.is_none() })
         .await
         .expect("the undelivered grant was put back");
+    assert_eq!(env.state(second).await, "waiting");
+    let started: bool = env
+        .db
+        .query_one(
+            "SELECT started_at IS NOT NULL FROM core_task WHERE pulp_id = $1",
+            &[&second],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!started, "no start time left behind");
     env.assert_locks(&[&granted]).await;
     let again = env.fetch(&b).await.expect("handed out again");
     assert_eq!(id(&again), second);

@@ -277,6 +277,35 @@ async fn a_running_tasks_guard_dropped_without_finish_fails_the_task() {
 }
 
 #[tokio::test]
+async fn a_task_fetched_started_needs_no_start_and_its_dropped_guard_fails_it() {
+    let env = Env::new().await;
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["b"]).await;
+    let worker = connect(&env, "w").await;
+    let guard = worker
+        .next_task_started(Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(guard.id(), first.to_string());
+    assert_eq!(env.state(first).await, "running");
+    guard.start().await.expect("started already: nothing to do");
+    guard.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(env.state(first).await, "completed");
+    // Dropped unfinished, it is failed like any running task (not released to run again).
+    let guard = worker
+        .next_task_started(Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(guard.id(), second.to_string());
+    drop(guard);
+    until_unlocked(&env, "the dropped running task's locks were released").await;
+    assert_eq!(env.state(second).await, "failed");
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
 async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
     let mut env = Env::new().await;
     let first = env.task(&["a"]).await;

@@ -123,11 +123,14 @@ pub fn ratio(broker: Option<f64>, baseline: Option<f64>) -> String {
     }
 }
 
-/// Broker workers: long-poll `next_task` (30 s), run the task for `work`, finish it.
+/// Broker workers: long-poll `next_task` (30 s), run the task for `work`, finish it. With
+/// `start` the fetch also starts the task (`next_task_started`: one call, as the baseline claims
+/// and starts in one statement); otherwise a StartTask call follows.
 pub async fn broker_fleet(
     endpoint: &str,
     n: usize,
     work: Duration,
+    start: bool,
     receipts: mpsc::UnboundedSender<Receipt>,
 ) -> Fleet {
     let stop = Arc::new(AtomicBool::new(false));
@@ -143,7 +146,12 @@ pub async fn broker_fleet(
         handles.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
                 let asked = Instant::now();
-                match worker.next_task(Duration::from_secs(30)).await {
+                let next = if start {
+                    worker.next_task_started(Duration::from_secs(30)).await
+                } else {
+                    worker.next_task(Duration::from_secs(30)).await
+                };
+                match next {
                     Ok(Some(task)) => {
                         let received = Instant::now();
                         stats.fetched(&task.task().name, received - asked);

@@ -176,6 +176,7 @@ impl From<Grant> for proto::Task {
             fencing_token: grant.fencing_token,
             immediate: grant.immediate,
             created_at: Some(to_timestamp(grant.created_at)),
+            started_at: grant.started_at.map(to_timestamp),
         }
     }
 }

@@ -1,15 +1,21 @@
 -- unclaim.sql: puts a claimed task that has not started back in the queue.
 --
--- $1 uuid  the task;  $2 uuid  the core_appstatus row that claimed it
--- Never touches a task that is running, final, or claimed by someone else.
+-- $1 uuid  the task;  $2 uuid  the core_appstatus row that claimed it;  $3 bool  the grant
+-- being undone started it (FetchTaskRequest.start) and was never delivered: running under this
+-- row, it goes back to waiting too (nobody ran it)
+-- Otherwise never touches a task that is running, final, or claimed by someone else.
 -- Returns: requeued (it went back to the queue now) and running_here (it is running or
 -- canceling under this row: not touched).
 WITH task AS (
     SELECT state, app_lock_id FROM core_task WHERE pulp_id = $1
 ), requeued AS (
     UPDATE core_task
-    SET app_lock_id = NULL, pulp_last_updated = now()
-    WHERE pulp_id = $1 AND app_lock_id = $2 AND state = 'waiting'
+    SET app_lock_id = NULL,
+        pulp_last_updated = now(),
+        state = 'waiting',
+        started_at = NULL
+    WHERE pulp_id = $1 AND app_lock_id = $2
+      AND (state = 'waiting' OR ($3::boolean AND state = 'running'))
     RETURNING pulp_id
 )
 SELECT EXISTS (SELECT 1 FROM requeued) AS requeued,

@@ -242,6 +242,7 @@ impl Env {
                 lease_id: lease.into(),
                 wait: None,
                 skip_task_ids: skip.iter().map(|s| s.to_string()).collect(),
+                start: false,
             })
             .await?
             .into_inner()
@@ -483,6 +484,7 @@ pub fn fetch_request(lease_id: impl Into<String>) -> FetchTaskRequest {
         lease_id: lease_id.into(),
         wait: None,
         skip_task_ids: vec![],
+        start: false,
     }
 }
 

@@ -144,7 +144,9 @@ class Task:
         self._token = message.fencing_token
         self._lost = False
         self._done = False
-        self._started = False
+        #: Set when the grant started the task (``fetch(start=True)``); start() then makes no call.
+        self.started_at = message.started_at.ToDatetime() if message.HasField("started_at") else None
+        self._started = self.started_at is not None
 
     def __repr__(self) -> str:
         return f"Task({self.task_id!r}, name={self.name!r}, fencing_token={self._token}, lost={self._lost})"
@@ -164,8 +166,11 @@ class Task:
             raise TaskLost(self.task_id)
 
     def start(self) -> None:
-        """Marks the task running through the broker (StartTask)."""
+        """Marks the task running through the broker (StartTask); nothing to do for a task whose
+        grant started it."""
         self._check()
+        if self.started_at is not None:
+            return
         self._worker._with_lease(
             "StartTask",
             lambda stub, lease_id, timeout: stub.StartTask(
@@ -351,15 +356,20 @@ class Worker:
         with self._lock:
             return self._app_status_id
 
-    def fetch(self, wait: float = 0.0, skip: Sequence[str] = ()) -> Task | None:
+    def fetch(self, wait: float = 0.0, skip: Sequence[str] = (), start: bool = False) -> Task | None:
         """Waits up to ``wait`` seconds for the oldest ready task this worker may run, locked and
-        claimed under its lease. None when nothing became ready, or when the worker is stopping."""
+        claimed under its lease. None when nothing became ready, or when the worker is stopping.
+        With ``start`` the grant also starts the task (one call instead of FetchTask and
+        StartTask): it counts as running from then on, so if the lease ends before it is
+        finished it is failed, not requeued."""
         if self.stopping.is_set():
             return None
         reply, generation = self._with_lease(
             "FetchTask",
             lambda stub, lease_id, timeout: stub.FetchTask(
-                pb.FetchTaskRequest(lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip)),
+                pb.FetchTaskRequest(
+                    lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip), start=start
+                ),
                 timeout=timeout,
             ),
             wait=wait,

@@ -115,6 +115,18 @@ def test_a_lease_ended_elsewhere_is_replaced_and_its_tasks_reported_lost(sandbox
         task.release()
 
 
+def test_a_fetch_that_starts_its_task_needs_no_start_call(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox) as w:
+        task = w.fetch(start=True)
+        assert task is not None and task.task_id == task_id
+        assert task.started_at is not None
+        assert db.state(task_id) == "running"
+        task.start()  # nothing left to do: no call, no error
+        assert task.finish("completed") == "completed"
+        assert db.state(task_id) == "completed"
+
+
 def test_leaving_a_task_block_without_finish_releases_it(sandbox: Sandbox, db: Db, resource: str) -> None:
     task_id = db.task(resource)
     with worker(sandbox, "first") as first, worker(sandbox, "second") as second:

@@ -83,17 +83,19 @@ class CloseLeaseResponse(_message.Message):
     def __init__(self, released_locks: _Optional[int] = ..., requeued_tasks: _Optional[int] = ..., failed_tasks: _Optional[int] = ...) -> None: ...
 
 class FetchTaskRequest(_message.Message):
-    __slots__ = ("lease_id", "wait", "skip_task_ids")
+    __slots__ = ("lease_id", "wait", "skip_task_ids", "start")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     wait: _duration_pb2.Duration
     skip_task_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., skip_task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    start: bool
+    def __init__(self, lease_id: _Optional[str] = ..., wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., skip_task_ids: _Optional[_Iterable[str]] = ..., start: _Optional[bool] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "name", "exclusive_resources", "shared_resources", "fencing_token", "immediate", "created_at")
+    __slots__ = ("task_id", "name", "exclusive_resources", "shared_resources", "fencing_token", "immediate", "created_at", "started_at")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_RESOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class Task(_message.Message):
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     name: str
     exclusive_resources: _containers.RepeatedScalarFieldContainer[str]
@@ -108,7 +111,8 @@ class Task(_message.Message):
     fencing_token: int
     immediate: bool
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, task_id: _Optional[str] = ..., name: _Optional[str] = ..., exclusive_resources: _Optional[_Iterable[str]] = ..., shared_resources: _Optional[_Iterable[str]] = ..., fencing_token: _Optional[int] = ..., immediate: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    started_at: _timestamp_pb2.Timestamp
+    def __init__(self, task_id: _Optional[str] = ..., name: _Optional[str] = ..., exclusive_resources: _Optional[_Iterable[str]] = ..., shared_resources: _Optional[_Iterable[str]] = ..., fencing_token: _Optional[int] = ..., immediate: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class FetchTaskResponse(_message.Message):
     __slots__ = ("task",)
