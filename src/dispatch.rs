@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
@@ -365,6 +366,18 @@ enum Turn {
 
 /// True when a round can give no more rows: every claimant is trying one or done, and nobody
 /// else may be recruited.
+/// A stalled pass recruits no more, and lets go of the recruits it is not trying a task for
+/// (dropping a recruit reopens its place, with any turn it was given meanwhile).
+fn let_go(claimants: &mut [Claimant], may_recruit: &mut usize) {
+    *may_recruit = 0;
+    for claimant in claimants.iter_mut() {
+        if claimant.state == Turn::Free && claimant.recruit.is_some() {
+            claimant.recruit = None;
+            claimant.state = Turn::Done;
+        }
+    }
+}
+
 fn nobody_left(claimants: &[Claimant], may_recruit: usize) -> bool {
     may_recruit == 0 && claimants.iter().all(|c| c.state != Turn::Free)
 }
@@ -766,6 +779,7 @@ impl Dispatch {
     async fn fetch_once(
         &self,
         call: Call,
+        stalled: &CancellationToken,
         own_place: Option<u64>,
         passed_over: &AtomicBool,
         lease_out: &Mutex<Option<Arc<LeaseRecord>>>,
@@ -871,6 +885,9 @@ impl Dispatch {
                     stop = true;
                     break;
                 }
+                if stalled.is_cancelled() {
+                    let_go(&mut claimants, &mut may_recruit);
+                }
                 if rows.peek().is_none() || nobody_left(&claimants, may_recruit) {
                     break;
                 }
@@ -943,7 +960,20 @@ impl Dispatch {
                     })
                     .collect();
                 let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
-                while let Some((i, outcome)) = futures::StreamExt::next(&mut attempts).await {
+                loop {
+                    let next = if stalled.is_cancelled() {
+                        futures::StreamExt::next(&mut attempts).await
+                    } else {
+                        tokio::select! {
+                            next = futures::StreamExt::next(&mut attempts) => next,
+                            () = stalled.cancelled() => {
+                                // Held up: the recruits not trying a task wait elsewhere.
+                                let_go(&mut claimants, &mut may_recruit);
+                                continue;
+                            }
+                        }
+                    };
+                    let Some((i, outcome)) = next else { break };
                     let Seen::Attempt { who, .. } = &steps[i].seen else {
                         continue;
                     };
@@ -1172,13 +1202,16 @@ impl Dispatch {
         let this = self.clone();
         self.answered(move |mut answer| async move {
             // Counted until the pass has settled every grant, not just its caller's, or until
-            // it has run for `pass_stall` (held up: the waiters no longer wait for it).
+            // it has run for `pass_stall` (held up: the waiters no longer wait for it, and it
+            // lets go of the waiters it recruited and is not trying a task for).
             let mut slot = Some(slot);
             let stall = this.policy.pass_stall;
             let stats = Arc::clone(&this.stats);
+            let stalled = CancellationToken::new();
             let outcome = {
                 let pass = crate::metrics::count_pass(this.fetch_once(
                     call,
+                    &stalled,
                     own_place,
                     &passed_over,
                     &lease_out,
@@ -1189,6 +1222,7 @@ impl Dispatch {
                     outcome = &mut pass => outcome,
                     () = tokio::time::sleep(stall) => {
                         stats.fetch_pass_stalled();
+                        stalled.cancel();
                         drop(slot.take());
                         pass.await
                     }

@@ -131,12 +131,19 @@ impl<O, D> Waiters<O, D> {
         self.len() == 0
     }
 
-    /// Something may have become ready: the longest waiter takes a turn.
+    /// Something may have become ready: the longest waiter takes a turn. A waiter recruited
+    /// into a running pass is passed over (it would keep the turn until that pass lets it go,
+    /// which a pass held up on a claim may not do for a while) unless every waiter is.
     pub fn wake(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         if let Ok(queue) = self.queue.lock() {
-            if let Some(front) = queue.slots.front() {
-                give_turn(front);
+            let free = queue.slots.iter().find(|slot| {
+                slot.state
+                    .lock()
+                    .is_ok_and(|state| !matches!(*state, State::Recruited))
+            });
+            if let Some(slot) = free.or(queue.slots.front()) {
+                give_turn(slot);
             }
         }
     }

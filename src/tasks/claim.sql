@@ -13,4 +13,4 @@ SET app_lock_id = $2,
     state = CASE WHEN $3::boolean THEN 'running' ELSE state END,
     started_at = CASE WHEN $3::boolean THEN now() ELSE started_at END
 WHERE pulp_id = $1 AND state = 'waiting' AND (app_lock_id IS NULL OR app_lock_id = $2)
-RETURNING started_at
+RETURNING CASE WHEN $3::boolean THEN started_at END AS started_at

@@ -1,8 +1,9 @@
 -- unclaim.sql: puts a claimed task that has not started back in the queue.
 --
 -- $1 uuid  the task;  $2 uuid  the core_appstatus row that claimed it;  $3 bool  the grant
--- being undone started it (FetchTaskRequest.start) and was never delivered: running under this
--- row, it goes back to waiting too (nobody ran it)
+-- being undone started it (FetchTaskRequest.start) and was never delivered, so nobody ran it:
+-- running under this row, it goes back to waiting too; asked to cancel meanwhile (canceling
+-- under this row), it ends canceled, as a waiting task asked to cancel does.
 -- Otherwise never touches a task that is running, final, or claimed by someone else.
 -- Returns: requeued (it went back to the queue now) and running_here (it is running or
 -- canceling under this row: not touched).
@@ -12,10 +13,11 @@ WITH task AS (
     UPDATE core_task
     SET app_lock_id = NULL,
         pulp_last_updated = now(),
-        state = 'waiting',
-        started_at = NULL
+        state = CASE WHEN state = 'canceling' THEN 'canceled' ELSE 'waiting' END,
+        started_at = CASE WHEN state = 'canceling' THEN started_at END,
+        finished_at = CASE WHEN state = 'canceling' THEN now() END
     WHERE pulp_id = $1 AND app_lock_id = $2
-      AND (state = 'waiting' OR ($3::boolean AND state = 'running'))
+      AND (state = 'waiting' OR ($3::boolean AND state IN ('running', 'canceling')))
     RETURNING pulp_id
 )
 SELECT EXISTS (SELECT 1 FROM requeued) AS requeued,

@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timezone
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -145,7 +146,7 @@ class Task:
         self._lost = False
         self._done = False
         #: Set when the grant started the task (``fetch(start=True)``); start() then makes no call.
-        self.started_at = message.started_at.ToDatetime() if message.HasField("started_at") else None
+        self.started_at = message.started_at.ToDatetime(tzinfo=timezone.utc) if message.HasField("started_at") else None
         self._started = self.started_at is not None
 
     def __repr__(self) -> str:

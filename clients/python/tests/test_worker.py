@@ -120,7 +120,7 @@ def test_a_fetch_that_starts_its_task_needs_no_start_call(sandbox: Sandbox, db: 
     with worker(sandbox) as w:
         task = w.fetch(start=True)
         assert task is not None and task.task_id == task_id
-        assert task.started_at is not None
+        assert task.started_at is not None and task.started_at.tzinfo is not None
         assert db.state(task_id) == "running"
         task.start()  # nothing left to do: no call, no error
         assert task.finish("completed") == "completed"
