@@ -1208,6 +1208,7 @@ impl Dispatch {
             let stall = this.policy.pass_stall;
             let stats = Arc::clone(&this.stats);
             let stalled = CancellationToken::new();
+            let waiters = Arc::clone(&this.waiters);
             let outcome = {
                 let pass = crate::metrics::count_pass(this.fetch_once(
                     call,
@@ -1222,8 +1223,12 @@ impl Dispatch {
                     outcome = &mut pass => outcome,
                     () = tokio::time::sleep(stall) => {
                         stats.fetch_pass_stalled();
+                        let _held_up = waiters.held_up();
                         stalled.cancel();
                         drop(slot.take());
+                        // A turn given meanwhile may sit with a waiter this pass is trying a
+                        // task for: the longest free waiter takes one now.
+                        waiters.wake();
                         pass.await
                     }
                 }

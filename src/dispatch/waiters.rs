@@ -17,7 +17,7 @@
 //! never taken goes to the queue's `abandoned` hook: nothing granted is ever dropped.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -35,8 +35,21 @@ pub struct Waiters<O, D> {
     /// The generation at which a pass last found nothing ready for anyone (no task it could
     /// take, none it passed over); `u64::MAX` when unknown.
     empty_at: AtomicU64,
+    /// Passes held up past their stall and still running (see [`Waiters::held_up`]).
+    held_up: AtomicUsize,
     max: usize,
     abandoned: Abandoned<D>,
+}
+
+/// A pass held up past its stall, counted in [`Waiters`] until dropped.
+pub struct HeldUp<O, D> {
+    waiters: Arc<Waiters<O, D>>,
+}
+
+impl<O, D> Drop for HeldUp<O, D> {
+    fn drop(&mut self) {
+        self.waiters.held_up.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl<O, D> std::fmt::Debug for Waiters<O, D> {
@@ -98,6 +111,7 @@ impl<O, D> Waiters<O, D> {
             }),
             generation: AtomicU64::new(0),
             empty_at: AtomicU64::new(u64::MAX),
+            held_up: AtomicUsize::new(0),
             max,
             abandoned,
         }
@@ -131,20 +145,34 @@ impl<O, D> Waiters<O, D> {
         self.len() == 0
     }
 
-    /// Something may have become ready: the longest waiter takes a turn. A waiter recruited
-    /// into a running pass is passed over (it would keep the turn until that pass lets it go,
-    /// which a pass held up on a claim may not do for a while) unless every waiter is.
+    /// Something may have become ready: the longest waiter takes a turn. While a pass is held
+    /// up past its stall, a waiter recruited into a pass is passed over (it would keep the turn
+    /// until that pass lets it go, which a pass waiting on a claim may not do for a while)
+    /// unless every waiter is; otherwise it keeps the turn and takes it when the pass ends.
     pub fn wake(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
+        let held_up = self.held_up.load(Ordering::SeqCst) > 0;
         if let Ok(queue) = self.queue.lock() {
-            let free = queue.slots.iter().find(|slot| {
-                slot.state
-                    .lock()
-                    .is_ok_and(|state| !matches!(*state, State::Recruited))
-            });
+            let free = held_up
+                .then(|| {
+                    queue.slots.iter().find(|slot| {
+                        slot.state
+                            .lock()
+                            .is_ok_and(|state| !matches!(*state, State::Recruited))
+                    })
+                })
+                .flatten();
             if let Some(slot) = free.or(queue.slots.front()) {
                 give_turn(slot);
             }
+        }
+    }
+
+    /// Counts a pass held up past its stall until the guard is dropped.
+    pub fn held_up(self: &Arc<Self>) -> HeldUp<O, D> {
+        self.held_up.fetch_add(1, Ordering::SeqCst);
+        HeldUp {
+            waiters: Arc::clone(self),
         }
     }
 
