@@ -1,13 +1,22 @@
 //! The `dispatch-broker` binary: parses the command line, sets up logging, runs the library.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
 use dispatch_broker::config::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    init_tracing(&cli.log);
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // The demo draws progress bars: unless a log filter was asked for, it logs warnings only,
+    // so the broker's per-task lines do not scroll them away.
+    let quiet = matches!(cli.command, Command::Demo(_))
+        && matches.value_source("log") == Some(ValueSource::DefaultValue);
+    init_tracing(&cli.log, quiet);
     let outcome = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
@@ -37,8 +46,9 @@ async fn serve(args: dispatch_broker::config::ServeArgs) -> anyhow::Result<()> {
         .await
 }
 
-fn init_tracing(args: &dispatch_broker::config::LogArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+fn init_tracing(args: &dispatch_broker::config::LogArgs, quiet: bool) {
+    let wanted = if quiet { "warn" } else { args.log.as_str() };
+    let filter = tracing_subscriber::EnvFilter::try_new(wanted)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
