@@ -468,6 +468,11 @@ async fn a_shared_pass_keeps_each_waiters_versions_and_skips() {
 
 /// Waits until a broker session of this test's database waits on a row lock.
 async fn a_claim_waits_on_a_row_lock(env: &Env) {
+    sessions_wait_on_locks(env, 1).await;
+}
+
+/// Waits until `n` sessions of this test's database wait on a lock.
+async fn sessions_wait_on_locks(env: &Env, n: i64) {
     eventually(LONG, || async {
         let row = env
             .db
@@ -478,10 +483,10 @@ async fn a_claim_waits_on_a_row_lock(env: &Env) {
             )
             .await
             .unwrap();
-        row.get::<_, i64>(0) > 0
+        row.get::<_, i64>(0) >= n
     })
     .await
-    .expect("a claim waits on the row lock");
+    .expect("sessions wait on the row lock");
 }
 
 /// A broker whose waiting fetches wake only on Pulp's channel (the insert trigger is gone), so
@@ -560,20 +565,7 @@ async fn leaving_while_a_shared_pass_claims(start: bool, cancel: bool) {
     });
     if cancel {
         // (Behind the claim on the row lock.)
-        let db = &env.db;
-        eventually(LONG, || async {
-            let row = db
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap();
-            row.get::<_, i64>(0) >= 2
-        })
-        .await
-        .expect("the cancel waits on the row lock too");
+        sessions_wait_on_locks(&env, 2).await;
     }
     blocker.rollback().await;
     let env_ref = &env;
