@@ -127,6 +127,18 @@ struct Call {
     start: bool,
 }
 
+impl Call {
+    /// What a pass needs to serve this call, under `lease` (the call's lease as last read).
+    fn offer(&self, lease: Arc<LeaseRecord>) -> Offer {
+        Offer {
+            lease_id: self.lease_id,
+            lease,
+            skip: Arc::clone(&self.skip),
+            start: self.start,
+        }
+    }
+}
+
 /// What a shared pass delivers to a waiting call: its grant, or why it has none.
 pub type Delivery = Result<Grant>;
 /// This replica's queue of waiting FetchTask calls.
@@ -564,24 +576,27 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let wait = wait.min(self.policy.max_wait);
         let deadline = tokio::time::Instant::now() + wait;
-        let skip = Arc::new(skip);
+        let call = Call {
+            lease_id,
+            skip: Arc::new(skip),
+            start,
+        };
         // Joined after the first pass found nothing (and `wait` is not over).
         let mut place: Option<Place<Offer, Delivery>> = None;
         // A waiting call that arrives while a pass found nothing for anyone and nothing woke the
         // queue since joins it without a pass of its own: an idle fleet re-issuing its long
         // polls costs no queries.
         let seen = self.waiters.generation();
-        if !wait.is_zero() && skip.is_empty() && self.waiters.known_empty(seen) {
+        if !wait.is_zero() && call.skip.is_empty() && self.waiters.known_empty(seen) {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
             let lease = Arc::new(self.live_lease(lease_id).await?);
-            place = Some(self.join_waiters(seen, lease_id, lease, &skip, start)?);
+            place = Some(self.join_waiters(seen, call.offer(lease))?);
         } else if wait > self.policy.pass_stall && self.congested() {
             // Enough passes run already: one of them, or the next, serves this call with the
             // others waiting then (one scan for all) instead of this call reading the queue too.
             // With the waiter queue full it makes its own pass instead.
             let lease = Arc::new(self.live_lease(lease_id).await?);
-            let offer = self.offer(lease_id, lease, &skip, start);
-            if let Ok(joined) = self.waiters.join(seen, offer) {
+            if let Ok(joined) = self.waiters.join(seen, call.offer(lease)) {
                 place = Some(joined);
                 self.defer_to_running();
             }
@@ -620,11 +635,7 @@ impl Dispatch {
             let slot = self.pass_slot();
             let outcome = self
                 .run_pass(
-                    Call {
-                        lease_id,
-                        skip: Arc::clone(&skip),
-                        start,
-                    },
+                    call.clone(),
                     place.as_ref().map(|p| p.id()),
                     Arc::clone(&passed_over),
                     Arc::clone(&lease_seen),
@@ -669,7 +680,7 @@ impl Dispatch {
                     Some(lease) => lease,
                     None => Arc::new(self.live_lease(lease_id).await?),
                 };
-                place = Some(self.join_waiters(seen, lease_id, lease, &skip, start)?);
+                place = Some(self.join_waiters(seen, call.offer(lease))?);
             }
         }
     }
@@ -700,36 +711,13 @@ impl Dispatch {
         }
     }
 
-    fn join_waiters(
-        &self,
-        seen: u64,
-        lease_id: Uuid,
-        lease: Arc<LeaseRecord>,
-        skip: &Arc<HashSet<Uuid>>,
-        start: bool,
-    ) -> Result<Place<Offer, Delivery>> {
-        let offer = self.offer(lease_id, lease, skip, start);
+    fn join_waiters(&self, seen: u64, offer: Offer) -> Result<Place<Offer, Delivery>> {
         self.waiters.join(seen, offer).map_err(|Full(max)| {
             Error::ResourceExhausted(format!(
                 "{max} FetchTask calls are already waiting on this broker \
                  (--fetch-max-waiters); retry with backoff, or wait for less"
             ))
         })
-    }
-
-    fn offer(
-        &self,
-        lease_id: Uuid,
-        lease: Arc<LeaseRecord>,
-        skip: &Arc<HashSet<Uuid>>,
-        start: bool,
-    ) -> Offer {
-        Offer {
-            lease_id,
-            lease,
-            skip: Arc::clone(skip),
-            start,
-        }
     }
 
     /// Waits for `place`'s turn or for a delivery; `None` when the deadline passed or the
@@ -785,11 +773,7 @@ impl Dispatch {
         lease_out: &Mutex<Option<Arc<LeaseRecord>>>,
         answer: &mut Answer,
     ) -> Result<Option<Grant>> {
-        let Call {
-            lease_id,
-            skip,
-            start,
-        } = call;
+        let lease_id = call.lease_id;
         let held = self.hint.lock().ok().and_then(|h| h.clone());
         let (lease, changes) = self
             .locks
@@ -846,12 +830,7 @@ impl Dispatch {
         // Who this pass serves: its own caller first in the list, recruits appended as needed.
         let mut claimants = vec![Claimant {
             key: own_place.unwrap_or(u64::MAX),
-            offer: Offer {
-                lease_id,
-                lease: Arc::clone(&lease),
-                skip,
-                start,
-            },
+            offer: call.offer(Arc::clone(&lease)),
             recruit: None,
             state: Turn::Free,
         }];
