@@ -4,11 +4,8 @@
 # (pulpcore's own migrations on a throwaway database, two pulpcore-broker-worker processes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-scripts/ensure-python.sh
+scripts/ensure-pulp.sh
 venv=target/pulp-venv
-[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check "pulpcore==3.123.1" "./clients/python[test]"
 cargo build --quiet --bin dispatch-broker
 cd clients/python
 "../../$venv/bin/python" -m pytest -q -p no:cacheprovider -s tests/pulp

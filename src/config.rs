@@ -272,6 +272,12 @@ pub struct ServeArgs {
     /// time sweeps). A lease's locks are gone at most TTL + this after its last heartbeat.
     #[arg(long, env = "DISPATCH_SWEEP_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub sweep_interval: Duration,
+    /// How often the pending list of the GIN index on reserved resources is merged into the
+    /// index (Pulp's index has one unless `migrate --gin-fastupdate-off` was run). Every
+    /// readiness look-up reads that list in full, so under live traffic a fetch slows with it.
+    /// 0 turns this off. Needs the role that owns the index.
+    #[arg(long, env = "DISPATCH_GIN_CLEAN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub gin_clean_interval: Duration,
     /// On SIGTERM, how long in-flight calls may take before the server stops anyway.
     #[arg(long, env = "DISPATCH_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,

@@ -65,6 +65,10 @@ pub const ADMIN_ACTIONS_TOTAL: &str = "dispatch_admin_actions_total";
 /// Leases opened through this replica (per replica: how the fleet spreads over replicas).
 pub const LEASES_OPENED_TOTAL: &str = "dispatch_leases_opened_total";
 
+/// Pending-list pages of the GIN index on reserved resources merged by the broker
+/// (`--gin-clean-interval`).
+pub const GIN_PENDING_MERGED_PAGES_TOTAL: &str = "dispatch_gin_pending_merged_pages_total";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -88,6 +92,7 @@ pub const ALL: &[&str] = &[
     LANE_PASSES_TOTAL,
     ADMIN_ACTIONS_TOTAL,
     LEASES_OPENED_TOTAL,
+    GIN_PENDING_MERGED_PAGES_TOTAL,
 ];
 
 /// Describes every metric once, at start-up.
@@ -148,6 +153,10 @@ pub fn describe() {
         "Lane computations by kind: full (the whole queue) or maintained (what changed)."
     );
     describe_counter!(LEASES_OPENED_TOTAL, "Leases opened through this replica.");
+    describe_counter!(
+        GIN_PENDING_MERGED_PAGES_TOTAL,
+        "Pending-list pages of the GIN index on reserved resources merged by the broker."
+    );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
         "Audited operator actions (revoke_lease, force_release)."
@@ -219,6 +228,11 @@ pub fn publish_gauge(g: &Gauge) {
 /// Counts a lane computation of this kind (`full` or `maintained`).
 pub fn lane_pass(kind: &'static str) {
     metrics::counter!(LANE_PASSES_TOTAL, "kind" => kind).increment(1);
+}
+
+/// Counts pending-list pages of the GIN index merged into it.
+pub fn gin_pending_merged(pages: u64) {
+    metrics::counter!(GIN_PENDING_MERGED_PAGES_TOTAL).increment(pages);
 }
 
 /// Counts a failed refresh of the lane gauge.

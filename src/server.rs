@@ -262,6 +262,11 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         let shutdown = shutdown.clone();
         async move { lanes.run(shutdown).await }
     });
+    tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
+        sweeper.tasks.clone(),
+        args.gin_clean_interval,
+        shutdown.clone(),
+    ));
     let (listening, listening_started) = tokio::sync::oneshot::channel();
     tokio::spawn(crate::dispatch::wakeups::listen(
         args.postgres.url.clone(),

@@ -5,6 +5,7 @@
 //! This module never decides readiness; it reports the facts (`older_conflicts`) that
 //! `ready::judge` decides on.
 
+pub mod gin;
 pub mod migrate;
 
 use std::collections::BTreeMap;
@@ -44,6 +45,7 @@ pub mod sql {
     pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
     pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
     pub const GIN_FASTUPDATE: &str = include_str!("tasks/gin_fastupdate.sql");
+    pub const GIN_CLEAN: &str = include_str!("tasks/gin_clean.sql");
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
     pub const LOCK_TARGETS: &str = include_str!("tasks/lock_targets.sql");
     pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
@@ -73,7 +75,8 @@ pub mod sql {
     pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
+        GIN_CLEAN,
         LANES_LATE,
         LANES_NEWER,
         LANES_GONE,
@@ -615,6 +618,15 @@ impl Tasks {
             after,
             app_lock_id,
         }))
+    }
+
+    /// Merges the pending list of each GIN index on `core_task` that has one (`gin_clean.sql`):
+    /// `(index, pages merged)`.
+    pub async fn clean_gin_pending_lists(&self) -> Result<Vec<(String, i64)>, Error> {
+        let rows = self.query(sql::GIN_CLEAN, &[]).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect()
     }
 
     /// Creates the `core_appstatus` row of a worker whose lease the broker opens.

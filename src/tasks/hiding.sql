@@ -39,10 +39,16 @@ WHERE CASE
     WHEN (SELECT yes FROM few) THEN
         EXISTS (SELECT 1 FROM older o WHERE o.record && n.keys)
     ELSE
+        -- Fenced (OFFSET 0) from the position, so a generic plan reads the GIN match only and
+        -- never ANDs it with Pulp's plain pulp_created index (every older task).
         (SELECT count(*)
-         FROM core_task t
-         WHERE t.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-           AND t.reserved_resources_record && n.keys
-           AND t.state = 'waiting' AND t.app_lock_id IS NULL
-           AND (t.pulp_created, t.pulp_id) < ($1::timestamptz, $2::uuid)) > 0
+         FROM (
+             SELECT t.pulp_created, t.pulp_id
+             FROM core_task t
+             WHERE t.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+               AND t.reserved_resources_record && n.keys
+               AND t.state = 'waiting' AND t.app_lock_id IS NULL
+             OFFSET 0
+         ) AS m
+         WHERE (m.pulp_created, m.pulp_id) < ($1::timestamptz, $2::uuid)) > 0
 END

@@ -6,13 +6,18 @@
 -- $3 bigint   how many to list
 -- Returns: pulp_id, state, name, record, pulp_created of each, oldest first.
 -- Never writes.
-SELECT u.pulp_id, u.state, u.name,
-       coalesce(u.reserved_resources_record, '{}'::text[]) AS record, u.pulp_created
+SELECT m.pulp_id, m.state, m.name, m.record, m.pulp_created
 FROM core_task t
-JOIN core_task u
-  ON u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
- AND u.reserved_resources_record && $2::text[]
- AND (u.pulp_created, u.pulp_id) < (t.pulp_created, t.pulp_id)
+CROSS JOIN LATERAL (
+    -- Fenced (OFFSET 0) from the time comparison: a generic plan reads the GIN match only.
+    SELECT u.pulp_id, u.state, u.name,
+           coalesce(u.reserved_resources_record, '{}'::text[]) AS record, u.pulp_created
+    FROM core_task u
+    WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+      AND u.reserved_resources_record && $2::text[]
+    OFFSET 0
+) AS m
 WHERE t.pulp_id = $1
-ORDER BY u.pulp_created, u.pulp_id
+  AND (m.pulp_created, m.pulp_id) < (t.pulp_created, t.pulp_id)
+ORDER BY m.pulp_created, m.pulp_id
 LIMIT $3

@@ -1,0 +1,538 @@
+//! FetchTask on Pulp's own database under live traffic, against pulpcore's own
+//! `RedisWorker.fetch_task` in the same run.
+//!
+//! The database is made by pulpcore 3.123.1's own migrations (`pulpcore-manager migrate`, in the
+//! virtualenv `scripts/ensure-pulp.sh` makes). Per backlog size N: the head task of repository R0
+//! runs (under a broker lease; for pulpcore, under pulpcore's own Redis locks), N tasks on R0
+//! wait behind it, 50 tasks of other repositories after them. Then 20 rounds: 10 workers each
+//! fetch a task (timed one at a time), then start and finish it, or put the claim back
+//! (`requeue`); 10 new tasks arrive through pulpcore's own `dispatch()` (its insert trigger and
+//! wake-up notification); every 5th round 2 waiting R0 tasks are canceled through pulpcore's
+//! `cancel_task()`. The broker runs with its defaults (lane gauge every 15 s, GIN pending list
+//! merged every second); the GIN index's pending list is on (a fresh Pulp database), then off
+//! (`migrate --gin-fastupdate-off`). pulpcore's side runs in a Python helper process
+//! (`benches/pulp/helper.py`) on the same database and Redis, timed there.
+//!
+//! The backlog itself is inserted in one statement with Pulp's insert trigger off: through the
+//! trigger, each insert on R0 reads every incomplete R0 task (its clock check), so a backlog of
+//! 100,000 would take hours to build. Everything that arrives during the run goes through
+//! `dispatch()`. Nothing is vacuumed or analysed by the bench.
+//!
+//! Postgres statements and buffers (8 kB pages) per fetch come from `pg_stat_statements`,
+//! counting every statement of the broker's role during the broker's rounds (background work
+//! included).
+//!
+//! Run: `cargo bench --bench pulp` (N = 1,000, 17,000, 100,000, 1,000,000) or
+//! `cargo bench --bench pulp -- 1000 17000`. Prints Markdown tables.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use dispatch_broker::config::ServeArgs;
+use dispatch_broker::testkit::{Postgres, Redis};
+use dispatch_broker::worker::{FinalState, TaskGuard, Worker, WorkerConfig};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+const WORKERS: usize = 10;
+const ROUNDS: usize = 20;
+const OTHERS: usize = 50;
+const CANCEL_EVERY: usize = 5;
+const CANCELS: usize = 2;
+const R0: &str = "prn:file.filerepository:R0";
+/// The role the broker connects as, so pg_stat_statements tells its statements apart.
+const BROKER_ROLE: &str = "dispatch";
+
+/// pulpcore's side: `benches/pulp/helper.py` in pulpcore's virtualenv.
+struct Helper {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Helper {
+    async fn start(python: &PathBuf, env: &BTreeMap<String, String>) -> Helper {
+        let mut child = tokio::process::Command::new(python)
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/benches/pulp/helper.py"
+            ))
+            .envs(env)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the pulpcore helper");
+        let stdin = child.stdin.take().expect("helper stdin");
+        let lines = BufReader::new(child.stdout.take().expect("helper stdout")).lines();
+        let mut helper = Helper {
+            child,
+            stdin,
+            lines,
+        };
+        let ready = helper.read().await;
+        assert_eq!(ready["ready"], true, "pulpcore helper: {ready}");
+        helper
+    }
+
+    async fn read(&mut self) -> Value {
+        let line = self
+            .lines
+            .next_line()
+            .await
+            .expect("read the helper")
+            .expect("the pulpcore helper exited (its error is above)");
+        serde_json::from_str(&line).expect("the helper answers JSON")
+    }
+
+    async fn call(&mut self, request: Value) -> Value {
+        self.stdin
+            .write_all(format!("{request}\n").as_bytes())
+            .await
+            .expect("write to the helper");
+        let answer = self.read().await;
+        if let Some(e) = answer.get("error") {
+            panic!("pulpcore helper, {request}: {e}");
+        }
+        answer
+    }
+
+    async fn stop(mut self) {
+        self.call(json!({"op": "stop"})).await;
+        drop(self.stdin);
+        let _ = self.child.wait().await;
+    }
+}
+
+/// The Pulp settings for a database, as PULP_* variables.
+fn pulp_env(
+    pg_port: u16,
+    database: &str,
+    redis_url: &str,
+    work: &std::path::Path,
+) -> BTreeMap<String, String> {
+    let key = work.join("db.key");
+    std::fs::write(&key, "8NQBBpPIlyl6nGVYTdjkJyvOHh5ZWQnjD0kv/jUW5Vs=\n").unwrap();
+    for d in ["media", "work", "tmp"] {
+        std::fs::create_dir_all(work.join(d)).unwrap();
+    }
+    let path = |d: &str| work.join(d).display().to_string();
+    [
+        (
+            "PULP_DATABASES__default__ENGINE",
+            "django.db.backends.postgresql".to_owned(),
+        ),
+        ("PULP_DATABASES__default__NAME", database.to_owned()),
+        ("PULP_DATABASES__default__USER", "postgres".to_owned()),
+        ("PULP_DATABASES__default__HOST", "127.0.0.1".to_owned()),
+        ("PULP_DATABASES__default__PORT", pg_port.to_string()),
+        (
+            "PULP_SECRET_KEY",
+            "throwaway-secret-for-the-benchmark".to_owned(),
+        ),
+        ("PULP_CONTENT_ORIGIN", "http://127.0.0.1:24816".to_owned()),
+        ("PULP_MEDIA_ROOT", path("media")),
+        ("PULP_WORKING_DIRECTORY", path("work")),
+        ("PULP_FILE_UPLOAD_TEMP_DIR", path("tmp")),
+        ("PULP_DB_ENCRYPTION_KEY", key.display().to_string()),
+        ("PULP_REDIS_URL", redis_url.to_owned()),
+        ("PULP_ANALYTICS", "false".to_owned()),
+        ("DJANGO_SETTINGS_MODULE", "pulpcore.app.settings".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Median and p99 in ms.
+fn summary(mut ms: Vec<f64>) -> (f64, f64) {
+    ms.sort_by(|a, b| a.total_cmp(b));
+    (percentile(&ms, 0.5), percentile(&ms, 0.99))
+}
+
+/// What pg_stat_statements counted for the broker's role.
+#[derive(Debug, Default)]
+struct Costs {
+    statements: f64,
+    buffers: f64,
+    /// The statements by total time: (first line, calls, mean ms, buffers per call).
+    top: Vec<(String, i64, f64, f64)>,
+}
+
+async fn reset_statements(db: &tokio_postgres::Client) {
+    db.batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .unwrap();
+}
+
+async fn broker_costs(db: &tokio_postgres::Client) -> Costs {
+    let rows = db
+        .query(
+            "SELECT split_part(ltrim(s.query), E'\\n', 1), s.calls, s.mean_exec_time, \
+                    (s.shared_blks_hit + s.shared_blks_read)::float8 / greatest(s.calls, 1) \
+             FROM pg_stat_statements s JOIN pg_roles r ON r.oid = s.userid \
+             WHERE r.rolname = $1 AND s.calls > 0 \
+             ORDER BY s.total_exec_time DESC",
+            &[&BROKER_ROLE],
+        )
+        .await
+        .unwrap();
+    let mut costs = Costs::default();
+    for row in rows {
+        let calls: i64 = row.get(1);
+        let per_call: f64 = row.get(3);
+        costs.statements += calls as f64;
+        costs.buffers += per_call * calls as f64;
+        costs.top.push((row.get(0), calls, row.get(2), per_call));
+    }
+    costs
+}
+
+/// One traffic mode's rounds for one fleet: fetch latencies in ms.
+struct Cell {
+    fetch_ms: Vec<f64>,
+    fetched: usize,
+    costs: Option<Costs>,
+}
+
+async fn traffic(helper: &mut Helper, round: usize) {
+    helper
+        .call(json!({"op": "dispatch", "n": WORKERS, "prefix": "F"}))
+        .await;
+    if round % CANCEL_EVERY == CANCEL_EVERY - 1 {
+        helper
+            .call(json!({"op": "cancel", "n": CANCELS, "resource": R0}))
+            .await;
+    }
+}
+
+async fn broker_rounds(
+    fleet: &[Worker],
+    helper: &mut Helper,
+    db: &tokio_postgres::Client,
+    requeue: bool,
+) -> Cell {
+    reset_statements(db).await;
+    let mut fetch_ms = Vec::new();
+    let mut fetched = 0;
+    for round in 0..ROUNDS {
+        let mut held: Vec<TaskGuard> = Vec::new();
+        for worker in fleet {
+            let started = Instant::now();
+            let task = if requeue {
+                worker.next_task(Duration::ZERO).await
+            } else {
+                worker.next_task_started(Duration::ZERO).await
+            }
+            .expect("FetchTask");
+            fetch_ms.push(started.elapsed().as_secs_f64() * 1000.0);
+            held.extend(task);
+        }
+        fetched += held.len();
+        for task in held {
+            if requeue {
+                task.release().await.expect("ReleaseLocks");
+            } else {
+                task.finish(FinalState::Completed, None)
+                    .await
+                    .expect("FinishTask");
+            }
+        }
+        traffic(helper, round).await;
+    }
+    Cell {
+        fetch_ms,
+        fetched,
+        costs: Some(broker_costs(db).await),
+    }
+}
+
+async fn pulpcore_rounds(helper: &mut Helper, requeue: bool) -> Cell {
+    let mode = if requeue { "requeue" } else { "finish" };
+    let mut fetch_ms = Vec::new();
+    let mut fetched = 0;
+    for round in 0..ROUNDS {
+        let answer = helper
+            .call(json!({"op": "baseline_round", "mode": mode}))
+            .await;
+        fetch_ms.extend(
+            answer["ms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap()),
+        );
+        fetched += answer["fetched"].as_u64().unwrap() as usize;
+        traffic(helper, round).await;
+    }
+    Cell {
+        fetch_ms,
+        fetched,
+        costs: None,
+    }
+}
+
+/// Inserts a task as pulpcore's dispatch does (every NOT NULL column, the insert trigger on).
+async fn insert_head(db: &tokio_postgres::Client, domain: &str) {
+    db.execute(
+        "INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, logging_cid, \
+             reserved_resources_record, pulp_domain_id, versions, immediate, deferred, pulp_api_version) \
+         SELECT gen_random_uuid(), now(), now(), 'waiting', 'pulpcore.app.tasks.test.sleep', 'bench', \
+                ARRAY[$1, 'shared:' || $2], d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+         FROM core_domain d WHERE d.name = 'default'",
+        &[&R0, &domain],
+    )
+    .await
+    .unwrap();
+}
+
+/// The backlog on R0 and the other repositories' tasks behind it, the insert trigger off.
+async fn insert_backlog(db: &tokio_postgres::Client, blocked: usize, domain: &str) {
+    let insert = |count: usize, record: String| {
+        format!(
+            "INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, logging_cid, \
+                 reserved_resources_record, pulp_domain_id, versions, immediate, deferred, pulp_api_version) \
+             SELECT gen_random_uuid(), clock_timestamp(), now(), 'waiting', 'pulpcore.app.tasks.test.sleep', \
+                    'bench', {record}, d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+             FROM core_domain d, generate_series(1, {count}) AS i WHERE d.name = 'default';"
+        )
+    };
+    db.batch_execute(&format!(
+        "BEGIN; SET LOCAL session_replication_role = replica; {} {} COMMIT;",
+        insert(blocked, format!("ARRAY['{R0}', 'shared:{domain}']")),
+        insert(
+            OTHERS,
+            format!("ARRAY['prn:file.filerepository:O' || i, 'shared:{domain}']")
+        ),
+    ))
+    .await
+    .unwrap();
+}
+
+fn ensure_pulp() -> PathBuf {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let status = std::process::Command::new(format!("{root}/scripts/ensure-pulp.sh"))
+        .status()
+        .expect("run scripts/ensure-pulp.sh");
+    assert!(status.success(), "scripts/ensure-pulp.sh failed");
+    PathBuf::from(format!("{root}/target/pulp-venv/bin"))
+}
+
+struct Row {
+    blocked: usize,
+    pending: &'static str,
+    mode: &'static str,
+    pulpcore: Cell,
+    broker: Cell,
+}
+
+async fn run_size(
+    pg: &Postgres,
+    redis: &Redis,
+    venv: &PathBuf,
+    work: &std::path::Path,
+    blocked: usize,
+) -> Vec<Row> {
+    let name = format!("pulp_{blocked}");
+    pg.psql("postgres", &format!("CREATE DATABASE {name} TEMPLATE pulp"))
+        .unwrap();
+    let url = pg.url(&name);
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let _ = std::process::Command::new("redis-cli")
+        .args(["-u", &redis.url(), "FLUSHALL"])
+        .output();
+    let port: u16 = url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    let env = pulp_env(port, &name, &redis.url(), work);
+    let mut helper = Helper::start(&venv.join("python"), &env).await;
+    let domain = helper.call(json!({"op": "domain"})).await["prn"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    insert_head(&db, &domain).await;
+    let broker_url = url.replacen("postgres@", &format!("{BROKER_ROLE}@"), 1);
+    let args = ServeArgs::with_urls(&broker_url, &redis.url());
+    let broker = dispatch_broker::server::start(&args).await.unwrap();
+    let endpoint = format!("http://{}", broker.addr);
+    let holder = Worker::connect(&endpoint, WorkerConfig::new("head-holder"))
+        .await
+        .unwrap();
+    let head = holder
+        .next_task_started(Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("the head task");
+    let started = Instant::now();
+    insert_backlog(&db, blocked, &domain).await;
+    eprintln!(
+        "N = {blocked}: backlog inserted in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    helper
+        .call(json!({"op": "baseline_setup", "head": head.id(), "workers": WORKERS}))
+        .await;
+    let mut fleet = Vec::new();
+    for i in 0..WORKERS {
+        fleet.push(
+            Worker::connect(&endpoint, WorkerConfig::new(format!("bench-{i}")))
+                .await
+                .unwrap(),
+        );
+    }
+
+    let mut rows = Vec::new();
+    for pending in ["on", "off"] {
+        if pending == "off" {
+            db.batch_execute(include_str!("../src/tasks/gin_fastupdate.sql"))
+                .await
+                .unwrap();
+        }
+        for (mode, requeue) in [("finish", false), ("requeue", true)] {
+            let pulpcore = pulpcore_rounds(&mut helper, requeue).await;
+            let broker_cell = broker_rounds(&fleet, &mut helper, &db, requeue).await;
+            let row = Row {
+                blocked,
+                pending,
+                mode,
+                pulpcore,
+                broker: broker_cell,
+            };
+            print_row(&row);
+            rows.push(row);
+        }
+    }
+    for worker in &fleet {
+        worker.close().await.unwrap();
+    }
+    head.finish(FinalState::Completed, None).await.unwrap();
+    holder.close().await.unwrap();
+    helper.stop().await;
+    broker.shutdown().await.unwrap();
+    rows
+}
+
+fn print_row(row: &Row) {
+    let (pp50, pp99) = summary(row.pulpcore.fetch_ms.clone());
+    let (bp50, bp99) = summary(row.broker.fetch_ms.clone());
+    let calls = row.broker.fetch_ms.len().max(1) as f64;
+    let costs = row.broker.costs.as_ref();
+    eprintln!(
+        "  pending list {}, {}: pulpcore {:.2} / {:.2} ms ({} tasks), broker {:.2} / {:.2} ms ({} tasks), {:.1}x",
+        row.pending,
+        row.mode,
+        pp50,
+        pp99,
+        row.pulpcore.fetched,
+        bp50,
+        bp99,
+        row.broker.fetched,
+        pp50 / bp50
+    );
+    if let Some(c) = costs {
+        eprintln!(
+            "    broker role: {:.1} statements and {:.0} buffers per fetch",
+            c.statements / calls,
+            c.buffers / calls
+        );
+        for (text, n, mean, buffers) in c.top.iter().take(6) {
+            eprintln!("      {n:>5} x {mean:>7.3} ms {buffers:>8.1} buffers  {text}");
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![1_000, 17_000, 100_000, 1_000_000]
+    } else {
+        sizes
+    };
+    let venv = tokio::task::spawn_blocking(ensure_pulp).await.unwrap();
+    eprintln!("starting throwaway PostgreSQL and Redis ...");
+    let (mut pg, redis) =
+        tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+            .await
+            .unwrap();
+    pg.psql(
+        "postgres",
+        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+    )
+    .unwrap();
+    pg.restart().unwrap();
+    pg.psql(
+        "postgres",
+        &format!("CREATE ROLE {BROKER_ROLE} LOGIN SUPERUSER"),
+    )
+    .unwrap();
+    pg.create_database("pulp").unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let port: u16 = pg
+        .url("pulp")
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    eprintln!("pulpcore-manager migrate ...");
+    let migrate = std::process::Command::new(venv.join("pulpcore-manager"))
+        .args(["migrate", "--noinput"])
+        .envs(pulp_env(port, "pulp", &redis.url(), work.path()))
+        .output()
+        .expect("run pulpcore-manager");
+    assert!(
+        migrate.status.success(),
+        "pulpcore-manager migrate: {}",
+        String::from_utf8_lossy(&migrate.stderr)
+    );
+    pg.psql("pulp", "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .unwrap();
+
+    let mut rows = Vec::new();
+    for blocked in sizes {
+        rows.extend(run_size(&pg, &redis, &venv, work.path(), blocked).await);
+    }
+    println!("\nFetch latency, {WORKERS} workers x {ROUNDS} rounds per cell (ms, median / p99):\n");
+    println!("| blocked | GIN pending list | traffic | pulpcore fetch_task | broker FetchTask | ratio (median) | broker statements / fetch | buffers / fetch |");
+    println!("|---:|---|---|---:|---:|---:|---:|---:|");
+    for row in &rows {
+        let (pp50, pp99) = summary(row.pulpcore.fetch_ms.clone());
+        let (bp50, bp99) = summary(row.broker.fetch_ms.clone());
+        let calls = row.broker.fetch_ms.len().max(1) as f64;
+        let (statements, buffers) = row
+            .broker
+            .costs
+            .as_ref()
+            .map(|c| (c.statements / calls, c.buffers / calls))
+            .unwrap_or_default();
+        println!(
+            "| {} | {} | {} | {pp50:.2} / {pp99:.2} | {bp50:.2} / {bp99:.2} | {:.1}x | {statements:.1} | {buffers:.0} |",
+            row.blocked,
+            row.pending,
+            row.mode,
+            pp50 / bp50
+        );
+    }
+}
