@@ -385,3 +385,185 @@ async fn the_maintained_lane_pass_uses_the_intended_indexes() {
         "{users}"
     );
 }
+
+/// A Pulp database with R0's head running, `blocked` tasks waiting on R0 behind it and 50 tasks of
+/// other repositories after them (one of them running), its GIN pending list merged as the
+/// broker's `--gin-clean-interval` keeps it. Returns a client and the position (pulp_created,
+/// pulp_id) of R0's newest task, where a fetch's scan hint stands in steady state.
+async fn incident_database(blocked: usize) -> (tokio_postgres::Client, String, String) {
+    let (_url, db) = pulp_database_client().await;
+    let task = |state: &str, count: usize, record: &str| {
+        format!(
+            "INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
+                 pulp_domain_id, versions, pulp_api_version) \
+             SELECT gen_random_uuid(), clock_timestamp(), '{state}', 't', 'c', {record}, d.pulp_id, ''::hstore, 'v3' \
+             FROM core_domain d, generate_series(1, {count}) AS i;"
+        )
+    };
+    let r0 = "ARRAY['prn:python.repository:R0', 'shared:pdrn:D1']";
+    db.batch_execute(&format!(
+        "SET session_replication_role = replica; {} {} {} {} SET session_replication_role = origin;",
+        task("running", 1, r0),
+        task("waiting", blocked, r0),
+        task("running", 1, "ARRAY['prn:file.repository:O0', 'shared:pdrn:D1']"),
+        task("waiting", 50, "ARRAY['prn:file.repository:O' || i, 'shared:pdrn:D1']"),
+    ))
+    .await
+    .unwrap();
+    db.query(dispatch_broker::tasks::sql::GIN_CLEAN, &[])
+        .await
+        .unwrap();
+    let row = db
+        .query_one(
+            "SELECT pulp_created::text, pulp_id::text FROM core_task \
+             WHERE reserved_resources_record @> ARRAY['prn:python.repository:R0'] \
+             ORDER BY pulp_created DESC, pulp_id DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    (db, row.get(0), row.get(1))
+}
+
+/// Shared buffers (8 kB pages) one execution of a prepared statement reads, as the broker's
+/// sessions run it: generic plan, sequential scans off.
+async fn buffers(db: &tokio_postgres::Client, execute: &str) -> u64 {
+    let rows = db
+        .query(
+            &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {execute}"),
+            &[],
+        )
+        .await
+        .unwrap();
+    let plan: serde_json::Value = rows[0].get(0);
+    if std::env::var_os("SHOW_PLANS").is_some() {
+        eprintln!("{execute}\n{plan:#}");
+    }
+    let top = &plan[0]["Plan"];
+    top["Shared Hit Blocks"].as_u64().unwrap() + top["Shared Read Blocks"].as_u64().unwrap()
+}
+
+/// What the fetch path's statements read on a Pulp database at `blocked`: candidates from the
+/// scan hint's position, the exact readiness look-up of a task behind the backlog (task.sql,
+/// ClaimTask's), and hiding.sql for a running task's names.
+async fn fetch_reads(blocked: usize) -> Vec<(&'static str, u64)> {
+    let (db, created, id) = incident_database(blocked).await;
+    db.batch_execute(&format!(
+        "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
+         PREPARE candidates(text[], timestamptz, uuid) AS {}; \
+         PREPARE task(uuid) AS {}; \
+         PREPARE hiding(timestamptz, uuid, text[]) AS {};",
+        dispatch_broker::tasks::sql::CANDIDATES.replacen("LIMIT $4", "LIMIT 8", 1),
+        dispatch_broker::tasks::sql::TASK,
+        dispatch_broker::tasks::sql::HIDING,
+    ))
+    .await
+    .unwrap();
+    let other: String = db
+        .query_one(
+            "SELECT pulp_id::text FROM core_task WHERE state = 'waiting' \
+             AND reserved_resources_record @> ARRAY['prn:file.repository:O7']",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let mut reads = Vec::new();
+    // Twice each: the first execution of a prepared statement may still be a custom plan.
+    for _ in 0..2 {
+        reads = vec![
+            (
+                "candidates.sql from the hint",
+                buffers(
+                    &db,
+                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}')"),
+                )
+                .await,
+            ),
+            (
+                "task.sql behind the backlog",
+                buffers(&db, &format!("EXECUTE task('{other}')")).await,
+            ),
+            (
+                "hiding.sql for a running task's names",
+                buffers(
+                    &db,
+                    &format!(
+                        "EXECUTE hiding('{created}', '{id}', \
+                         ARRAY['prn:file.repository:O0', 'shared:pdrn:D1'])"
+                    ),
+                )
+                .await,
+            ),
+        ];
+    }
+    reads
+}
+
+/// The guard for a flat FetchTask on Pulp's own schema: each statement a steady-state fetch runs
+/// reads about as many pages with 20,000 tasks blocked on one repository as with 1,000, under
+/// the plans the broker runs (generic). A plan that reads the backlog (a bitmap of Pulp's plain
+/// pulp_created index ANDed with the GIN match, a walk of the blocked queue) fails it.
+#[tokio::test]
+async fn fetch_statements_read_no_more_with_a_larger_backlog() {
+    let small = fetch_reads(1_000).await;
+    let large = fetch_reads(20_000).await;
+    for ((name, at_small), (_, at_large)) in small.iter().zip(&large) {
+        assert!(
+            *at_large <= at_small * 3 / 2 + 8,
+            "{name} reads {at_large} pages with 20,000 blocked, {at_small} with 1,000"
+        );
+    }
+}
+
+/// Inserts tasks on distinct repositories the way pulpcore's dispatch does, through Pulp's
+/// insert trigger: their GIN entries go to the index's pending list (on by default).
+async fn fill_pending_list(db: &tokio_postgres::Client) {
+    db.batch_execute(
+        "INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, reserved_resources_record, \
+             pulp_domain_id, versions, pulp_api_version) \
+         SELECT gen_random_uuid(), now(), 'waiting', 't', 'c', \
+                ARRAY['prn:file.repository:P' || i, 'shared:pdrn:D1'], d.pulp_id, ''::hstore, 'v3' \
+         FROM core_domain d, generate_series(1, 2000) AS i",
+    )
+    .await
+    .unwrap();
+}
+
+/// Pages a merge of the pending list moves now (0: it was empty).
+async fn pending_pages(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT gin_clean_pending_list('pulp_task_resources_index'::regclass)",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// With Pulp's pending list on (a fresh Pulp database), the broker merges it every
+/// `--gin-clean-interval`, so readiness look-ups do not read it; 0 leaves it alone.
+#[tokio::test]
+async fn the_broker_keeps_the_gin_pending_list_merged() {
+    for (interval, merged_by_broker) in [("0s", false), ("100ms", true)] {
+        let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+        let redis =
+            tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+                .await
+                .unwrap();
+        let env = Env::on(url, redis, |args| {
+            args.gin_clean_interval = humantime::parse_duration(interval).unwrap();
+        })
+        .await;
+        fill_pending_list(&env.db).await;
+        // Fifteen intervals: the broker has merged what is pending by then, if it merges at all
+        // (looking earlier would merge it here and hide the broker's work).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let pending = pending_pages(&env.db).await;
+        if merged_by_broker {
+            assert_eq!(pending, 0, "the broker left {pending} pending pages");
+        } else {
+            assert!(pending > 0, "nothing was pending: the test proves nothing");
+        }
+    }
+}

@@ -7,48 +7,27 @@
 -- Returns: name (without the shared: prefix).
 -- Never writes.
 --
--- Two ways, chosen by the queue in front of the position. When fewer than 64 waiting, unclaimed
--- tasks are older (a busy queue whose hint sits near its head), those tasks are read in queue
--- order (`core_task_state_pulp_created_idx`, bounded by the position) and matched in memory: one
--- short index range instead of a GIN look-up per held name (with 32 workers, 32 look-ups per
--- call). Otherwise (a blocked head of thousands) each name is looked up in the partial GIN index,
--- counted so that the planner uses it (an EXISTS would make it scan the table). CASE evaluates
--- only the branch it takes.
+-- One look-up per name in the partial GIN index. Only the GIN match is inside the fence
+-- (OFFSET 0): a generic plan then reads that match and nothing else, never a bitmap of Pulp's
+-- plain indexes on state, app_lock_id or pulp_created (every older task), whatever the planner
+-- guesses; the rest is checked on what the match returns (tests/pulp_schema.rs checks the pages
+-- it reads). Counted, so that the planner uses the index (an EXISTS would make it scan the
+-- table). Its cost is the number of incomplete tasks using the name.
 WITH named AS (
     SELECT CASE WHEN entry LIKE 'shared:%' THEN substr(entry, 8) ELSE entry END AS name,
            CASE WHEN entry LIKE 'shared:%' THEN ARRAY[substr(entry, 8)]
                 ELSE ARRAY[entry, 'shared:' || entry] END AS keys
     FROM unnest($3::text[]) AS entry
-),
-older AS MATERIALIZED (
-    SELECT coalesce(t.reserved_resources_record, '{}'::text[]) AS record
-    FROM core_task t
-    WHERE t.state = 'waiting'
-      AND t.pulp_created <= $1::timestamptz
-      AND (t.pulp_created, t.pulp_id) < ($1::timestamptz, $2::uuid)
-      AND t.app_lock_id IS NULL
-    ORDER BY t.state, t.pulp_created
-    LIMIT 64
-),
-few AS MATERIALIZED (
-    SELECT count(*) < 64 AS yes FROM older
 )
 SELECT DISTINCT n.name
 FROM named n
-WHERE CASE
-    WHEN (SELECT yes FROM few) THEN
-        EXISTS (SELECT 1 FROM older o WHERE o.record && n.keys)
-    ELSE
-        -- Fenced (OFFSET 0) from the position, so a generic plan reads the GIN match only and
-        -- never ANDs it with Pulp's plain pulp_created index (every older task).
-        (SELECT count(*)
-         FROM (
-             SELECT t.pulp_created, t.pulp_id
-             FROM core_task t
-             WHERE t.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-               AND t.reserved_resources_record && n.keys
-               AND t.state = 'waiting' AND t.app_lock_id IS NULL
-             OFFSET 0
-         ) AS m
-         WHERE (m.pulp_created, m.pulp_id) < ($1::timestamptz, $2::uuid)) > 0
-END
+WHERE (SELECT count(*)
+       FROM (
+           SELECT t.pulp_created, t.pulp_id, t.state, t.app_lock_id
+           FROM core_task t
+           WHERE t.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+             AND t.reserved_resources_record && n.keys
+           OFFSET 0
+       ) AS m
+       WHERE m.state = 'waiting' AND m.app_lock_id IS NULL
+         AND (m.pulp_created, m.pulp_id) < ($1::timestamptz, $2::uuid)) > 0
