@@ -344,3 +344,25 @@ fn every_metric_the_dashboard_queries_exists() {
         assert!(queried.contains(name), "no panel shows {name}");
     }
 }
+
+#[test]
+fn one_license_for_the_crate_and_the_python_package() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let text = std::fs::read_to_string(format!("{root}/LICENSE")).expect("a LICENSE file");
+    assert!(
+        text.trim_start()
+            .starts_with("GNU GENERAL PUBLIC LICENSE\n                       Version 2, June 1991"),
+        "LICENSE holds the GPL version 2 text"
+    );
+    assert_eq!(env!("CARGO_PKG_LICENSE"), "GPL-2.0-or-later");
+    let pyproject = std::fs::read_to_string(format!("{root}/clients/python/pyproject.toml")).unwrap();
+    assert!(
+        pyproject
+            .lines()
+            .any(|l| l.trim() == "license = \"GPL-2.0-or-later\""),
+        "clients/python/pyproject.toml states the crate's license"
+    );
+    let shipped = std::fs::read_to_string(format!("{root}/clients/python/LICENSE"))
+        .expect("the Python package ships the license text");
+    assert_eq!(shipped, text, "the Python package ships the same LICENSE");
+}
