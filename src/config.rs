@@ -507,6 +507,32 @@ pub struct SecurityArgs {
     /// PEM CA bundle: clients must present a certificate it signed (mutual TLS).
     #[arg(long, env = "DISPATCH_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve a non-loopback --listen with no authentication at all (no worker token, no client
+    /// certificates, no admin credential): every RPC and the admin API (revoke, force-release)
+    /// are then open to whoever reaches the port. Without it such a broker refuses to start (as
+    /// Redis' protected mode does). Only where the network lets trusted clients alone reach it.
+    #[arg(long, env = "DISPATCH_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+}
+
+impl SecurityArgs {
+    /// Whether any caller must show a credential: a worker token, a client certificate (mutual
+    /// TLS) or an admin credential.
+    pub fn authenticates(&self) -> bool {
+        self.auth_token_file.is_some()
+            || self.auth_token.is_some()
+            || self.tls_client_ca.is_some()
+            || self.admin_token_file.is_some()
+            || self.admin_token.is_some()
+    }
+}
+
+/// Whether a broker listening on `listen` with `security` is open to other hosts with nothing to
+/// stop them: a non-loopback address, no credential required, and no --allow-unauthenticated.
+pub fn exposed_without_authentication(listen: SocketAddr, security: &SecurityArgs) -> bool {
+    !listen.ip().to_canonical().is_loopback()
+        && !security.authenticates()
+        && !security.allow_unauthenticated
 }
 
 /// Options of `health`.
@@ -665,6 +691,16 @@ impl ServeArgs {
         if self.backend_timeout.is_zero() {
             return Err("--backend-timeout must be positive".to_owned());
         }
+        if exposed_without_authentication(self.listen, &self.security) {
+            return Err(format!(
+                "--listen {} is reachable from other hosts but no authentication is configured: \
+                 anyone who reaches it could take, cancel and force-release tasks; set \
+                 --auth-token-file (DISPATCH_AUTH_TOKEN_FILE), --tls-client-ca or \
+                 --admin-token-file, or pass --allow-unauthenticated \
+                 (DISPATCH_ALLOW_UNAUTHENTICATED=true) if only trusted clients can reach it",
+                self.listen
+            ));
+        }
         Ok(())
     }
 
@@ -726,6 +762,51 @@ mod tests {
         let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
         args.lease.min_ttl = Duration::from_secs(60);
         assert!(args.validate().unwrap_err().contains("--lease-min-ttl"));
+    }
+
+    #[test]
+    fn a_non_loopback_listen_needs_authentication_or_the_flag() {
+        let refused = |listen: &str, tweak: &dyn Fn(&mut SecurityArgs)| {
+            let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
+            args.listen = listen.parse().unwrap();
+            tweak(&mut args.security);
+            args.validate().err()
+        };
+        let e = refused("0.0.0.0:50051", &|_| {}).expect("refused on 0.0.0.0");
+        assert!(e.contains("--allow-unauthenticated"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(refused("[::]:50051", &|_| {}).is_some());
+        assert!(refused("10.1.2.3:50051", &|_| {}).is_some());
+        for loopback in [
+            "127.0.0.1:50051",
+            "127.1.2.3:1",
+            "[::1]:50051",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert_eq!(refused(loopback, &|_| {}), None, "{loopback}");
+        }
+        let path = || Some(PathBuf::from("/f"));
+        let ways: [&dyn Fn(&mut SecurityArgs); 6] = [
+            &|s| s.allow_unauthenticated = true,
+            &|s| s.auth_token_file = path(),
+            &|s| s.auth_token = Some("t".into()),
+            &|s| s.admin_token_file = path(),
+            &|s| s.admin_token = Some("t".into()),
+            &|s| {
+                s.tls_cert = path();
+                s.tls_key = path();
+                s.tls_client_ca = path();
+            },
+        ];
+        for way in ways {
+            assert_eq!(refused("0.0.0.0:50051", way), None);
+        }
+        // TLS alone authenticates nobody.
+        assert!(refused("0.0.0.0:50051", &|s| {
+            s.tls_cert = path();
+            s.tls_key = path();
+        })
+        .is_some());
     }
 
     #[test]

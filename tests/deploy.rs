@@ -355,7 +355,8 @@ fn one_license_for_the_crate_and_the_python_package() {
         "LICENSE holds the GPL version 2 text"
     );
     assert_eq!(env!("CARGO_PKG_LICENSE"), "GPL-2.0-or-later");
-    let pyproject = std::fs::read_to_string(format!("{root}/clients/python/pyproject.toml")).unwrap();
+    let pyproject =
+        std::fs::read_to_string(format!("{root}/clients/python/pyproject.toml")).unwrap();
     assert!(
         pyproject
             .lines()
@@ -365,4 +366,58 @@ fn one_license_for_the_crate_and_the_python_package() {
     let shipped = std::fs::read_to_string(format!("{root}/clients/python/LICENSE"))
         .expect("the Python package ships the license text");
     assert_eq!(shipped, text, "the Python package ships the same LICENSE");
+}
+
+/// `serve` as the Deployment starts it (the ConfigMap's and the Secret's variables, as the
+/// options they set) passes the broker's start-up checks: in particular it listens on 0.0.0.0
+/// with the workers' and the admin token, so it is not refused as open to everyone.
+#[test]
+fn the_kubernetes_configuration_passes_the_start_up_checks() {
+    let configmap = load("configmap.yaml");
+    let secret = load("secret.yaml");
+    let cli = Cli::command();
+    let serve = cli.find_subcommand("serve").unwrap();
+    let argv = |skip: &[&str]| {
+        let mut argv = vec!["dispatch-broker".to_owned(), "serve".to_owned()];
+        let vars = configmap["data"]
+            .as_mapping()
+            .unwrap()
+            .iter()
+            .chain(secret["stringData"].as_mapping().unwrap());
+        for (key, value) in vars {
+            let (key, value) = (key.as_str().unwrap(), value.as_str().unwrap());
+            if skip.contains(&key) {
+                continue;
+            }
+            let arg = serve
+                .get_arguments()
+                .chain(cli.get_arguments())
+                .find(|a| a.get_env().is_some_and(|e| e == key))
+                .unwrap_or_else(|| panic!("{key} is no option of serve"));
+            let long = arg.get_long().unwrap();
+            if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+                if value == "true" {
+                    argv.push(format!("--{long}"));
+                }
+            } else {
+                argv.push(format!("--{long}={value}"));
+            }
+        }
+        let Command::Serve(args) = <Cli as clap::Parser>::parse_from(argv).command else {
+            unreachable!()
+        };
+        args
+    };
+    let args = argv(&[]);
+    assert!(
+        !args.listen.ip().is_loopback(),
+        "the pods serve other hosts"
+    );
+    assert_eq!(args.validate(), Ok(()));
+    // Without the tokens the same configuration would be refused.
+    let open = argv(&["DISPATCH_AUTH_TOKEN_FILE", "DISPATCH_ADMIN_TOKEN_FILE"]);
+    assert!(open
+        .validate()
+        .unwrap_err()
+        .contains("--allow-unauthenticated"));
 }
