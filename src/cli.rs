@@ -79,27 +79,23 @@ async fn connect(args: &AdminClientArgs) -> anyhow::Result<Client> {
         .map_err(|_| {
             anyhow::anyhow!("the admin token holds characters that cannot travel in a header")
         })?;
-    let mut endpoint = Endpoint::from_shared(args.addr.clone())
+    let mut endpoint = Endpoint::from_shared(args.broker.addr.clone())
         .with_context(|| {
             format!(
                 "--addr {:?} is not a URL like http://127.0.0.1:50051",
-                args.addr
+                args.broker.addr
             )
         })?
         .connect_timeout(args.timeout)
         .timeout(args.timeout);
-    if let Some(tls) = crate::security::client_tls(
-        args.tls_ca.as_deref(),
-        &args.tls_domain,
-        args.tls_cert.as_deref().zip(args.tls_key.as_deref()),
-    )? {
+    if let Some(tls) = crate::security::broker_tls(&args.broker)? {
         endpoint = endpoint.tls_config(tls)?;
     }
     let channel = endpoint.connect().await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach the broker at {} ({}); is it running? Point --addr or DISPATCH_ADDR at \
              its gRPC port",
-            args.addr,
+            args.broker.addr,
             source_text(&e)
         )
     })?;

@@ -53,23 +53,13 @@ pub enum Command {
     ForceRelease(ForceReleaseArgs),
 }
 
-/// How the admin commands reach a broker.
+/// How a command reaches a running broker: the same options and variables for `health` and the
+/// admin commands (older names are read too: [`ENV_ALIASES`]).
 #[derive(Debug, Clone, Args)]
-pub struct AdminClientArgs {
-    /// The broker's gRPC address.
+pub struct BrokerAddrArgs {
+    /// The broker's gRPC address (https://... with --tls-ca).
     #[arg(long, env = "DISPATCH_ADDR", default_value = "http://127.0.0.1:50051")]
     pub addr: String,
-    /// File holding the admin token (the broker's --admin-token-file).
-    #[arg(long, env = "DISPATCH_ADMIN_TOKEN_FILE")]
-    pub admin_token_file: Option<PathBuf>,
-    /// The admin token itself (prefer the environment variable).
-    #[arg(
-        long,
-        env = "DISPATCH_ADMIN_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "admin_token_file"
-    )]
-    pub admin_token: Option<String>,
     /// PEM CA bundle to verify a TLS broker with (implies TLS).
     #[arg(long, env = "DISPATCH_CLIENT_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
@@ -82,6 +72,72 @@ pub struct AdminClientArgs {
     /// Private key (PEM) of --tls-cert.
     #[arg(long, env = "DISPATCH_CLIENT_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+}
+
+/// Variables still read under an older name, as (old, current): where the current one is unset,
+/// the old one's value stands in for it (after the command line and the current variable, before
+/// the default). `health` read these before it shared the admin commands' names.
+pub const ENV_ALIASES: &[(&str, &str)] = &[
+    ("DISPATCH_HEALTH_ADDR", "DISPATCH_ADDR"),
+    ("DISPATCH_HEALTH_TLS_CA", "DISPATCH_CLIENT_TLS_CA"),
+    ("DISPATCH_HEALTH_TLS_DOMAIN", "DISPATCH_CLIENT_TLS_DOMAIN"),
+    ("DISPATCH_HEALTH_TLS_CERT", "DISPATCH_CLIENT_TLS_CERT"),
+    ("DISPATCH_HEALTH_TLS_KEY", "DISPATCH_CLIENT_TLS_KEY"),
+];
+
+/// The command line parser, reading [`ENV_ALIASES`] from the process environment.
+pub fn command() -> clap::Command {
+    command_with(|name| std::env::var_os(name))
+}
+
+/// The command line parser with [`ENV_ALIASES`] read through `env`: every argument of every
+/// subcommand that reads a current name whose variable is unset gets the old variable's value as
+/// its default.
+pub fn command_with(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> clap::Command {
+    use clap::CommandFactory;
+    let mut cli = Cli::command();
+    for (old, current) in ENV_ALIASES {
+        let Some(value) = env(old).filter(|_| env(current).is_none()) else {
+            continue;
+        };
+        let subcommands: Vec<String> = cli
+            .get_subcommands()
+            .map(|s| s.get_name().to_owned())
+            .collect();
+        for name in subcommands {
+            cli = cli.mut_subcommand(name, |mut sub| {
+                let ids: Vec<clap::Id> = sub
+                    .get_arguments()
+                    .filter(|a| a.get_env() == Some(std::ffi::OsStr::new(current)))
+                    .map(|a| a.get_id().clone())
+                    .collect();
+                for id in ids {
+                    sub = sub.mut_arg(id, |a| a.default_value(value.clone()));
+                }
+                sub
+            });
+        }
+    }
+    cli
+}
+
+/// How the admin commands reach a broker.
+#[derive(Debug, Clone, Args)]
+pub struct AdminClientArgs {
+    /// Address and TLS.
+    #[command(flatten)]
+    pub broker: BrokerAddrArgs,
+    /// File holding the admin token (the broker's --admin-token-file).
+    #[arg(long, env = "DISPATCH_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The admin token itself (prefer the environment variable).
+    #[arg(
+        long,
+        env = "DISPATCH_ADMIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "admin_token_file"
+    )]
+    pub admin_token: Option<String>,
     /// How long to wait for the broker.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -513,18 +569,40 @@ pub struct SecurityArgs {
     /// PEM CA bundle: clients must present a certificate it signed (mutual TLS).
     #[arg(long, env = "DISPATCH_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve a non-loopback --listen with no authentication at all (no worker token, no client
+    /// certificates, no admin credential): every RPC and the admin API (revoke, force-release)
+    /// are then open to whoever reaches the port. Without it such a broker refuses to start (as
+    /// Redis' protected mode does). Only where the network lets trusted clients alone reach it.
+    #[arg(long, env = "DISPATCH_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+}
+
+impl SecurityArgs {
+    /// Whether any caller must show a credential: a worker token, a client certificate (mutual
+    /// TLS) or an admin credential.
+    pub fn authenticates(&self) -> bool {
+        self.auth_token_file.is_some()
+            || self.auth_token.is_some()
+            || self.tls_client_ca.is_some()
+            || self.admin_token_file.is_some()
+            || self.admin_token.is_some()
+    }
+}
+
+/// Whether a broker listening on `listen` with `security` is open to other hosts with nothing to
+/// stop them: a non-loopback address, no credential required, and no --allow-unauthenticated.
+pub fn exposed_without_authentication(listen: SocketAddr, security: &SecurityArgs) -> bool {
+    !listen.ip().to_canonical().is_loopback()
+        && !security.authenticates()
+        && !security.allow_unauthenticated
 }
 
 /// Options of `health`.
 #[derive(Debug, Clone, Args)]
 pub struct HealthArgs {
-    /// The broker's gRPC address.
-    #[arg(
-        long,
-        env = "DISPATCH_HEALTH_ADDR",
-        default_value = "http://127.0.0.1:50051"
-    )]
-    pub addr: String,
+    /// Address and TLS.
+    #[command(flatten)]
+    pub broker: BrokerAddrArgs,
     /// How long to wait for an answer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -532,18 +610,6 @@ pub struct HealthArgs {
     /// answering); "dispatch.v1.Broker" is liveness (the process serves).
     #[arg(long, default_value = "")]
     pub service: String,
-    /// PEM CA bundle to verify a TLS broker with (implies TLS).
-    #[arg(long, env = "DISPATCH_HEALTH_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
-    /// The name the broker's certificate is checked against.
-    #[arg(long, env = "DISPATCH_HEALTH_TLS_DOMAIN", default_value = "localhost")]
-    pub tls_domain: String,
-    /// Client certificate (PEM) for a broker that requires one, with --tls-key.
-    #[arg(long, env = "DISPATCH_HEALTH_TLS_CERT", requires = "tls_key")]
-    pub tls_cert: Option<PathBuf>,
-    /// Private key (PEM) of --tls-cert.
-    #[arg(long, env = "DISPATCH_HEALTH_TLS_KEY", requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
 }
 
 /// Options of `sandbox`.
@@ -671,6 +737,16 @@ impl ServeArgs {
         if self.backend_timeout.is_zero() {
             return Err("--backend-timeout must be positive".to_owned());
         }
+        if exposed_without_authentication(self.listen, &self.security) {
+            return Err(format!(
+                "--listen {} is reachable from other hosts but no authentication is configured: \
+                 anyone who reaches it could take, cancel and force-release tasks; set \
+                 --auth-token-file (DISPATCH_AUTH_TOKEN_FILE), --tls-client-ca or \
+                 --admin-token-file, or pass --allow-unauthenticated \
+                 (DISPATCH_ALLOW_UNAUTHENTICATED=true) if only trusted clients can reach it",
+                self.listen
+            ));
+        }
         Ok(())
     }
 
@@ -698,7 +774,7 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use clap::{CommandFactory, FromArgMatches};
 
     #[test]
     fn cli_is_consistent() {
@@ -732,6 +808,105 @@ mod tests {
         let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
         args.lease.min_ttl = Duration::from_secs(60);
         assert!(args.validate().unwrap_err().contains("--lease-min-ttl"));
+    }
+
+    #[test]
+    fn a_non_loopback_listen_needs_authentication_or_the_flag() {
+        let refused = |listen: &str, tweak: &dyn Fn(&mut SecurityArgs)| {
+            let mut args = ServeArgs::with_urls("postgres://x", "redis://x");
+            args.listen = listen.parse().unwrap();
+            tweak(&mut args.security);
+            args.validate().err()
+        };
+        let e = refused("0.0.0.0:50051", &|_| {}).expect("refused on 0.0.0.0");
+        assert!(e.contains("--allow-unauthenticated"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(refused("[::]:50051", &|_| {}).is_some());
+        assert!(refused("10.1.2.3:50051", &|_| {}).is_some());
+        for loopback in [
+            "127.0.0.1:50051",
+            "127.1.2.3:1",
+            "[::1]:50051",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert_eq!(refused(loopback, &|_| {}), None, "{loopback}");
+        }
+        let path = || Some(PathBuf::from("/f"));
+        let ways: [&dyn Fn(&mut SecurityArgs); 6] = [
+            &|s| s.allow_unauthenticated = true,
+            &|s| s.auth_token_file = path(),
+            &|s| s.auth_token = Some("t".into()),
+            &|s| s.admin_token_file = path(),
+            &|s| s.admin_token = Some("t".into()),
+            &|s| {
+                s.tls_cert = path();
+                s.tls_key = path();
+                s.tls_client_ca = path();
+            },
+        ];
+        for way in ways {
+            assert_eq!(refused("0.0.0.0:50051", way), None);
+        }
+        // TLS alone authenticates nobody.
+        assert!(refused("0.0.0.0:50051", &|s| {
+            s.tls_cert = path();
+            s.tls_key = path();
+        })
+        .is_some());
+    }
+
+    #[test]
+    fn old_variable_names_stand_in_for_current_ones_that_are_unset() {
+        let addr = |vars: &[(&str, &str)], argv: &[&str]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let lookup = move |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| std::ffi::OsString::from(v))
+            };
+            let matches = command_with(lookup).try_get_matches_from(argv).unwrap();
+            match Cli::from_arg_matches(&matches).unwrap().command {
+                Command::Health(h) => (h.broker.addr, h.broker.tls_domain),
+                Command::Leases(l) => (l.client.broker.addr, l.client.broker.tls_domain),
+                _ => unreachable!(),
+            }
+        };
+        let old = [
+            ("DISPATCH_HEALTH_ADDR", "http://old:1"),
+            ("DISPATCH_HEALTH_TLS_DOMAIN", "old.example"),
+        ];
+        for argv in [
+            &["dispatch-broker", "health"][..],
+            &["dispatch-broker", "leases"],
+        ] {
+            assert_eq!(
+                addr(&old, argv),
+                ("http://old:1".into(), "old.example".into())
+            );
+            assert_eq!(
+                addr(&[], argv),
+                ("http://127.0.0.1:50051".into(), "localhost".into())
+            );
+        }
+        // An old name only fills in for a current one the lookup does not have (the binary's
+        // tests set both in a real environment); the command line wins over both.
+        let both = [old[0], ("DISPATCH_ADDR", "http://new:1")];
+        assert_eq!(
+            addr(&both, &["dispatch-broker", "health"]).0,
+            "http://127.0.0.1:50051",
+            "DISPATCH_ADDR is set, so DISPATCH_HEALTH_ADDR is not read"
+        );
+        assert_eq!(
+            addr(
+                &old,
+                &["dispatch-broker", "health", "--addr", "http://cli:1"]
+            )
+            .0,
+            "http://cli:1"
+        );
     }
 
     #[test]

@@ -2,12 +2,13 @@
 #![forbid(unsafe_code)]
 
 use clap::parser::ValueSource;
-use clap::{CommandFactory, FromArgMatches};
+use clap::FromArgMatches;
 use dispatch_broker::config::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let matches = Cli::command().get_matches();
+    // The parser with old variable names read as aliases of the current ones.
+    let matches = dispatch_broker::config::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),

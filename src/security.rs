@@ -9,7 +9,7 @@ use subtle::ConstantTimeEq;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 use tonic::{Request, Status};
 
-use crate::config::{HealthArgs, SecurityArgs};
+use crate::config::{BrokerAddrArgs, SecurityArgs};
 
 /// Checks `authorization: Bearer <token>` on every call of the service it wraps; lets every call
 /// through when no token is configured. Runs before the handler, so a rejected call does nothing.
@@ -265,8 +265,14 @@ pub fn server_tls(args: &SecurityArgs) -> anyhow::Result<Option<ServerTlsConfig>
     Ok(Some(tls))
 }
 
-/// The health probe's TLS settings, when `--tls-ca` is given.
-pub fn health_tls(args: &HealthArgs) -> anyhow::Result<Option<ClientTlsConfig>> {
+/// The TLS settings `health` and the admin commands connect with, when `--tls-ca` is given.
+pub fn broker_tls(args: &BrokerAddrArgs) -> anyhow::Result<Option<ClientTlsConfig>> {
+    // clap checks this for options and variables; an old variable name stands in as a default,
+    // which clap's `requires` does not see.
+    anyhow::ensure!(
+        args.tls_cert.is_some() == args.tls_key.is_some(),
+        "--tls-cert and --tls-key (DISPATCH_CLIENT_TLS_CERT, DISPATCH_CLIENT_TLS_KEY) go together"
+    );
     client_tls(
         args.tls_ca.as_deref(),
         &args.tls_domain,

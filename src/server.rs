@@ -437,8 +437,8 @@ async fn serve(
 pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     let check = async {
-        let mut endpoint = tonic::transport::Endpoint::from_shared(args.addr.clone())?;
-        if let Some(tls) = crate::security::health_tls(args)? {
+        let mut endpoint = tonic::transport::Endpoint::from_shared(args.broker.addr.clone())?;
+        if let Some(tls) = crate::security::broker_tls(&args.broker)? {
             endpoint = endpoint.tls_config(tls)?;
         }
         let channel = endpoint.connect().await?;
@@ -452,12 +452,17 @@ pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
     };
     let status = tokio::time::timeout(args.timeout, check)
         .await
-        .with_context(|| format!("no answer from {} within {:?}", args.addr, args.timeout))?
-        .with_context(|| format!("health check of {} failed", args.addr))?;
+        .with_context(|| {
+            format!(
+                "no answer from {} within {:?}",
+                args.broker.addr, args.timeout
+            )
+        })?
+        .with_context(|| format!("health check of {} failed", args.broker.addr))?;
     if status == ServingStatus::Serving as i32 {
         println!("serving");
         Ok(())
     } else {
-        anyhow::bail!("{} is not serving (status {status})", args.addr)
+        anyhow::bail!("{} is not serving (status {status})", args.broker.addr)
     }
 }

@@ -135,6 +135,11 @@ fn names_ports_and_labels_agree() {
         );
     }
     assert!(container["resources"]["requests"].is_mapping());
+    assert_eq!(
+        container["image"].as_str(),
+        Some(concat!("dispatch-broker:", env!("CARGO_PKG_VERSION"))),
+        "the image the README's install section builds and tags"
+    );
     let env_from: BTreeSet<String> = container["envFrom"]
         .as_sequence()
         .unwrap()
@@ -342,5 +347,330 @@ fn every_metric_the_dashboard_queries_exists() {
         "dispatch_backend_errors_total",
     ] {
         assert!(queried.contains(name), "no panel shows {name}");
+    }
+}
+
+#[test]
+fn one_license_for_the_crate_and_the_python_package() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let text = std::fs::read_to_string(format!("{root}/LICENSE")).expect("a LICENSE file");
+    assert!(
+        text.trim_start()
+            .starts_with("GNU GENERAL PUBLIC LICENSE\n                       Version 2, June 1991"),
+        "LICENSE holds the GPL version 2 text"
+    );
+    assert_eq!(env!("CARGO_PKG_LICENSE"), "GPL-2.0-or-later");
+    let pyproject =
+        std::fs::read_to_string(format!("{root}/clients/python/pyproject.toml")).unwrap();
+    assert!(
+        pyproject
+            .lines()
+            .any(|l| l.trim() == "license = \"GPL-2.0-or-later\""),
+        "clients/python/pyproject.toml states the crate's license"
+    );
+    let shipped = std::fs::read_to_string(format!("{root}/clients/python/LICENSE"))
+        .expect("the Python package ships the license text");
+    assert_eq!(shipped, text, "the Python package ships the same LICENSE");
+}
+
+/// `serve` as the Deployment starts it (the ConfigMap's and the Secret's variables, as the
+/// options they set) passes the broker's start-up checks: in particular it listens on 0.0.0.0
+/// with the workers' and the admin token, so it is not refused as open to everyone.
+#[test]
+fn the_kubernetes_configuration_passes_the_start_up_checks() {
+    let configmap = load("configmap.yaml");
+    let secret = load("secret.yaml");
+    let cli = Cli::command();
+    let serve = cli.find_subcommand("serve").unwrap();
+    let argv = |skip: &[&str]| {
+        let mut argv = vec!["dispatch-broker".to_owned(), "serve".to_owned()];
+        let vars = configmap["data"]
+            .as_mapping()
+            .unwrap()
+            .iter()
+            .chain(secret["stringData"].as_mapping().unwrap());
+        for (key, value) in vars {
+            let (key, value) = (key.as_str().unwrap(), value.as_str().unwrap());
+            if skip.contains(&key) {
+                continue;
+            }
+            let arg = serve
+                .get_arguments()
+                .chain(cli.get_arguments())
+                .find(|a| a.get_env().is_some_and(|e| e == key))
+                .unwrap_or_else(|| panic!("{key} is no option of serve"));
+            let long = arg.get_long().unwrap();
+            if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+                if value == "true" {
+                    argv.push(format!("--{long}"));
+                }
+            } else {
+                argv.push(format!("--{long}={value}"));
+            }
+        }
+        let Command::Serve(args) = <Cli as clap::Parser>::parse_from(argv).command else {
+            unreachable!()
+        };
+        args
+    };
+    let args = argv(&[]);
+    assert!(
+        !args.listen.ip().is_loopback(),
+        "the pods serve other hosts"
+    );
+    assert_eq!(args.validate(), Ok(()));
+    // Without the tokens the same configuration would be refused.
+    let open = argv(&["DISPATCH_AUTH_TOKEN_FILE", "DISPATCH_ADMIN_TOKEN_FILE"]);
+    assert!(open
+        .validate()
+        .unwrap_err()
+        .contains("--allow-unauthenticated"));
+}
+
+/// The build stage of deploy/Dockerfile: what its COPY lines take from the build context (source,
+/// destination under WORKDIR) and the command its RUN line runs.
+struct BuildStage {
+    copies: Vec<(Vec<String>, String)>,
+    run: Vec<String>,
+}
+
+fn build_stage(dockerfile: &str) -> BuildStage {
+    let joined = dockerfile.replace("\\\n", " ");
+    let mut stage = BuildStage {
+        copies: Vec::new(),
+        run: Vec::new(),
+    };
+    let mut froms = 0;
+    for line in joined.lines().map(str::trim) {
+        let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+        match words.first().map(String::as_str) {
+            Some("FROM") => froms += 1,
+            Some("COPY") if froms == 1 => {
+                assert!(
+                    !words[1].starts_with("--"),
+                    "COPY flags are not understood by this test: {line}"
+                );
+                let (dest, sources) = words[1..].split_last().expect("COPY SRC... DEST");
+                stage.copies.push((sources.to_vec(), dest.clone()));
+            }
+            Some("RUN") if froms == 1 => {
+                assert!(stage.run.is_empty(), "one RUN in the build stage");
+                stage.run = words[1..].to_vec();
+            }
+            _ => {}
+        }
+    }
+    stage
+}
+
+/// `.dockerignore`'s patterns.
+fn docker_ignored() -> Vec<String> {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.dockerignore"))
+        .expect("a .dockerignore keeps build output out of the build context")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            assert!(
+                !l.starts_with('!'),
+                "exceptions are not understood by this test: {l}"
+            );
+            l.trim_matches('/').to_owned()
+        })
+        .collect()
+}
+
+/// Whether a `.dockerignore` pattern matches a context-relative path (`**` any number of
+/// components, `*` and `?` within one), as Docker matches them.
+fn ignored_by(pattern: &str, path: &str) -> bool {
+    fn glob(p: &[u8], s: &[u8]) -> bool {
+        match (p.first(), s.first()) {
+            (None, None) => true,
+            (Some(b'*'), _) => glob(&p[1..], s) || (!s.is_empty() && glob(p, &s[1..])),
+            (Some(b'?'), Some(_)) => glob(&p[1..], &s[1..]),
+            (Some(a), Some(b)) if a == b => glob(&p[1..], &s[1..]),
+            _ => false,
+        }
+    }
+    fn parts(p: &[&str], s: &[&str]) -> bool {
+        match (p.first(), s.first()) {
+            (None, None) => true,
+            (Some(&"**"), _) => parts(&p[1..], s) || (!s.is_empty() && parts(p, &s[1..])),
+            (Some(a), Some(b)) => glob(a.as_bytes(), b.as_bytes()) && parts(&p[1..], &s[1..]),
+            _ => false,
+        }
+    }
+    let p: Vec<&str> = pattern.split('/').collect();
+    let s: Vec<&str> = path.split('/').collect();
+    parts(&p, &s)
+}
+
+/// Copies the context-relative path `rel` to `to` as Docker's COPY does, leaving out what
+/// `.dockerignore` excludes.
+fn copy_from_context(root: &Path, rel: &str, to: &Path, ignore: &[String]) {
+    assert!(
+        !ignore.iter().any(|p| ignored_by(p, rel)),
+        "COPY {rel}: .dockerignore excludes it"
+    );
+    let from = root.join(rel);
+    let meta = std::fs::metadata(&from)
+        .unwrap_or_else(|e| panic!("COPY {rel}: not in the repository ({e})"));
+    if meta.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(&from).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            let child = format!("{rel}/{name}");
+            if !ignore.iter().any(|p| ignored_by(p, &child)) {
+                copy_from_context(root, &child, &to.join(&name), ignore);
+            }
+        }
+    } else {
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&from, to).unwrap();
+    }
+}
+
+#[test]
+fn dockerignore_patterns_match_as_docker_matches_them() {
+    assert!(ignored_by("target", "target"));
+    assert!(!ignored_by("target", "src/target"));
+    assert!(ignored_by("**/__pycache__", "__pycache__"));
+    assert!(ignored_by(
+        "**/__pycache__",
+        "clients/python/tests/__pycache__"
+    ));
+    assert!(ignored_by("**/*.egg-info", "clients/python/x.egg-info"));
+    assert!(!ignored_by("**/*.egg-info", "src"));
+    let ignored = docker_ignored();
+    for path in ["target", ".git"] {
+        assert!(
+            ignored.iter().any(|p| ignored_by(p, path)),
+            ".dockerignore keeps {path} out"
+        );
+    }
+}
+
+/// The image builds from what the Dockerfile copies, without Docker: exactly the paths its COPY
+/// lines name (less what .dockerignore excludes) go into a scratch directory, and its RUN's cargo
+/// command runs there, as `cargo check` (the link step reads nothing from the context) with
+/// `--offline` (dependencies come from the local cargo cache, as they did for this test's own
+/// build). The scratch build has a target directory of its own that only ever held this scratch
+/// copy, so nothing built from the repository itself can stand in for a missing file; it is kept
+/// between runs, so only the first run checks the dependencies.
+#[test]
+fn the_image_builds_from_what_the_dockerfile_copies() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docker = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
+    let stage = build_stage(&docker);
+    assert!(
+        !stage.copies.is_empty(),
+        "the build stage copies the sources"
+    );
+    let ignore = docker_ignored();
+    let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dockerfile-build");
+    let context = scratch.join("src");
+    if context.exists() {
+        std::fs::remove_dir_all(&context).unwrap();
+    }
+    std::fs::create_dir_all(&context).unwrap();
+    for (sources, dest) in &stage.copies {
+        let into_dir = sources.len() > 1 || dest.ends_with('/');
+        for source in sources {
+            let name = Path::new(source).file_name().unwrap();
+            let to = if into_dir {
+                context.join(dest).join(name)
+            } else {
+                context.join(dest)
+            };
+            copy_from_context(root, source.trim_end_matches('/'), &to, &ignore);
+        }
+    }
+
+    let [cargo, verb, args @ ..] = stage.run.as_slice() else {
+        panic!("RUN has a cargo command: {:?}", stage.run);
+    };
+    assert_eq!(
+        (cargo.as_str(), verb.as_str()),
+        ("cargo", "build"),
+        "{:?}",
+        stage.run
+    );
+    assert!(
+        args.contains(&"--locked".to_owned()),
+        "the image builds with Cargo.lock's versions"
+    );
+    assert!(
+        args.windows(2).any(|w| w == ["--bin", "dispatch-broker"]),
+        "{:?}",
+        stage.run
+    );
+    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .arg("check")
+        .args(args)
+        .args(["--offline", "--quiet"])
+        .current_dir(&context)
+        .env("CARGO_TARGET_DIR", scratch.join("target"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "`cargo check {} --offline` on the Dockerfile's copy of the repository failed:\n{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `rust-version` in Cargo.toml is no older than what any locked dependency declares it needs
+/// (the README's install section states it; clippy's `incompatible_msrv` checks the crate's own
+/// use of the standard library against it).
+#[test]
+fn rust_version_covers_every_locked_dependency() {
+    let host = std::process::Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .unwrap();
+    let host = String::from_utf8_lossy(&host.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .expect("rustc -vV names the host");
+    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["--filter-platform", &host])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let version = |v: &str| -> Vec<u64> { v.split('.').map(|n| n.parse().unwrap()).collect() };
+    let ours = version(env!("CARGO_PKG_RUST_VERSION"));
+    let resolved: BTreeSet<&str> = metadata["resolve"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap())
+        .collect();
+    for package in metadata["packages"].as_array().unwrap() {
+        let (Some(needs), Some(id)) = (package["rust_version"].as_str(), package["id"].as_str())
+        else {
+            continue;
+        };
+        if resolved.contains(id) {
+            let mut needs = version(needs);
+            needs.resize(ours.len().max(needs.len()), 0);
+            let mut have = ours.clone();
+            have.resize(needs.len(), 0);
+            assert!(
+                have >= needs,
+                "{} {} needs Rust {}, but Cargo.toml says rust-version = {}",
+                package["name"],
+                package["version"],
+                package["rust_version"],
+                env!("CARGO_PKG_RUST_VERSION")
+            );
+        }
     }
 }

@@ -17,6 +17,9 @@ const TOKEN: &str = "s3cret-token-for-the-test";
 struct Pki {
     ca_pem: String,
     server: (String, String),
+    /// A server certificate for "broker.example" only (reached at 127.0.0.1, the name must be
+    /// given).
+    named_server: (String, String),
     client: (String, String),
 }
 
@@ -35,6 +38,7 @@ fn pki() -> Pki {
     Pki {
         ca_pem: ca.pem(),
         server: leaf(vec!["localhost".into()]),
+        named_server: leaf(vec!["broker.example".into()]),
         client: leaf(vec!["worker-1".into()]),
     }
 }
@@ -211,4 +215,92 @@ async fn the_token_can_come_from_dispatch_auth_token_instead_of_a_file() {
     args.security.auth_token = Some("CHANGE-ME".into());
     let err = dispatch_broker::server::start(&args).await.err().unwrap();
     assert!(err.to_string().contains("DISPATCH_AUTH_TOKEN"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_the_admin_commands_read_one_set_of_variables_and_the_old_names() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key, ca) = (
+        write(&dir, "server.pem", &pki.named_server.0),
+        write(&dir, "server.key", &pki.named_server.1),
+        write(&dir, "ca.pem", &pki.ca_pem),
+    );
+    let (client_cert, client_key) = (
+        write(&dir, "client.pem", &pki.client.0),
+        write(&dir, "client.key", &pki.client.1),
+    );
+    let env = Env::with(|a| {
+        a.security.tls_cert = Some(cert);
+        a.security.tls_key = Some(key);
+        a.security.tls_client_ca = Some(ca.clone());
+        a.security.admin_client_names = vec!["worker-1".into()];
+    })
+    .await;
+    let addr = format!("https://127.0.0.1:{}", env.broker().addr.port());
+    let run = |args: &[&str], vars: &[(&str, &std::ffi::OsStr)]| {
+        tokio::task::block_in_place(|| {
+            std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+                .args(args)
+                .envs(vars.iter().copied())
+                .output()
+                .unwrap()
+        })
+    };
+    // The same settings under the current names and under health's old ones (still read).
+    for names in [
+        [
+            "DISPATCH_ADDR",
+            "DISPATCH_CLIENT_TLS_CA",
+            "DISPATCH_CLIENT_TLS_DOMAIN",
+            "DISPATCH_CLIENT_TLS_CERT",
+            "DISPATCH_CLIENT_TLS_KEY",
+        ],
+        [
+            "DISPATCH_HEALTH_ADDR",
+            "DISPATCH_HEALTH_TLS_CA",
+            "DISPATCH_HEALTH_TLS_DOMAIN",
+            "DISPATCH_HEALTH_TLS_CERT",
+            "DISPATCH_HEALTH_TLS_KEY",
+        ],
+    ] {
+        let values = [
+            addr.as_ref(),
+            ca.as_os_str(),
+            "broker.example".as_ref(),
+            client_cert.as_os_str(),
+            client_key.as_os_str(),
+        ];
+        let vars: Vec<(&str, &std::ffi::OsStr)> = names.into_iter().zip(values).collect();
+        for command in [&["health"][..], &["leases", "--json"]] {
+            let out = run(command, &vars);
+            assert!(
+                out.status.success(),
+                "{command:?} with {names:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // Without the client certificate the broker refuses the connection.
+        let out = run(&["health", "--timeout", "2s"], &vars[..3]);
+        assert!(!out.status.success(), "{names:?}");
+    }
+    // Where both are set, the current name wins.
+    let nowhere = format!(
+        "https://127.0.0.1:{}",
+        dispatch_broker::testkit::free_port().unwrap()
+    );
+    let out = run(
+        &["health", "--timeout", "2s"],
+        &[
+            ("DISPATCH_ADDR", nowhere.as_ref()),
+            ("DISPATCH_HEALTH_ADDR", addr.as_ref()),
+            ("DISPATCH_CLIENT_TLS_CA", ca.as_os_str()),
+            ("DISPATCH_CLIENT_TLS_DOMAIN", "broker.example".as_ref()),
+            ("DISPATCH_CLIENT_TLS_CERT", client_cert.as_os_str()),
+            ("DISPATCH_CLIENT_TLS_KEY", client_key.as_os_str()),
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&nowhere));
+    env.shutdown().await;
 }

@@ -174,3 +174,92 @@ async fn the_health_subcommand_reports_a_serving_broker_and_fails_otherwise() {
     assert!(String::from_utf8_lossy(&down.stderr).contains(&nowhere));
     env.shutdown().await;
 }
+
+/// `dispatch-broker serve` with both backends unreachable, so only configuration can pass or fail.
+fn serve_offline(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+        .args([
+            "serve",
+            "--postgres-url",
+            "postgres://127.0.0.1:1/x",
+            "--redis-url",
+            "redis://127.0.0.1:1/",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_exposed_broker_without_authentication_refuses_to_start_unless_told() {
+    // On 0.0.0.0 with no credential: one line naming what to pass, before any backend is tried.
+    for (args, env) in [
+        (vec!["--listen", "0.0.0.0:0"], vec![]),
+        (vec![], vec![("DISPATCH_LISTEN", "0.0.0.0:0")]),
+    ] {
+        let out = serve_offline(&args, &env);
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        for named in ["--allow-unauthenticated", "--auth-token-file", "0.0.0.0:0"] {
+            assert!(stderr.contains(named), "{stderr}");
+        }
+    }
+    // With the flag, its variable or a token, start-up goes on (to the unreachable Postgres).
+    for (args, env) in [
+        (
+            vec!["--listen", "0.0.0.0:0", "--allow-unauthenticated"],
+            vec![],
+        ),
+        (
+            vec!["--listen", "0.0.0.0:0"],
+            vec![("DISPATCH_ALLOW_UNAUTHENTICATED", "true")],
+        ),
+        (
+            vec!["--listen", "0.0.0.0:0"],
+            vec![("DISPATCH_AUTH_TOKEN", "s3cret-token-for-the-test")],
+        ),
+    ] {
+        let out = serve_offline(&args, &env);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("cannot reach PostgreSQL"),
+            "{args:?} {env:?}: {stderr}"
+        );
+    }
+    // A loopback address needs neither (the default, the demo, the sandbox).
+    let out = serve_offline(&["--listen", "127.0.0.1:0"], &[]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach PostgreSQL"));
+
+    // And such a broker really serves on every interface: with the flag, and with a token.
+    let open = Env::with(|a| {
+        a.listen = "0.0.0.0:0".parse().unwrap();
+        a.security.allow_unauthenticated = true;
+    })
+    .await;
+    let port = open.broker().addr.port();
+    assert!(open.broker().addr.ip().is_unspecified());
+    let mut client = dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
+        "http://127.0.0.1:{port}"
+    ))
+    .await
+    .unwrap();
+    let lease = client
+        .open_lease(dispatch_broker::proto::OpenLeaseRequest {
+            worker_name: "w".into(),
+            ..Default::default()
+        })
+        .await;
+    assert!(lease.is_ok(), "{lease:?}");
+    open.shutdown().await;
+    let guarded = Env::with(|a| {
+        a.listen = "0.0.0.0:0".parse().unwrap();
+        a.security.auth_token = Some("s3cret-token-for-the-test".into());
+    })
+    .await;
+    assert!(guarded.broker().addr.ip().is_unspecified());
+    guarded.shutdown().await;
+}

@@ -27,8 +27,13 @@ pub async fn run(args: &SandboxArgs) -> Result<()> {
     serve.security = args.security.clone();
     serve.lanes.cutoff = Duration::ZERO;
     let broker = crate::server::start(&serve).await?;
+    let scheme = if serve.security.tls_cert.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let line = serde_json::json!({
-        "endpoint": format!("http://{}", broker.addr),
+        "endpoint": format!("{scheme}://{}", broker.addr),
         "address": broker.addr.to_string(),
         "metrics": format!("http://{}/metrics", broker.metrics_addr),
         "postgres_url": url,

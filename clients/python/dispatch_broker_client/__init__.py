@@ -9,6 +9,7 @@ from .worker import (
     RetryPolicy,
     Task,
     TaskLost,
+    TlsConfig,
     Worker,
     WorkerEvent,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "RetryPolicy",
     "Task",
     "TaskLost",
+    "TlsConfig",
     "Worker",
     "WorkerEvent",
 ]

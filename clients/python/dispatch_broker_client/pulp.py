@@ -13,7 +13,8 @@ final state, and it cleans up canceled tasks as Pulp does. What the broker now o
   worker's lease expires, which releases its locks and fails its running tasks.
 
 Run ``pulpcore-broker-worker --broker HOST:PORT`` with the usual Pulp settings (``PULP_*``
-environment or settings file). Pulp's API and content processes keep ``WORKER_TYPE = "pulpcore"``.
+environment or settings file); ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS)
+for a broker serving TLS. Pulp's API and content processes keep ``WORKER_TYPE = "pulpcore"``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from .worker import Task as BrokerTask
-from .worker import Worker
+from .worker import TlsConfig, Worker
 
 log = logging.getLogger("dispatch_broker_client.pulp")
 
@@ -45,7 +46,7 @@ CLEANUP_INTERVAL = 30
 class BrokerPulpWorker:
     """One Pulp worker process."""
 
-    def __init__(self, broker: str, token: str | None = None):
+    def __init__(self, broker: str, token: str | None = None, tls: TlsConfig | None = None):
         from django.conf import settings
 
         from pulpcore.app.apps import pulp_plugin_configs
@@ -63,6 +64,7 @@ class BrokerPulpWorker:
             versions=self.versions,
             ttl=float(settings.WORKER_TTL),
             token=token,
+            tls=tls,
             app_status_id=str(self.app_status.pk),
         )
         self.shutdown_requested = False
@@ -259,14 +261,15 @@ class BrokerPulpWorker:
                 task.set_canceled(final_state=cancel_state, reason=reason)
 
 
-def claim_immediate_tasks(broker: str, token: str | None = None) -> Worker:
+def claim_immediate_tasks(broker: str, token: str | None = None, tls: TlsConfig | None = None) -> Worker:
     """Makes this Pulp API process run immediate tasks under the broker's locks: when pulpcore's
     ``dispatch()`` asks whether an immediate task may run now, the broker answers (``ClaimTask``
     under a lease on this process's own ``core_appstatus`` row, so held locks count, not only older
     tasks), and the task's locks are released (``ReleaseLocks``) once Pulp ran it. A task the
     broker does not grant is deferred to the workers, as Pulp does. Call once per process after
     Django is set up (e.g. from gunicorn's ``post_worker_init`` hook); returns the lease's
-    ``Worker``, to ``close()`` at exit."""
+    ``Worker``, to ``close()`` at exit. ``token`` and ``tls`` as for ``Worker`` (``tls_from_env()``
+    reads the worker command's ``DISPATCH_BROKER_TLS_*`` variables)."""
     import threading
 
     from asgiref.sync import sync_to_async
@@ -283,6 +286,7 @@ def claim_immediate_tasks(broker: str, token: str | None = None) -> Worker:
         versions={app.label: app.version for app in pulp_plugin_configs()},
         ttl=float(settings.WORKER_TTL),
         token=token,
+        tls=tls,
         app_status_id=str(current.pk),
     ).open()
     grants: dict[str, BrokerTask] = {}
@@ -326,8 +330,50 @@ def claim_immediate_tasks(broker: str, token: str | None = None) -> Worker:
     return lease
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``pulpcore-broker-worker``: a Pulp worker served by dispatch-broker."""
+# The worker command's TLS options: (option, variable, what it holds).
+TLS_OPTIONS = (
+    ("--tls-ca", "DISPATCH_BROKER_TLS_CA", "PEM CA bundle the broker's certificate must chain to (implies TLS)"),
+    ("--tls-domain", "DISPATCH_BROKER_TLS_DOMAIN", "the name the broker's certificate must carry (default: the host of --broker)"),
+    ("--tls-cert", "DISPATCH_BROKER_TLS_CERT", "client certificate (PEM) for mutual TLS, with --tls-key (implies TLS)"),
+    ("--tls-key", "DISPATCH_BROKER_TLS_KEY", "private key (PEM) of --tls-cert"),
+)
+
+
+def _tls(values: dict[str, str | None], broker: str) -> TlsConfig | None:
+    """TLS settings from the options' values (by option name): None when none is given and the
+    address is not ``https://``. ValueError names an option whose file cannot be read."""
+    if not any(values.values()) and not broker.startswith("https://"):
+        return None
+    read: dict[str, bytes | None] = {}
+    for option, env, _ in TLS_OPTIONS:
+        path = values.get(option)
+        if option == "--tls-domain" or not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                read[option] = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read {option} ({env}) {path}: {e.strerror}") from None
+    if ("--tls-cert" in read) != ("--tls-key" in read):
+        raise ValueError("--tls-cert and --tls-key (DISPATCH_BROKER_TLS_CERT, DISPATCH_BROKER_TLS_KEY) go together")
+    return TlsConfig(
+        ca=read.get("--tls-ca"),
+        domain=values.get("--tls-domain") or None,
+        cert=read.get("--tls-cert"),
+        key=read.get("--tls-key"),
+    )
+
+
+def tls_from_env(broker: str = "") -> TlsConfig | None:
+    """TLS settings from ``DISPATCH_BROKER_TLS_CA``, ``..._DOMAIN``, ``..._CERT`` and ``..._KEY``
+    (the worker command's variables), for ``claim_immediate_tasks`` in an API process; None when
+    none is set (and ``broker`` is not ``https://``)."""
+    return _tls({option: os.environ.get(env) for option, env, _ in TLS_OPTIONS}, broker)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker command's arguments; ``tls`` is the TLS configuration (None: plaintext). Exits
+    with a one-line message on bad input, as argparse does."""
     parser = argparse.ArgumentParser(
         prog="pulpcore-broker-worker",
         description="A Pulp worker whose resource locks, liveness and cancellation go through "
@@ -336,19 +382,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--broker",
         default=os.environ.get("DISPATCH_BROKER_ADDRESS", "127.0.0.1:50051"),
-        help="the broker's gRPC address, host:port (env DISPATCH_BROKER_ADDRESS)",
+        help="the broker's gRPC address, host:port (https://host:port: TLS with the system's CAs) "
+        "(env DISPATCH_BROKER_ADDRESS)",
     )
     parser.add_argument(
         "--token",
         default=os.environ.get("DISPATCH_BROKER_TOKEN"),
         help="bearer token for the broker (env DISPATCH_BROKER_TOKEN)",
     )
+    for option, env, text in TLS_OPTIONS:
+        parser.add_argument(option, default=os.environ.get(env), help=f"{text} (env {env})")
     parser.add_argument("--burst", action="store_true", help="exit once no task is ready")
     parser.add_argument(
         "--name-template",
         help="format of the worker's name; '{pid}', '{hostname}' and '{fqdn}' are substituted",
     )
     args = parser.parse_args(argv)
+    values = {option: getattr(args, option[2:].replace("-", "_")) for option, _, _ in TLS_OPTIONS}
+    try:
+        args.tls = _tls(values, args.broker)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pulpcore-broker-worker``: a Pulp worker served by dispatch-broker."""
+    args = parse_args(argv)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pulpcore.app.settings")
     import django
@@ -359,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.name_template:
         settings.set("WORKER_NAME_TEMPLATE", args.name_template)
     try:
-        BrokerPulpWorker(args.broker, args.token).run(burst=args.burst)
+        BrokerPulpWorker(args.broker, args.token, args.tls).run(burst=args.burst)
     except Exception as e:  # noqa: BLE001 - one line for the operator, not a traceback
         log.exception("pulpcore-broker-worker failed")
         print(f"pulpcore-broker-worker: {e}", file=sys.stderr)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import pathlib
 import queue
 import random
 import signal
@@ -92,6 +94,58 @@ class RetryPolicy:
         if left <= 0:
             return None
         return min(step / 2 + step * min(max(jitter, 0.0), 1.0) / 2, left)
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """TLS to a broker serving it (``--tls-cert``), like the Rust client's ``WorkerConfig.tls``.
+
+    ``ca``: the PEM bundle the broker's certificate must chain to (None: the system's roots).
+    ``domain``: the name that certificate must carry (None: the host of the target), for a broker
+    reached by an address its certificate does not name. ``cert`` and ``key``: the client
+    certificate chain and its private key (PEM), which a broker with ``--tls-client-ca`` requires
+    (mutual TLS)."""
+
+    ca: bytes | None = None
+    domain: str | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its private key: give both cert and key, or neither")
+
+    @classmethod
+    def from_files(
+        cls,
+        ca: str | os.PathLike[str] | None = None,
+        domain: str | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
+    ) -> TlsConfig:
+        """The same, read from PEM files; ValueError names a file that cannot be read."""
+        return cls(
+            ca=_read_pem(ca, "ca"), domain=domain or None, cert=_read_pem(cert, "cert"), key=_read_pem(key, "key")
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The gRPC channel credentials."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Channel options: the name the broker's certificate is checked against, when given."""
+        return [("grpc.ssl_target_name_override", self.domain)] if self.domain else []
+
+
+def _read_pem(path: str | os.PathLike[str] | None, what: str) -> bytes | None:
+    if path is None or str(path) == "":
+        return None
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS {what} file {path}: {e.strerror}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +290,9 @@ class Task:
 
 
 class Worker:
-    """One worker's lease on the broker at ``target`` (``host:port``)."""
+    """One worker's lease on the broker at ``target`` (``host:port``; ``https://host:port`` means
+    TLS with the system's roots unless ``tls`` says more). ``tls`` connects with TLS (and mutual
+    TLS); ``credentials`` takes ready-made gRPC channel credentials instead."""
 
     def __init__(
         self,
@@ -250,7 +306,14 @@ class Worker:
         call_timeout: float = 10.0,
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: TlsConfig | None = None,
     ):
+        if tls is not None and credentials is not None:
+            raise ValueError("pass tls or credentials, not both")
+        if target.startswith("https://"):
+            target = target.removeprefix("https://")
+            if tls is None and credentials is None:
+                tls = TlsConfig()
         target = target.removeprefix("http://")
         self.name = name
         self.versions = dict(versions or {})
@@ -259,7 +322,9 @@ class Worker:
         self.retry = retry or RetryPolicy()
         self._configured_app_status = app_status_id
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        if credentials is not None:
+        if tls is not None:
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=tls.channel_options())
+        elif credentials is not None:
             self._channel = grpc.secure_channel(target, credentials)
         else:
             self._channel = grpc.insecure_channel(target)
@@ -325,10 +390,13 @@ class Worker:
             lease_id = self.lease_id
         reply: pb.CloseLeaseResponse
         try:
-            reply = self._call(
-                "CloseLease",
-                lambda stub, timeout: stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease_id), timeout=timeout),
-            )
+            if not lease_id:  # never opened (open() failed): there is nothing to close
+                reply = pb.CloseLeaseResponse()
+            else:
+                reply = self._call(
+                    "CloseLease",
+                    lambda stub, timeout: stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease_id), timeout=timeout),
+                )
         except BrokerError as e:
             if not e.is_lease_not_found:
                 raise

@@ -1,8 +1,9 @@
-"""Fixtures: a real broker on throwaway PostgreSQL and Redis (`dispatch-broker sandbox`), and a
-database connection to insert tasks and read their state."""
+"""Fixtures: a real broker on throwaway PostgreSQL and Redis (`dispatch-broker sandbox`), a
+database connection to insert tasks and read their state, and certificates for TLS tests."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
@@ -14,6 +15,10 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "clients" / "python"))
@@ -102,3 +107,91 @@ def db(sandbox: Sandbox) -> Iterator[Db]:
 def resource() -> str:
     """A resource name no other test uses."""
     return f"prn:test.repository:{uuid.uuid4()}"
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _leaf(
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], name: str, server: bool
+) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    usage = x509.oid.ExtendedKeyUsageOID.SERVER_AUTH if server else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(ca[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .sign(ca[1], hashes.SHA256())
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
+
+
+@dataclass
+class Pki:
+    """PEM files: a CA, the broker's certificate (for the name "localhost" only: the tests reach
+    it at 127.0.0.1, so the name must be given), a worker's client certificate from the same CA,
+    and a client certificate from another CA."""
+
+    ca: pathlib.Path
+    server_cert: pathlib.Path
+    server_key: pathlib.Path
+    client_cert: pathlib.Path
+    client_key: pathlib.Path
+    rogue_ca: pathlib.Path
+    rogue_cert: pathlib.Path
+    rogue_key: pathlib.Path
+
+
+def make_pki(d: pathlib.Path) -> Pki:
+    """Writes a fresh PKI (see ``Pki``) into ``d``."""
+    ca, rogue = _ca("test CA"), _ca("another CA")
+    files: dict[str, bytes] = {
+        "ca": ca[0].public_bytes(serialization.Encoding.PEM),
+        "rogue_ca": rogue[0].public_bytes(serialization.Encoding.PEM),
+    }
+    files["server_cert"], files["server_key"] = _leaf(ca, "localhost", server=True)
+    files["client_cert"], files["client_key"] = _leaf(ca, "worker-1", server=False)
+    files["rogue_cert"], files["rogue_key"] = _leaf(rogue, "worker-1", server=False)
+    paths = {}
+    for name, data in files.items():
+        paths[name] = d / f"{name}.pem"
+        paths[name].write_bytes(data)
+    return Pki(**paths)

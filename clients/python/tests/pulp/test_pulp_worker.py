@@ -1,6 +1,8 @@
 """Real Pulp through the broker: pulpcore 3.123.1's own migrations on a throwaway database, tasks
 dispatched with pulpcore's own dispatch() and canceled with its cancel_task(), two
-pulpcore-broker-worker processes, and the final states, order and locks checked afterwards.
+pulpcore-broker-worker processes, and the final states, order and locks checked afterwards. The
+broker is configured as the README advises for production: mutual TLS (certificates made here)
+and a bearer token, so the workers and claim_immediate_tasks connect as an operator's would.
 
 Run by `make test-pulp` (scripts/pulp-tests.sh installs pulpcore into a virtualenv); skipped
 where pulpcore is not installed."""
@@ -27,7 +29,9 @@ import pytest
 pytest.importorskip("pulpcore")
 import redis  # noqa: E402  (a pulpcore dependency)
 
-from conftest import REPO, Sandbox, broker_binary  # noqa: E402
+from conftest import REPO, Pki, Sandbox, broker_binary, make_pki  # noqa: E402
+
+TOKEN = "pulp-integration-test-token"
 
 SLEEP = "pulpcore.app.tasks.test.sleep"
 ASLEEP = "pulpcore.app.tasks.test.asleep"  # immediate tasks must be async
@@ -87,9 +91,24 @@ def pulp(sandbox: Sandbox) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def broker(sandbox: Sandbox, pulp: dict[str, str]) -> Iterator[str]:
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def tls_options(pki: Pki) -> list[str]:
+    """The client side of mutual TLS, as options of `dispatch-broker health` and of
+    pulpcore-broker-worker (the broker's certificate names "localhost", dialled at 127.0.0.1)."""
+    return [
+        "--tls-ca", str(pki.ca), "--tls-domain", "localhost",
+        "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key),
+    ]
+
+
+@pytest.fixture(scope="module")
+def broker(sandbox: Sandbox, pulp: dict[str, str], pki: Pki) -> Iterator[str]:
     """`dispatch-broker migrate` must find Pulp's database complete and change nothing; then a
-    broker serves it (its own Redis key prefix beside the sandbox's broker)."""
+    broker serves it (its own Redis key prefix beside the sandbox's broker) with mutual TLS and a
+    worker token."""
     migrate = subprocess.run(
         [broker_binary(), "migrate", "--postgres-url", pulp["PULP_DB_URL"]],
         capture_output=True,
@@ -123,13 +142,22 @@ def broker(sandbox: Sandbox, pulp: dict[str, str]) -> Iterator[str]:
             f"127.0.0.1:{metrics_port}",
             "--sweep-interval",
             "1s",
+            "--tls-cert",
+            str(pki.server_cert),
+            "--tls-key",
+            str(pki.server_key),
+            "--tls-client-ca",
+            str(pki.ca),
         ],
+        env={**os.environ, "DISPATCH_AUTH_TOKEN": TOKEN},
         stderr=subprocess.DEVNULL,
     )
     address = f"127.0.0.1:{port}"
     wait_for(
         "the broker to serve",
-        lambda: subprocess.run([broker_binary(), "health", "--addr", f"http://{address}"], capture_output=True).returncode
+        lambda: subprocess.run(
+            [broker_binary(), "health", "--addr", f"https://{address}", *tls_options(pki)], capture_output=True
+        ).returncode
         == 0,
         30,
     )
@@ -138,25 +166,37 @@ def broker(sandbox: Sandbox, pulp: dict[str, str]) -> Iterator[str]:
     process.wait(30)
 
 
-def start_workers(n: int, address: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def start_workers(n: int, address: str, env: dict[str, str], pki: Pki) -> list[subprocess.Popen[bytes]]:
+    """Workers connecting with mutual TLS and the token: the even ones told by options, the odd
+    ones by DISPATCH_BROKER_* variables."""
     script = shutil.which("pulpcore-broker-worker", path=os.path.dirname(sys.executable))
     assert script, "pulpcore-broker-worker is not installed beside this Python"
+    by_env = {
+        "DISPATCH_BROKER_ADDRESS": address,
+        "DISPATCH_BROKER_TOKEN": TOKEN,
+        "DISPATCH_BROKER_TLS_CA": str(pki.ca),
+        "DISPATCH_BROKER_TLS_DOMAIN": "localhost",
+        "DISPATCH_BROKER_TLS_CERT": str(pki.client_cert),
+        "DISPATCH_BROKER_TLS_KEY": str(pki.client_key),
+    }
+    by_options = ["--broker", address, "--token", TOKEN, *tls_options(pki)]
     return [
         subprocess.Popen(
-            [script, "--broker", address, "--name-template", f"broker-worker-{i}@{{hostname}}"],
-            env={**os.environ, **env},
+            [script, *([] if i % 2 else by_options), "--name-template", f"broker-worker-{i}@{{hostname}}"],
+            env={**os.environ, **env, **(by_env if i % 2 else {})},
             cwd=tempfile.gettempdir(),
         )
         for i in range(n)
     ]
 
 
-def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: dict[str, str]) -> None:
+def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: dict[str, str], pki: Pki) -> None:
     from django.utils import timezone
 
     from pulpcore.app.models import AppStatus, Domain, Task
     from pulpcore.app.util import set_domain
     from pulpcore.constants import TASK_FINAL_STATES
+    from dispatch_broker_client import TlsConfig
     from dispatch_broker_client.pulp import claim_immediate_tasks
     from pulpcore.tasking.tasks import cancel_task, dispatch
 
@@ -164,7 +204,8 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     # This process plays Pulp's API: it dispatches and cancels with pulpcore's own functions, and
     # runs immediate tasks itself once the broker grants them (ClaimTask).
     AppStatus.objects.create(name="integration-api", app_type="api")
-    api_lease = claim_immediate_tasks(broker)
+    tls = TlsConfig.from_files(pki.ca, "localhost", cert=pki.client_cert, key=pki.client_key)
+    api_lease = claim_immediate_tasks(broker, token=TOKEN, tls=tls)
     r = redis.Redis.from_url(sandbox.redis_url)
     dispatched: dict[str, Any] = {}
 
@@ -216,7 +257,7 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     Task.objects.filter(pk=orphan_marked.pk).update(app_lock=dead_api)
     Task.objects.filter(pk=orphan_running.pk).update(app_lock=dead_api, state="running", started_at=timezone.now())
 
-    workers = start_workers(2, broker, pulp)
+    workers = start_workers(2, broker, pulp, pki)
     try:
         wait_for("the long task to run", lambda: Task.objects.get(pk=long_running.pk).state == "running")
         # While the repository's head runs, the other domain's tasks (newer than the whole
