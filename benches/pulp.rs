@@ -140,6 +140,8 @@ fn pulp_env(
         ("PULP_DB_ENCRYPTION_KEY", key.display().to_string()),
         ("PULP_REDIS_URL", redis_url.to_owned()),
         ("PULP_ANALYTICS", "false".to_owned()),
+        // pulpcore connects to Redis (for RedisWorker) only with its cache or its Redis worker on.
+        ("PULP_CACHE_ENABLED", "true".to_owned()),
         ("DJANGO_SETTINGS_MODULE", "pulpcore.app.settings".to_owned()),
     ]
     .into_iter()
@@ -363,17 +365,22 @@ async fn run_size(
         .unwrap();
     let env = pulp_env(port, &name, &redis.url(), work);
     let mut helper = Helper::start(&venv.join("python"), &env).await;
-    let domain = helper.call(json!({"op": "domain"})).await["prn"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let install = helper.call(json!({"op": "domain"})).await;
+    let domain = install["prn"].as_str().unwrap().to_owned();
+    let versions: BTreeMap<String, String> =
+        serde_json::from_value(install["versions"].clone()).unwrap();
+    let config = |name: String| {
+        let mut config = WorkerConfig::new(name);
+        config.versions = versions.clone();
+        config
+    };
 
     insert_head(&db, &domain).await;
     let broker_url = url.replacen("postgres@", &format!("{BROKER_ROLE}@"), 1);
     let args = ServeArgs::with_urls(&broker_url, &redis.url());
     let broker = dispatch_broker::server::start(&args).await.unwrap();
     let endpoint = format!("http://{}", broker.addr);
-    let holder = Worker::connect(&endpoint, WorkerConfig::new("head-holder"))
+    let holder = Worker::connect(&endpoint, config("head-holder".to_owned()))
         .await
         .unwrap();
     let head = holder
@@ -393,7 +400,7 @@ async fn run_size(
     let mut fleet = Vec::new();
     for i in 0..WORKERS {
         fleet.push(
-            Worker::connect(&endpoint, WorkerConfig::new(format!("bench-{i}")))
+            Worker::connect(&endpoint, config(format!("bench-{i}")))
                 .await
                 .unwrap(),
         );
