@@ -434,6 +434,15 @@ async fn run_size(
     holder.close().await.unwrap();
     helper.stop().await;
     broker.shutdown().await.unwrap();
+    if std::env::var_os("EXPLAIN").is_some() {
+        let data: String = db
+            .query_one("SHOW data_directory", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let log = std::path::Path::new(&data).with_file_name("postgres.log");
+        eprintln!("{}", std::fs::read_to_string(log).unwrap_or_default());
+    }
     rows
 }
 
@@ -483,11 +492,29 @@ async fn main() {
         tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
             .await
             .unwrap();
+    // EXPLAIN=MS: auto_explain logs the plans of statements slower than MS (with buffers) to
+    // the throwaway cluster's log, which is printed after each backlog size.
+    let explain = std::env::var("EXPLAIN").ok();
+    let libraries = if explain.is_some() {
+        "pg_stat_statements,auto_explain"
+    } else {
+        "pg_stat_statements"
+    };
     pg.psql(
         "postgres",
-        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+        &format!("ALTER SYSTEM SET shared_preload_libraries = '{libraries}'"),
     )
     .unwrap();
+    if let Some(ms) = &explain {
+        for setting in [
+            format!("auto_explain.log_min_duration = '{ms}ms'"),
+            "auto_explain.log_analyze = on".to_owned(),
+            "auto_explain.log_buffers = on".to_owned(),
+        ] {
+            pg.psql("postgres", &format!("ALTER SYSTEM SET {setting}"))
+                .unwrap();
+        }
+    }
     pg.restart().unwrap();
     pg.psql(
         "postgres",

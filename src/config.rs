@@ -410,9 +410,10 @@ pub struct FetchArgs {
     )]
     pub max_waiters: usize,
     /// How long a scan hint (where the last pass stopped meeting only blocked tasks) is trusted
-    /// without re-reading the queue from its head; it is dropped at once when a resource it
-    /// relies on changes through the broker. Bounds how late a change made outside the broker
-    /// is seen. 0 disables hints.
+    /// before a background walk re-reads the queue from its head and renews it (walks are
+    /// spaced by at least ten times the last walk's duration; no fetch waits for one); it is
+    /// dropped at once when a resource it relies on changes through the broker. Bounds how late
+    /// a change made outside the broker is seen. 0 disables hints.
     #[arg(long = "fetch-hint-max-age", env = "DISPATCH_FETCH_HINT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub hint_max_age: Duration,
     /// Candidate rows read in the first page of a fetch; later pages double.

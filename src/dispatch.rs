@@ -13,6 +13,7 @@
 //! skips per lease, `ready::runs_on`), under that waiter's own lease, locks and fencing token, and
 //! a grant no caller can take any more is put back (`Restore`), never dropped.
 
+mod refresh;
 mod waiters;
 pub mod wakeups;
 
@@ -207,6 +208,8 @@ pub struct Dispatch {
     recent: Arc<Mutex<Recent>>,
     /// The fetch passes running (see [`FetchPolicy::passes`]).
     slots: Arc<PassSlots>,
+    /// Background walks that renew an old scan hint (`refresh`).
+    refreshes: Arc<refresh::Refreshes>,
 }
 
 /// Fetch passes running now, and whether a call waits for them: it joined the waiters, or
@@ -561,6 +564,7 @@ impl Dispatch {
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
             slots: Arc::new(PassSlots::default()),
+            refreshes: Arc::new(refresh::Refreshes::default()),
             policy,
         }
     }
@@ -786,15 +790,23 @@ impl Dispatch {
         }
         let epoch = self.locks.epoch();
         let usable = held.filter(|h| {
-            h.epoch == epoch
+            !self.policy.hint_max_age.is_zero()
+                && h.epoch == epoch
                 && h.seq <= changes.seq
-                && h.taken.elapsed() < self.policy.hint_max_age
                 && changes.changed.as_ref().is_some_and(|names| {
                     !names
                         .iter()
                         .any(|n| n == "*" || h.reserved.touches(n) || h.hiding.contains(n))
                 })
         });
+        // An old hint is still used (a stale hint only delays a task, never hands out one that is
+        // not ready), and a walk from the head renews it in the background (`refresh`): no call
+        // waits for that walk.
+        if usable.as_ref().is_some_and(|h| {
+            h.taken.elapsed() >= self.refreshes.due_after(self.policy.hint_max_age)
+        }) {
+            self.refresh_hint();
+        }
         let mut reserved = Reservations::default();
         let mut excluded: Vec<String> = Vec::new();
         let mut after = None;
@@ -822,7 +834,13 @@ impl Dispatch {
                 seq: changes.seq,
                 taken: hint_taken,
                 after,
-                excluded: excluded.clone(),
+                excluded: {
+                    // Each key once: every task before the hint adds its keys.
+                    let mut keys = excluded.clone();
+                    keys.sort_unstable();
+                    keys.dedup();
+                    keys
+                },
                 reserved: reserved.clone(),
                 hiding: HashSet::new(),
             })

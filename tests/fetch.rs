@@ -380,6 +380,50 @@ async fn a_task_hidden_behind_a_held_lock_is_handed_out_once_the_lock_is_release
     env.shutdown().await;
 }
 
+/// A change made outside the broker (a Pulp process finishing the task that blocked another, in
+/// Postgres only) is seen once the scan hint is older than `--fetch-hint-max-age`: a walk in the
+/// background renews the hint, and the freed task is handed out without anything changing
+/// through the broker.
+#[tokio::test]
+async fn a_task_freed_outside_the_broker_is_handed_out_once_the_hint_is_renewed() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_millis(200)).await;
+    // Run by a Pulp API process, not through the broker: running, claimed by nobody.
+    let outside = env.task(&["q"]).await;
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'running' WHERE pulp_id = $1",
+            &[&outside],
+        )
+        .await
+        .unwrap();
+    let freed = env.task(&["q"]).await;
+    let other = env.task(&["free"]).await;
+    let (w1, w2) = (env.open("w1").await, env.open("w2").await);
+    // The pass passes over `freed` (q is held) and sets its hint after `other`.
+    assert_eq!(id(&env.fetch(&w1).await.expect("other")), other);
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'completed', finished_at = now() WHERE pulp_id = $1",
+            &[&outside],
+        )
+        .await
+        .unwrap();
+    let mut handed_out = None;
+    for _ in 0..100 {
+        if let Some(task) = env.fetch(&w2).await {
+            handed_out = Some(id(&task));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        handed_out,
+        Some(freed),
+        "the freed task was never handed out"
+    );
+    env.shutdown().await;
+}
+
 /// A task released before it started goes back to the queue and is handed out again at once,
 /// by the same broker that granted it (which remembers its recent grants to keep passes that
 /// read their page earlier from claiming them again).

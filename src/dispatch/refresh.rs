@@ -1,0 +1,143 @@
+//! Renewing a scan hint off the fetch path.
+//!
+//! A hint older than `--fetch-hint-max-age` may miss a change made outside the broker (a Pulp
+//! process finishing or inserting a task in Postgres), so it must be checked against the queue
+//! from its head. That walk reads every blocked task in front of the hint (100,000 on the
+//! incident's repository), so no FetchTask waits for it: the call that finds its hint old keeps
+//! using it and starts this walk in the background, one at a time per replica, and the walk's
+//! hint replaces the old one when it is done. Walks are spaced by at least ten times the last
+//! walk's duration, so a long queue costs Postgres at most about a tenth of its time: a change
+//! made outside the broker is seen within the larger of the hint's age limit and ten walks.
+//!
+//! Never grants, locks or claims: it only reads the queue and judges by the readiness rule.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Dispatch, ScanHint};
+use crate::error::Result;
+use crate::ready::{self, Reservations};
+
+/// The background walks of one replica: whether one runs, and how long the last took.
+#[derive(Debug, Default)]
+pub(super) struct Refreshes {
+    running: std::sync::atomic::AtomicBool,
+    last_walk_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Refreshes {
+    /// How old a hint may grow before a walk renews it: the age limit, or ten walks if longer.
+    pub(super) fn due_after(&self, max_age: Duration) -> Duration {
+        max_age.max(Duration::from_millis(
+            self.last_walk_ms.load(Ordering::Relaxed).saturating_mul(10),
+        ))
+    }
+}
+
+impl Dispatch {
+    /// Starts a background walk that renews the scan hint, unless one runs already.
+    pub(super) fn refresh_hint(&self) {
+        if self.refreshes.running.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let dispatch = self.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            if let Err(e) = dispatch.walk_for_hint(started).await {
+                tracing::debug!(error = %e, "renewing the scan hint failed; the next fetch retries");
+            }
+            let refreshes = Arc::clone(&dispatch.refreshes);
+            refreshes
+                .last_walk_ms
+                .store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+            refreshes.running.store(false, Ordering::SeqCst);
+        });
+    }
+
+    /// Walks the queue from its head to the first task ready by the rule (any lease's), as a
+    /// fetch pass does, and installs the hint for where it stopped, unless a newer hint was
+    /// installed meanwhile.
+    async fn walk_for_hint(&self, taken: Instant) -> Result<()> {
+        let seq = self.locks.change_seq().await?;
+        let epoch = self.locks.epoch();
+        let mut reserved = Reservations::default();
+        let mut excluded: Vec<String> = Vec::new();
+        let mut seen_keys: HashSet<String> = HashSet::new();
+        let mut after = None;
+        let mut held_seen: HashSet<String> = HashSet::new();
+        let mut page = self.policy.first_page;
+        'pages: loop {
+            if self.shutdown.is_fired() {
+                return Ok(());
+            }
+            let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
+            held_seen.extend(held_now);
+            let last_page = (rows.len() as i64) < page;
+            for row in rows {
+                let verdict = ready::obstacles(&row.candidate, &reserved, &Default::default());
+                if verdict.ready_by_rule() {
+                    break 'pages;
+                }
+                reserved.reserve(&row.candidate.resources);
+                for key in row.candidate.resources.conflict_keys() {
+                    if seen_keys.insert(key.clone()) {
+                        excluded.push(key);
+                    }
+                }
+                after = Some((row.created, row.id));
+            }
+            if last_page {
+                break;
+            }
+            page = (page * 2).min(self.policy.max_page);
+        }
+        let Some(after) = after else {
+            // The head of the queue may be ready: no hint, the next pass reads from the head.
+            self.install(None, taken);
+            return Ok(());
+        };
+        let held: Vec<String> = held_seen.into_iter().collect();
+        let hiding = if held.is_empty() {
+            HashSet::new()
+        } else {
+            self.tasks.hiding(after, &held).await?.into_iter().collect()
+        };
+        let hint = ScanHint {
+            epoch,
+            seq,
+            taken,
+            after,
+            excluded,
+            reserved,
+            hiding,
+        };
+        self.install(Some(hint), taken);
+        Ok(())
+    }
+
+    /// Replaces the hint with a walk's, unless a pass installed one after the walk began (at
+    /// least as fresh). When the walk's starts earlier in the queue, a task the old hint skipped
+    /// may be ready: the waiting calls get a turn.
+    fn install(&self, hint: Option<ScanHint>, taken: Instant) {
+        let moved_back = match self.hint.lock() {
+            Ok(mut slot) => {
+                if slot.as_ref().is_some_and(|h| h.taken > taken) {
+                    return;
+                }
+                let moved_back = match (slot.as_ref(), hint.as_ref()) {
+                    (Some(old), Some(new)) => new.after < old.after,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                };
+                *slot = hint;
+                moved_back
+            }
+            Err(_) => return,
+        };
+        if moved_back {
+            self.waiters.wake();
+        }
+    }
+}
