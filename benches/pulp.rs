@@ -492,35 +492,32 @@ async fn main() {
         tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
             .await
             .unwrap();
-    // EXPLAIN=MS: auto_explain logs the plans of statements slower than MS (with buffers) to
-    // the throwaway cluster's log, which is printed after each backlog size.
+    // EXPLAIN=MS: auto_explain logs the plans of the broker's statements slower than MS (with
+    // buffers) to the throwaway cluster's log, which is printed after each backlog size.
     let explain = std::env::var("EXPLAIN").ok();
-    let libraries = if explain.is_some() {
-        "pg_stat_statements,auto_explain"
-    } else {
-        "pg_stat_statements"
-    };
     pg.psql(
         "postgres",
-        &format!("ALTER SYSTEM SET shared_preload_libraries = '{libraries}'"),
+        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
     )
     .unwrap();
-    if let Some(ms) = &explain {
-        for setting in [
-            format!("auto_explain.log_min_duration = '{ms}ms'"),
-            "auto_explain.log_analyze = on".to_owned(),
-            "auto_explain.log_buffers = on".to_owned(),
-        ] {
-            pg.psql("postgres", &format!("ALTER SYSTEM SET {setting}"))
-                .unwrap();
-        }
-    }
     pg.restart().unwrap();
     pg.psql(
         "postgres",
         &format!("CREATE ROLE {BROKER_ROLE} LOGIN SUPERUSER"),
     )
     .unwrap();
+    if let Some(ms) = &explain {
+        pg.psql(
+            "postgres",
+            &format!(
+                "ALTER ROLE {BROKER_ROLE} SET session_preload_libraries = 'auto_explain'; \
+                 ALTER ROLE {BROKER_ROLE} SET auto_explain.log_min_duration = '{ms}ms'; \
+                 ALTER ROLE {BROKER_ROLE} SET auto_explain.log_analyze = on; \
+                 ALTER ROLE {BROKER_ROLE} SET auto_explain.log_buffers = on"
+            ),
+        )
+        .unwrap();
+    }
     pg.create_database("pulp").unwrap();
     let work = tempfile::tempdir().unwrap();
     let port: u16 = pg

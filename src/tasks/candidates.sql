@@ -34,8 +34,15 @@ page AS (
            t.versions, t.immediate
     FROM core_task t
     WHERE t.state = 'waiting'
-      AND t.app_lock_id IS NULL
+      -- Unclaimed, written so that no index serves it: a generic plan otherwise ANDs a bitmap of
+      -- Pulp's app_lock_id index, every unclaimed task (the whole backlog), with the range below.
+      AND coalesce(t.app_lock_id, '00000000-0000-0000-0000-000000000000'::uuid)
+          = '00000000-0000-0000-0000-000000000000'::uuid
       AND NOT (coalesce(t.reserved_resources_record, '{}'::text[]) && (SELECT keys FROM excluded))
+      -- The bound alone too: a plain comparison every index on pulp_created can start at
+      -- (Pulp's (state, pulp_created) after state; the row comparison below it only filters).
+      -- Without it a generic plan may read every waiting task from the queue's head and sort.
+      AND t.pulp_created >= coalesce($2::timestamptz, '-infinity')
       AND (t.pulp_created, t.pulp_id) > (coalesce($2::timestamptz, '-infinity'),
                                          coalesce($3::uuid, '00000000-0000-0000-0000-000000000000'))
     ORDER BY t.pulp_created, t.pulp_id
