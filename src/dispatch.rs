@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::locks::{Acquire, LeaseRecord, Locks, Release};
+use crate::locks::{Acquire, LeaseRecord, Locks, Release, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
@@ -170,7 +170,15 @@ struct ScanHint {
     reserved: Reservations,
     /// Names of claimed or running tasks that hid older waiting tasks from the scan.
     hiding: HashSet<String>,
+    /// Claims put back in the queue since the hint was taken (their ids, as recorded with
+    /// [`REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
+    /// checks them first (`returned.sql`), until one is handed out or leaves the queue. At most
+    /// [`MAX_RETURNED`]; beyond that the hint is dropped.
+    returned: Vec<Uuid>,
 }
+
+/// The most claims put back that a scan hint checks on every pass.
+const MAX_RETURNED: usize = 64;
 
 enum Attempt {
     Granted(Grant),
@@ -321,7 +329,7 @@ impl Restore {
         match self.tasks.unclaim(task_id, app_status, started).await {
             Ok(requeued) => {
                 if requeued {
-                    self.note_requeue().await;
+                    self.note_requeue(task_id).await;
                 }
                 self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
                     .await
@@ -350,9 +358,11 @@ impl Restore {
         tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
     }
 
-    /// Records that a claimed task went back to the queue (scan hints may have passed it).
-    async fn note_requeue(&self) {
-        if let Err(e) = self.locks.note_changes(&["*"]).await {
+    /// Records that a claimed task went back to the queue: scan hints may have passed it, and
+    /// check it first from now on (`ScanHint::returned`).
+    async fn note_requeue(&self, task_id: Uuid) {
+        let change = format!("{REQUEUED_PREFIX}{task_id}");
+        if let Err(e) = self.locks.note_changes(&[change.as_str()]).await {
             tracing::warn!(error = %e, "could not record a requeue; scan hints expire on their own");
         }
     }
@@ -789,14 +799,24 @@ impl Dispatch {
             *out = Some(Arc::clone(&lease));
         }
         let epoch = self.locks.epoch();
+        // Claims put back since the hint: checked first, not a reason to drop it.
+        let requeued: Vec<Uuid> = changes
+            .changed
+            .iter()
+            .flatten()
+            .filter_map(|n| n.strip_prefix(REQUEUED_PREFIX))
+            .filter_map(|id| id.parse().ok())
+            .collect();
         let usable = held.filter(|h| {
             !self.policy.hint_max_age.is_zero()
                 && h.epoch == epoch
                 && h.seq <= changes.seq
+                && h.returned.len() + requeued.len() <= MAX_RETURNED
                 && changes.changed.as_ref().is_some_and(|names| {
-                    !names
-                        .iter()
-                        .any(|n| n == "*" || h.reserved.touches(n) || h.hiding.contains(n))
+                    !names.iter().any(|n| {
+                        !n.starts_with(REQUEUED_PREFIX)
+                            && (n == "*" || h.reserved.touches(n) || h.hiding.contains(n))
+                    })
                 })
         });
         // An old hint is still used (a stale hint only delays a task, never hands out one that is
@@ -812,7 +832,15 @@ impl Dispatch {
         let mut after = None;
         let mut hint_taken = Instant::now();
         let mut hiding = None;
+        // Claims put back behind the hint's position: judged before its page.
+        let mut returned: Vec<Uuid> = Vec::new();
         if let Some(h) = usable {
+            returned = h.returned;
+            for id in requeued {
+                if !returned.contains(&id) {
+                    returned.push(id);
+                }
+            }
             reserved = h.reserved;
             excluded = h.excluded;
             // (Only tasks still waiting: see `ScanHint::reserved`.)
@@ -828,7 +856,8 @@ impl Dispatch {
         let mut hint: Option<ScanHint> = None;
         let snapshot = |after: Option<(DateTime<Utc>, Uuid)>,
                         excluded: &Vec<String>,
-                        reserved: &Reservations| {
+                        reserved: &Reservations,
+                        returned: &Vec<Uuid>| {
             after.map(|after| ScanHint {
                 epoch: epoch.clone(),
                 seq: changes.seq,
@@ -843,6 +872,7 @@ impl Dispatch {
                 },
                 reserved: reserved.clone(),
                 hiding: HashSet::new(),
+                returned: returned.clone(),
             })
         };
         // Who this pass serves: its own caller first in the list, recruits appended as needed.
@@ -868,11 +898,21 @@ impl Dispatch {
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
+        // The returned claims still waiting, oldest first; what the next hint keeps of them.
+        let mut extra = if returned.is_empty() {
+            Vec::new()
+        } else {
+            self.tasks.returned(&returned).await?
+        };
+        let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
+        let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
         'pages: loop {
             let read_at = Instant::now();
-            let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
+            let (page_rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
             held_seen.extend(held_now);
-            let last_page = (rows.len() as i64) < page;
+            let last_page = (page_rows.len() as i64) < page;
+            // Returned claims are older than everything past the hint: they come first.
+            let rows: Vec<TaskRow> = extra.drain(..).chain(page_rows).collect();
             let mut rows = rows.into_iter().peekable();
             // Rounds: judge rows until every claimant is trying one, try them all at once,
             // settle in queue order.
@@ -1029,6 +1069,21 @@ impl Dispatch {
                 // Settle in queue order: the hint is bookkept row by row.
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
+                    if extra_ids.contains(&row.id) {
+                        // A returned claim (before the hint's position, which stays): handed
+                        // out or gone, it is checked no more; still waiting, it reserves its
+                        // resources for every newer task and is checked again next pass.
+                        match settled {
+                            Some(Settled::Granted) | Some(Settled::Lost) => {
+                                still_returned.retain(|id| *id != row.id)
+                            }
+                            _ => {
+                                reserved_waiting.reserve(&row.candidate.resources);
+                                excluded_waiting.extend(row.candidate.resources.conflict_keys());
+                            }
+                        }
+                        continue;
+                    }
                     let stays_safe = match (step.seen, settled) {
                         (Seen::NotReady, _) | (_, Some(Settled::Blocked)) => true,
                         (Seen::Left, _) | (_, Some(Settled::Lost)) => {
@@ -1036,7 +1091,12 @@ impl Dispatch {
                             // are skipped by this pass, and once it finishes (or if it was
                             // canceled) nothing the hint relies on would change.
                             if safe {
-                                hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                                hint = snapshot(
+                                    after,
+                                    &excluded_waiting,
+                                    &reserved_waiting,
+                                    &still_returned,
+                                );
                                 safe = false;
                             }
                             after = Some((row.created, row.id));
@@ -1050,7 +1110,8 @@ impl Dispatch {
                         _ => false,
                     };
                     if safe && !stays_safe {
-                        hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+                        hint =
+                            snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
                         safe = false;
                     }
                     after = Some((row.created, row.id));
@@ -1085,7 +1146,7 @@ impl Dispatch {
         }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         if safe {
-            hint = snapshot(after, &excluded_waiting, &reserved_waiting);
+            hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
             // What hides older tasks from the scan at the hint's position. A name that hid a
@@ -1428,7 +1489,7 @@ impl Dispatch {
             .unclaim_unless_running(task_id, app_status)
             .await?;
         if requeued {
-            self.restore.note_requeue().await;
+            self.restore.note_requeue(task_id).await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
         Ok(running)

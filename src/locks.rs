@@ -81,6 +81,11 @@ pub struct NewLease<'a> {
     pub versions: &'a BTreeMap<String, String>,
 }
 
+/// The change recorded when a claimed task goes back to the queue is this prefix and the task's
+/// id, not a resource name: a scan hint survives it and checks that task first (it may sit before
+/// the hint's position). The control character keeps it apart from any resource name Pulp makes.
+pub const REQUEUED_PREFIX: &str = "\u{1}requeued:";
+
 /// What changed since a scan hint was taken.
 #[derive(Debug, Clone)]
 pub struct Changes {

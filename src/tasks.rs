@@ -57,6 +57,7 @@ pub mod sql {
     pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
     pub const HIDING: &str = include_str!("tasks/hiding.sql");
+    pub const RETURNED: &str = include_str!("tasks/returned.sql");
     pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
@@ -75,8 +76,9 @@ pub mod sql {
     pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 32] = [
         GIN_CLEAN,
+        RETURNED,
         LANES_LATE,
         LANES_NEWER,
         LANES_GONE,
@@ -479,6 +481,13 @@ impl Tasks {
             None => Vec::new(),
         };
         Ok((rows.iter().map(task_row).collect::<Result<_, _>>()?, held))
+    }
+
+    /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first
+    /// (`returned.sql`).
+    pub async fn returned(&self, ids: &[Uuid]) -> Result<Vec<TaskRow>, Error> {
+        let rows = self.query_read(sql::RETURNED, &[&ids]).await?;
+        rows.iter().map(task_row).collect()
     }
 
     /// One task with its state and readiness facts; `None` for an unknown task.

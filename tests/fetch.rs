@@ -441,6 +441,52 @@ async fn a_task_released_before_it_started_is_handed_out_again_at_once() {
     env.shutdown().await;
 }
 
+/// Claims put back in the queue sit before the scan hint's position, which does not move back
+/// for them (that would make the next pass read the blocked queue again): each pass checks them
+/// first, so they are handed out again at once, oldest first, however long the hint lives.
+#[tokio::test]
+async fn claims_put_back_behind_the_hint_are_handed_out_again_oldest_first() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    let blocker = env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the blocker");
+    assert_eq!(id(&running), blocker);
+    env.start(&holder, &running).await;
+    // Blocked behind the running task: the hint is set past it.
+    env.task(&["x"]).await;
+    let tasks = [
+        env.task(&["a"]).await,
+        env.task(&["b"]).await,
+        env.task(&["c"]).await,
+    ];
+    let mut granted = Vec::new();
+    for name in ["w1", "w2", "w3"] {
+        let lease = env.open(name).await;
+        let task = env.fetch(&lease).await.expect("a free task");
+        granted.push((lease, task));
+    }
+    assert_eq!(
+        granted.iter().map(|(_, t)| id(t)).collect::<Vec<_>>(),
+        tasks
+    );
+    for (lease, task) in granted.iter().rev() {
+        assert!(env.release(lease, task).await.unwrap(), "put back");
+    }
+    let again = env.open("again").await;
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        let task = env.fetch(&again).await.expect("a task put back");
+        order.push(id(&task));
+        env.start(&again, &task).await;
+    }
+    assert_eq!(order, tasks, "handed out again oldest first");
+    assert!(
+        env.fetch(&again).await.is_none(),
+        "the blocked task still waits"
+    );
+    env.shutdown().await;
+}
+
 /// FetchTask asking the grant to start its task.
 async fn fetch_started(env: &Env, lease: &str) -> Option<dispatch_broker::proto::Task> {
     env.client

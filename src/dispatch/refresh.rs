@@ -112,6 +112,7 @@ impl Dispatch {
             excluded,
             reserved,
             hiding,
+            returned: Vec::new(),
         };
         self.install(Some(hint), taken);
         Ok(())
