@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::locks::{Acquire, LeaseRecord, Locks, Release, REQUEUED_PREFIX};
+use crate::locks::{Acquire, LeaseRecord, Locks, Release, LEFT_PREFIX, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
@@ -814,8 +814,14 @@ impl Dispatch {
                 && h.returned.len() + requeued.len() <= MAX_RETURNED
                 && changes.changed.as_ref().is_some_and(|names| {
                     !names.iter().any(|n| {
-                        !n.starts_with(REQUEUED_PREFIX)
-                            && (n == "*" || h.reserved.touches(n) || h.hiding.contains(n))
+                        if n.starts_with(REQUEUED_PREFIX) {
+                            false
+                        } else if let Some(name) = n.strip_prefix(LEFT_PREFIX) {
+                            // A waiting task left: the held locks the hint relies on stay.
+                            h.reserved.touches(name)
+                        } else {
+                            n == "*" || h.reserved.touches(n) || h.hiding.contains(n)
+                        }
                     })
                 })
         });

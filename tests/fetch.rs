@@ -487,6 +487,42 @@ async fn claims_put_back_behind_the_hint_are_handed_out_again_oldest_first() {
     env.shutdown().await;
 }
 
+/// A waiting task that Pulp cancels while nobody holds it (the broker's sweeper finishes it)
+/// keeps the scan hints that rely only on held locks, but a task it blocked is handed out at once.
+#[tokio::test]
+async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on x");
+    env.start(&holder, &running).await;
+    // Waits for x (held); `blocked` waits for it in turn, through y.
+    let canceled = env.task(&["x", "y"]).await;
+    let blocked = env.task(&["y"]).await;
+    let free = env.task(&["z"]).await;
+    let w = env.open("w").await;
+    assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
+    // Pulp's cancel API on a waiting task: `canceling`, claimed by nobody.
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
+            &[&canceled],
+        )
+        .await
+        .unwrap();
+    let mut handed_out = None;
+    for _ in 0..100 {
+        if let Some(task) = env.fetch(&w).await {
+            handed_out = Some(id(&task));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(handed_out, Some(blocked));
+    assert_eq!(env.state(canceled).await, "canceled");
+    env.shutdown().await;
+}
+
 /// FetchTask asking the grant to start its task.
 async fn fetch_started(env: &Env, lease: &str) -> Option<dispatch_broker::proto::Task> {
     env.client

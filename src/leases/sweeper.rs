@@ -129,8 +129,20 @@ impl Sweeper {
         }
         let canceled = self.tasks.finish_orphan_cancels().await?;
         if !canceled.is_empty() {
+            // They held no lock: what changed is only that they no longer reserve their names.
+            let left: Vec<String> = canceled
+                .iter()
+                .map(|entry| {
+                    let name = entry
+                        .strip_prefix(crate::ready::SHARED_PREFIX)
+                        .unwrap_or(entry);
+                    format!("{}{name}", crate::locks::LEFT_PREFIX)
+                })
+                .collect();
+            self.locks
+                .note_changes(&left.iter().map(String::as_str).collect::<Vec<_>>())
+                .await?;
             let names: Vec<&str> = canceled.iter().map(String::as_str).collect();
-            self.locks.note_changes(&names).await?;
             tracing::info!(resources = ?names, "finished tasks canceled while nobody held them");
         }
         self.claims_without_locks().await
