@@ -47,3 +47,4 @@ bench:
 	$(CARGO) bench --bench idle
 	$(CARGO) bench --bench load
 	$(CARGO) bench --bench admin
+	$(CARGO) bench --bench pulp
