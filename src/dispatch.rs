@@ -148,11 +148,12 @@ type Recruit = waiters::Recruit<Offer, Delivery>;
 
 /// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
 /// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
-/// same reservations, instead of walking the blocked head again. It is dropped as soon as any
-/// resource it relies on changes (a lock on it released, a task needing it canceled, a claim
-/// put back: `lua/lib.lua` records those), and after `hint_max_age` (changes made outside the
-/// broker). A stale hint can only delay a task by that age, never hand out one that is not
-/// ready: every candidate still gets the exact look-up.
+/// same reservations, instead of walking the blocked head again. It is dropped as soon as a
+/// resource it relies on changes (a lock on it released, a waiting task reserving it left the
+/// queue: `lua/lib.lua` records those); claims put back are checked first (`returned`); once
+/// older than `hint_max_age` (changes made outside the broker) a background walk renews it
+/// (`refresh`). A stale hint can only delay a task, never hand out one that is not ready:
+/// every candidate still gets the exact look-up.
 #[derive(Debug, Clone)]
 struct ScanHint {
     /// The lock state (epoch) the hint was taken in: a rebuild drops every hint.
@@ -363,7 +364,7 @@ impl Restore {
     async fn note_requeue(&self, task_id: Uuid) {
         let change = format!("{REQUEUED_PREFIX}{task_id}");
         if let Err(e) = self.locks.note_changes(&[change.as_str()]).await {
-            tracing::warn!(error = %e, "could not record a requeue; scan hints expire on their own");
+            tracing::warn!(error = %e, "could not record a requeue; scan hints find the task when they are renewed");
         }
     }
 }
@@ -908,7 +909,10 @@ impl Dispatch {
         let mut extra = if returned.is_empty() {
             Vec::new()
         } else {
-            self.tasks.returned(&returned).await?
+            // Only those up to the hint's position: the page reaches the others in order.
+            let mut rows = self.tasks.returned(&returned).await?;
+            rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
+            rows
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
@@ -1080,8 +1084,21 @@ impl Dispatch {
                         // out or gone, it is checked no more; still waiting, it reserves its
                         // resources for every newer task and is checked again next pass.
                         match settled {
-                            Some(Settled::Granted) | Some(Settled::Lost) => {
-                                still_returned.retain(|id| *id != row.id)
+                            Some(Settled::Granted) => still_returned.retain(|id| *id != row.id),
+                            Some(Settled::Lost) => {
+                                // As for any task lost between page and claim: newer tasks that
+                                // conflict only with it were skipped by this pass, so the hint
+                                // ends where the pass began.
+                                still_returned.retain(|id| *id != row.id);
+                                if safe {
+                                    hint = snapshot(
+                                        after,
+                                        &excluded_waiting,
+                                        &reserved_waiting,
+                                        &still_returned,
+                                    );
+                                    safe = false;
+                                }
                             }
                             _ => {
                                 reserved_waiting.reserve(&row.candidate.resources);
@@ -1189,7 +1206,11 @@ impl Dispatch {
             if let Ok(names) = now_hiding {
                 hint.hiding = names;
                 if let Ok(mut slot) = self.hint.lock() {
-                    *slot = Some(hint);
+                    // Not over a hint taken later (a background walk's renewal): this one
+                    // carries the age of the hint it started from.
+                    if slot.as_ref().is_none_or(|h| h.taken <= hint.taken) {
+                        *slot = Some(hint);
+                    }
                 }
             }
         }

@@ -523,6 +523,44 @@ async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
     env.shutdown().await;
 }
 
+/// A task Pulp canceled while it waited (`canceling`, claimed by nobody) holds nothing: the task
+/// behind it is judged by the exact look-up, not hidden as if a lock were held, and is handed out
+/// once the sweeper has finished the canceled one, whatever the scan hint's age.
+#[tokio::test]
+async fn a_task_behind_one_pulp_is_canceling_is_handed_out_once_it_is_canceled() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    let canceling = env.task(&["a"]).await;
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
+            &[&canceling],
+        )
+        .await
+        .unwrap();
+    let behind = env.task(&["a"]).await;
+    let free = env.task(&["z"]).await;
+    let w = env.open("w").await;
+    let first = env.fetch(&w).await.expect("a task");
+    let mut handed_out = vec![id(&first)];
+    for _ in 0..100 {
+        if handed_out.contains(&behind) {
+            break;
+        }
+        if let Some(task) = env.fetch(&w).await {
+            handed_out.push(id(&task));
+        } else {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    assert!(handed_out.contains(&free), "{handed_out:?}");
+    assert!(
+        handed_out.contains(&behind),
+        "the task behind was never handed out"
+    );
+    assert_eq!(env.state(canceling).await, "canceled");
+    env.shutdown().await;
+}
+
 /// FetchTask asking the grant to start its task.
 async fn fetch_started(env: &Env, lease: &str) -> Option<dispatch_broker::proto::Task> {
     env.client

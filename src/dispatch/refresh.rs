@@ -27,6 +27,15 @@ pub(super) struct Refreshes {
     last_walk_ms: std::sync::atomic::AtomicU64,
 }
 
+/// A walk in progress; dropping it lets the next one run.
+struct Running(Arc<Refreshes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.store(false, Ordering::SeqCst);
+    }
+}
+
 impl Refreshes {
     /// How old a hint may grow before a walk renews it: the age limit, or ten walks if longer.
     pub(super) fn due_after(&self, max_age: Duration) -> Duration {
@@ -45,14 +54,18 @@ impl Dispatch {
         let dispatch = self.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            if let Err(e) = dispatch.walk_for_hint(started).await {
-                tracing::debug!(error = %e, "renewing the scan hint failed; the next fetch retries");
+            // Lets the next walk run however this one ends.
+            let _running = Running(Arc::clone(&dispatch.refreshes));
+            match dispatch.walk_for_hint(started).await {
+                Ok(()) => dispatch
+                    .refreshes
+                    .last_walk_ms
+                    .store(started.elapsed().as_millis() as u64, Ordering::Relaxed),
+                Err(e) => {
+                    // The old hint stays in use; it only delays, and the next fetch retries.
+                    tracing::warn!(error = %e, "renewing the scan hint failed; the next fetch retries")
+                }
             }
-            let refreshes = Arc::clone(&dispatch.refreshes);
-            refreshes
-                .last_walk_ms
-                .store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
-            refreshes.running.store(false, Ordering::SeqCst);
         });
     }
 
