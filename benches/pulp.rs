@@ -54,7 +54,7 @@ struct Helper {
 }
 
 impl Helper {
-    async fn start(python: &PathBuf, env: &BTreeMap<String, String>) -> Helper {
+    async fn start(python: &std::path::Path, env: &BTreeMap<String, String>) -> Helper {
         let mut child = tokio::process::Command::new(python)
             .arg(concat!(
                 env!("CARGO_MANIFEST_DIR"),
@@ -342,7 +342,7 @@ struct Row {
 async fn run_size(
     pg: &Postgres,
     redis: &Redis,
-    venv: &PathBuf,
+    venv: &std::path::Path,
     work: &std::path::Path,
     blocked: usize,
 ) -> Vec<Row> {
