@@ -23,7 +23,8 @@
 //! included).
 //!
 //! Run: `cargo bench --bench pulp` (N = 1,000, 17,000, 100,000, 1,000,000) or
-//! `cargo bench --bench pulp -- 1000 17000`. Prints Markdown tables.
+//! `cargo bench --bench pulp -- 1000 17000`; `PULPCORE=0` runs the broker's rounds only.
+//! Prints Markdown tables.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -322,6 +323,12 @@ async fn insert_backlog(db: &tokio_postgres::Client, blocked: usize, domain: &st
     .unwrap();
 }
 
+/// `PULPCORE=0`: the broker's rounds only (pulpcore's fetch_task takes about a second per call
+/// at 1,000,000 blocked).
+fn skip_pulpcore() -> bool {
+    std::env::var("PULPCORE").is_ok_and(|v| v == "0")
+}
+
 fn ensure_pulp() -> PathBuf {
     let root = env!("CARGO_MANIFEST_DIR");
     let status = std::process::Command::new(format!("{root}/scripts/ensure-pulp.sh"))
@@ -414,7 +421,15 @@ async fn run_size(
                 .unwrap();
         }
         for (mode, requeue) in [("finish", false), ("requeue", true)] {
-            let pulpcore = pulpcore_rounds(&mut helper, requeue).await;
+            let pulpcore = if skip_pulpcore() {
+                Cell {
+                    fetch_ms: Vec::new(),
+                    fetched: 0,
+                    costs: None,
+                }
+            } else {
+                pulpcore_rounds(&mut helper, requeue).await
+            };
             let broker_cell = broker_rounds(&fleet, &mut helper, &db, requeue).await;
             let row = Row {
                 blocked,
