@@ -4,15 +4,17 @@
 --
 -- $1 uuid[]  the tasks the lease held locks for;  $2 uuid  its core_appstatus row;  $3 text  reason
 -- Returns: requeued count, failed count.
+-- The state is tested as `state || ''` so that only the primary key serves the look-up (see
+-- claim.sql).
 WITH requeued AS (
     UPDATE core_task SET app_lock_id = NULL, pulp_last_updated = now()
-    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state = 'waiting'
+    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state || '' = 'waiting'
     RETURNING pulp_id
 ), failed AS (
     UPDATE core_task
     SET state = 'failed', finished_at = now(), error = jsonb_build_object('reason', $3::text),
         app_lock_id = NULL, pulp_last_updated = now()
-    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state IN ('running', 'canceling')
+    WHERE pulp_id = ANY($1) AND app_lock_id = $2 AND state || '' IN ('running', 'canceling')
     RETURNING pulp_id
 )
 SELECT (SELECT count(*) FROM requeued), (SELECT count(*) FROM failed)

@@ -4,9 +4,11 @@
 -- $1 uuid   the task;  $2 uuid  the core_appstatus row that claimed it
 -- $3 text   the final state;  $4 jsonb  the error ({"reason": ...}) or NULL
 -- Returns: the new state; no row when the task is not this holder's incomplete task.
+-- The state is tested as `state || ''` so that only the primary key serves the look-up (see
+-- claim.sql).
 UPDATE core_task
 SET state = $3, finished_at = now(), error = coalesce($4, error), app_lock_id = NULL,
     pulp_last_updated = now()
 WHERE pulp_id = $1 AND app_lock_id = $2
-  AND state IN ('waiting', 'running', 'canceling')
+  AND state || '' IN ('waiting', 'running', 'canceling')
 RETURNING state

@@ -6,6 +6,8 @@
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
 --          oldest first.
 -- Never writes.
+-- The state is tested as `state || ''` so that only the primary key serves the look-up (see
+-- claim.sql).
 SELECT t.pulp_id, t.pulp_created, t.name,
        coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
        hstore_to_json(t.versions)::text AS versions,
@@ -36,6 +38,6 @@ CROSS JOIN LATERAL (
     ) AS older_conflicts
 ) c
 WHERE t.pulp_id = ANY ($1::uuid[])
-  AND t.state = 'waiting'
+  AND t.state || '' = 'waiting'
   AND t.app_lock_id IS NULL
 ORDER BY t.pulp_created, t.pulp_id
