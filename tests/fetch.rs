@@ -491,7 +491,12 @@ async fn claims_put_back_behind_the_hint_are_handed_out_again_oldest_first() {
 /// keeps the scan hints that rely only on held locks, but a task it blocked is handed out at once.
 #[tokio::test]
 async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
-    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    // The sweeper finishes what Pulp canceled; a short interval keeps the wait short.
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.sweep_interval = std::time::Duration::from_millis(200);
+    })
+    .await;
     env.task(&["x"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("the task on x");
@@ -528,7 +533,12 @@ async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
 /// once the sweeper has finished the canceled one, whatever the scan hint's age.
 #[tokio::test]
 async fn a_task_behind_one_pulp_is_canceling_is_handed_out_once_it_is_canceled() {
-    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    // The sweeper finishes what Pulp canceled; a short interval keeps the wait short.
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.sweep_interval = std::time::Duration::from_millis(200);
+    })
+    .await;
     let canceling = env.task(&["a"]).await;
     env.db
         .execute(
