@@ -173,7 +173,7 @@ struct ScanHint {
     hiding: HashSet<String>,
     /// Claims put back in the queue since the hint was taken (their ids, as recorded with
     /// [`REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
-    /// checks them first (`returned.sql`), until one is handed out or leaves the queue. At most
+    /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
     returned: Vec<Uuid>,
 }
@@ -916,6 +916,15 @@ impl Dispatch {
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
+        // The hint ends at `after` as it stands: what this pass settles from here on is not in it.
+        macro_rules! end_hint_here {
+            () => {
+                if safe {
+                    hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
+                    safe = false;
+                }
+            };
+        }
         'pages: loop {
             let read_at = Instant::now();
             let (page_rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
@@ -1090,15 +1099,7 @@ impl Dispatch {
                                 // conflict only with it were skipped by this pass, so the hint
                                 // ends where the pass began.
                                 still_returned.retain(|id| *id != row.id);
-                                if safe {
-                                    hint = snapshot(
-                                        after,
-                                        &excluded_waiting,
-                                        &reserved_waiting,
-                                        &still_returned,
-                                    );
-                                    safe = false;
-                                }
+                                end_hint_here!();
                             }
                             _ => {
                                 reserved_waiting.reserve(&row.candidate.resources);
@@ -1113,15 +1114,7 @@ impl Dispatch {
                             // The hint stops before it: newer tasks that conflict only with it
                             // are skipped by this pass, and once it finishes (or if it was
                             // canceled) nothing the hint relies on would change.
-                            if safe {
-                                hint = snapshot(
-                                    after,
-                                    &excluded_waiting,
-                                    &reserved_waiting,
-                                    &still_returned,
-                                );
-                                safe = false;
-                            }
+                            end_hint_here!();
                             after = Some((row.created, row.id));
                             continue;
                         }
@@ -1132,10 +1125,8 @@ impl Dispatch {
                         }
                         _ => false,
                     };
-                    if safe && !stays_safe {
-                        hint =
-                            snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
-                        safe = false;
+                    if !stays_safe {
+                        end_hint_here!();
                     }
                     after = Some((row.created, row.id));
                     // Not handed out: it reserves its resources for every newer task.

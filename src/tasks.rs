@@ -57,7 +57,6 @@ pub mod sql {
     pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
     pub const HIDING: &str = include_str!("tasks/hiding.sql");
-    pub const RETURNED: &str = include_str!("tasks/returned.sql");
     pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
     pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
 
@@ -76,9 +75,8 @@ pub mod sql {
     pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 32] = [
+    pub const ALL: [&str; 31] = [
         GIN_CLEAN,
-        RETURNED,
         LANES_LATE,
         LANES_NEWER,
         LANES_GONE,
@@ -483,27 +481,38 @@ impl Tasks {
         Ok((rows.iter().map(task_row).collect::<Result<_, _>>()?, held))
     }
 
-    /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first
-    /// (`returned.sql`).
+    /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first: the
+    /// claims put back that a scan hint checks first (task.sql).
     pub async fn returned(&self, ids: &[Uuid]) -> Result<Vec<TaskRow>, Error> {
-        let rows = self.query_read(sql::RETURNED, &[&ids]).await?;
-        rows.iter().map(task_row).collect()
+        let mut rows: Vec<TaskRow> = self
+            .tasks_by(sql::TASK, ids)
+            .await?
+            .into_iter()
+            .filter(|t| t.state == "waiting" && t.app_lock_id.is_none())
+            .map(|t| t.row)
+            .collect();
+        rows.sort_by_key(|r| (r.created, r.id));
+        Ok(rows)
     }
 
     /// One task with its state and readiness facts; `None` for an unknown task.
     pub async fn task(&self, id: Uuid) -> Result<Option<TaskWithState>, Error> {
-        self.task_by(sql::TASK, id).await
+        Ok(self.tasks_by(sql::TASK, &[id]).await?.into_iter().next())
     }
 
     /// [`Tasks::task`] without the readiness look-up (`older_conflicts` is 0): for a task that
     /// is not waiting, cheap whatever its queues.
     pub async fn task_facts(&self, id: Uuid) -> Result<Option<TaskWithState>, Error> {
-        self.task_by(sql::TASK_FACTS, id).await
+        Ok(self
+            .tasks_by(sql::TASK_FACTS, &[id])
+            .await?
+            .into_iter()
+            .next())
     }
 
-    async fn task_by(&self, statement: &str, id: Uuid) -> Result<Option<TaskWithState>, Error> {
-        let rows = self.query_read(statement, &[&id]).await?;
-        rows.first()
+    async fn tasks_by(&self, statement: &str, ids: &[Uuid]) -> Result<Vec<TaskWithState>, Error> {
+        let rows = self.query_read(statement, &[&ids]).await?;
+        rows.iter()
             .map(|row| {
                 Ok(TaskWithState {
                     row: task_row(row)?,
@@ -511,7 +520,7 @@ impl Tasks {
                     app_lock_id: row.try_get(8)?,
                 })
             })
-            .transpose()
+            .collect()
     }
 
     /// Claims a waiting, unclaimed task for a worker row, and with `start` starts it too;

@@ -462,7 +462,7 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; \
          PREPARE candidates(text[], timestamptz, uuid) AS {}; \
-         PREPARE task(uuid) AS {}; \
+         PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {};",
         dispatch_broker::tasks::sql::CANDIDATES.replacen("LIMIT $4", "LIMIT 8", 1),
         dispatch_broker::tasks::sql::TASK,
@@ -493,7 +493,7 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
             ),
             (
                 "task.sql behind the backlog",
-                buffers(&db, &format!("EXECUTE task('{other}')")).await,
+                buffers(&db, &format!("EXECUTE task(ARRAY['{other}']::uuid[])")).await,
             ),
             (
                 "hiding.sql for a running task's names",

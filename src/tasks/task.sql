@@ -1,6 +1,7 @@
--- task.sql: one task, with the exact readiness look-up against older incomplete tasks.
+-- task.sql: tasks by id, each with the exact readiness look-up against older incomplete tasks
+-- (ClaimTask's one task; the claims put back that a scan hint checks first).
 --
--- $1 uuid   the task
+-- $1 uuid[]  the tasks
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
 --          state, app_lock_id
 -- Never writes.
@@ -35,4 +36,4 @@ CROSS JOIN LATERAL (
         WHERE (m.pulp_created, m.pulp_id) < (t.pulp_created, t.pulp_id)
     ) AS older_conflicts
 ) c
-WHERE t.pulp_id = $1
+WHERE t.pulp_id = ANY ($1::uuid[])

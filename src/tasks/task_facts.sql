@@ -2,7 +2,7 @@
 -- is 0): for explaining a task that is not waiting, where the look-up would cost a read of its
 -- resources' whole queues for nothing.
 --
--- $1 uuid   the task
+-- $1 uuid[]  the tasks
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, 0, state,
 --          app_lock_id
 -- Never writes.
@@ -12,4 +12,4 @@ SELECT t.pulp_id, t.pulp_created, t.name,
        coalesce(t.immediate, false) AS immediate,
        0::bigint AS older_conflicts, t.state, t.app_lock_id
 FROM core_task t
-WHERE t.pulp_id = $1
+WHERE t.pulp_id = ANY ($1::uuid[])
