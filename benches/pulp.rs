@@ -16,7 +16,8 @@
 //! The backlog itself is inserted in one statement with Pulp's insert trigger off: through the
 //! trigger, each insert on R0 reads every incomplete R0 task (its clock check), so a backlog of
 //! 100,000 would take hours to build. Everything that arrives during the run goes through
-//! `dispatch()`. Nothing is vacuumed or analysed by the bench.
+//! `dispatch()`. Nothing is vacuumed or analysed by the bench; the rounds start 2 s after the
+//! backlog's insert, once the broker merged the GIN pending list it left.
 //!
 //! Postgres statements and buffers (8 kB pages) per fetch come from `pg_stat_statements`,
 //! counting every statement of the broker's role during the broker's rounds (background work
@@ -239,7 +240,14 @@ async fn broker_rounds(
                 worker.next_task_started(Duration::ZERO).await
             }
             .expect("FetchTask");
-            fetch_ms.push(started.elapsed().as_secs_f64() * 1000.0);
+            let ms = started.elapsed().as_secs_f64() * 1000.0;
+            if slow_ms().is_some_and(|slow| ms >= slow) {
+                eprintln!(
+                    "    slow fetch: round {round}, {ms:.2} ms, ended {}",
+                    chrono::Utc::now().format("%H:%M:%S%.3f")
+                );
+            }
+            fetch_ms.push(ms);
             held.extend(task);
         }
         fetched += held.len();
@@ -329,6 +337,11 @@ fn skip_pulpcore() -> bool {
     std::env::var("PULPCORE").is_ok_and(|v| v == "0")
 }
 
+/// `SLOW=MS`: print every broker fetch that took at least MS milliseconds, with its round.
+fn slow_ms() -> Option<f64> {
+    std::env::var("SLOW").ok().and_then(|v| v.parse().ok())
+}
+
 fn ensure_pulp() -> PathBuf {
     let root = env!("CARGO_MANIFEST_DIR");
     let status = std::process::Command::new(format!("{root}/scripts/ensure-pulp.sh"))
@@ -401,6 +414,10 @@ async fn run_size(
         "N = {blocked}: backlog inserted in {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    // A backlog that arrived over time would have been merged into the GIN index as it came
+    // (the broker merges the pending list every second); this one arrived in one statement, so
+    // the rounds start after the broker's next merge, not in the middle of it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     helper
         .call(json!({"op": "baseline_setup", "head": head.id(), "workers": WORKERS}))
         .await;
@@ -492,6 +509,12 @@ fn print_row(row: &Row) {
 
 #[tokio::main]
 async fn main() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -532,6 +555,14 @@ async fn main() {
             ),
         )
         .unwrap();
+        // With the time of each line, and autovacuum's work, to set beside the slow fetches.
+        for setting in [
+            "ALTER SYSTEM SET log_autovacuum_min_duration = 0",
+            "ALTER SYSTEM SET log_line_prefix = '%m [%p] '",
+            "SELECT pg_reload_conf()",
+        ] {
+            pg.psql("postgres", setting).unwrap();
+        }
     }
     pg.create_database("pulp").unwrap();
     let work = tempfile::tempdir().unwrap();

@@ -178,6 +178,16 @@ struct ScanHint {
     returned: Vec<Uuid>,
 }
 
+/// The queue position just before a task's: a scan hint that starts there starts with the task.
+/// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
+fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
+    match id.as_u128().checked_sub(1) {
+        Some(previous) => (created, Uuid::from_u128(previous)),
+        // (The nil id: the last position of the previous microsecond, Postgres' resolution.)
+        None => (created - chrono::Duration::microseconds(1), Uuid::max()),
+    }
+}
+
 /// The most claims put back that a scan hint checks on every pass.
 const MAX_RETURNED: usize = 64;
 
@@ -808,6 +818,7 @@ impl Dispatch {
             .filter_map(|n| n.strip_prefix(REQUEUED_PREFIX))
             .filter_map(|id| id.parse().ok())
             .collect();
+        let had_hint = held.is_some();
         let usable = held.filter(|h| {
             !self.policy.hint_max_age.is_zero()
                 && h.epoch == epoch
@@ -826,6 +837,12 @@ impl Dispatch {
                     })
                 })
         });
+        if !had_hint {
+            tracing::debug!("pass without a scan hint");
+        }
+        if had_hint && usable.is_none() {
+            tracing::debug!(changed = ?changes.changed, seq = changes.seq, "scan hint dropped");
+        }
         // An old hint is still used (a stale hint only delays a task, never hands out one that is
         // not ready), and a walk from the head renews it in the background (`refresh`): no call
         // waits for that walk.
@@ -916,22 +933,25 @@ impl Dispatch {
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
-        // The hint ends at `after` as it stands: what this pass settles from here on is not in it.
+        // The hint ends at `$at` (at the latest just before the row being settled: the tasks the
+        // page skipped before that row are hidden by held locks or by the reservations the hint
+        // keeps); what this pass settles from there on is not in it.
         macro_rules! end_hint_here {
-            () => {
+            ($at:expr) => {
                 if safe {
-                    hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
+                    hint = snapshot($at, &excluded_waiting, &reserved_waiting, &still_returned);
                     safe = false;
                 }
             };
         }
         'pages: loop {
             let read_at = Instant::now();
-            let (page_rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
-            held_seen.extend(held_now);
-            let last_page = (page_rows.len() as i64) < page;
+            let found = self.tasks.candidates(&excluded, after, page).await?;
+            held_seen.extend(found.held.iter().cloned());
+            let last_page = !found.full;
+            let end = found.end();
             // Returned claims are older than everything past the hint: they come first.
-            let rows: Vec<TaskRow> = extra.drain(..).chain(page_rows).collect();
+            let rows: Vec<TaskRow> = extra.drain(..).chain(found.tasks).collect();
             let mut rows = rows.into_iter().peekable();
             // Rounds: judge rows until every claimant is trying one, try them all at once,
             // settle in queue order.
@@ -1099,7 +1119,7 @@ impl Dispatch {
                                 // conflict only with it were skipped by this pass, so the hint
                                 // ends where the pass began.
                                 still_returned.retain(|id| *id != row.id);
-                                end_hint_here!();
+                                end_hint_here!(after);
                             }
                             _ => {
                                 reserved_waiting.reserve(&row.candidate.resources);
@@ -1114,7 +1134,7 @@ impl Dispatch {
                             // The hint stops before it: newer tasks that conflict only with it
                             // are skipped by this pass, and once it finishes (or if it was
                             // canceled) nothing the hint relies on would change.
-                            end_hint_here!();
+                            end_hint_here!(Some(just_before(row.created, row.id)));
                             after = Some((row.created, row.id));
                             continue;
                         }
@@ -1126,7 +1146,7 @@ impl Dispatch {
                         _ => false,
                     };
                     if !stays_safe {
-                        end_hint_here!();
+                        end_hint_here!(Some(just_before(row.created, row.id)));
                     }
                     after = Some((row.created, row.id));
                     // Not handed out: it reserves its resources for every newer task.
@@ -1136,6 +1156,13 @@ impl Dispatch {
                 if stop {
                     break;
                 }
+            }
+            if !stop && rows.peek().is_none() && end > after {
+                // Settled to the end of the queue: every waiting task after the last row was
+                // skipped (held, or reserved by what the hint keeps), so the hint starts after
+                // them. Without this, a queue whose waiting tasks are all blocked would have
+                // every pass read all of them.
+                after = end;
             }
             if stop || own_served || last_page {
                 break 'pages;

@@ -66,7 +66,9 @@ impl From<Error> for Status {
                 tasks::Error::Pool(_) | tasks::Error::Db(_) | tasks::Error::Timeout(_) => {
                     Status::unavailable(message)
                 }
-                tasks::Error::Schema(_) | tasks::Error::Config(_) => Status::internal(message),
+                tasks::Error::Schema(_) | tasks::Error::Config(_) | tasks::Error::Unexpected(_) => {
+                    Status::internal(message)
+                }
             },
             Error::Internal(_) => Status::internal(message),
         }

@@ -69,6 +69,9 @@ pub const LEASES_OPENED_TOTAL: &str = "dispatch_leases_opened_total";
 /// (`--gin-clean-interval`).
 pub const GIN_PENDING_MERGED_PAGES_TOTAL: &str = "dispatch_gin_pending_merged_pages_total";
 
+/// Background walks from the queue's head that renewed the scan hint (`--fetch-hint-max-age`).
+pub const FETCH_HINT_WALKS_TOTAL: &str = "dispatch_fetch_hint_walks_total";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -93,6 +96,7 @@ pub const ALL: &[&str] = &[
     ADMIN_ACTIONS_TOTAL,
     LEASES_OPENED_TOTAL,
     GIN_PENDING_MERGED_PAGES_TOTAL,
+    FETCH_HINT_WALKS_TOTAL,
 ];
 
 /// Describes every metric once, at start-up.
@@ -156,6 +160,10 @@ pub fn describe() {
     describe_counter!(
         GIN_PENDING_MERGED_PAGES_TOTAL,
         "Pending-list pages of the GIN index on reserved resources merged by the broker."
+    );
+    describe_counter!(
+        FETCH_HINT_WALKS_TOTAL,
+        "Background walks from the queue's head that renewed the scan hint."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -280,6 +288,7 @@ pub struct Stats {
     leases_swept: AtomicU64,
     locks_reconciled: AtomicU64,
     rebuilds: AtomicU64,
+    hint_walks: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -301,6 +310,8 @@ pub struct StatsSnapshot {
     pub locks_reconciled: u64,
     /// Lock-state rebuilds this replica made.
     pub rebuilds: u64,
+    /// Background walks that renewed this replica's scan hint.
+    pub hint_walks: u64,
 }
 
 impl Stats {
@@ -332,6 +343,12 @@ impl Stats {
     pub fn fetch_shared(&self) {
         self.shared.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_SHARED_TOTAL).increment(1);
+    }
+
+    /// Counts a background walk that renewed the scan hint.
+    pub fn hint_walk(&self) {
+        self.hint_walks.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_HINT_WALKS_TOTAL).increment(1);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.
@@ -379,6 +396,7 @@ impl Stats {
             leases_swept: self.leases_swept.load(Ordering::Relaxed),
             locks_reconciled: self.locks_reconciled.load(Ordering::Relaxed),
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
+            hint_walks: self.hint_walks.load(Ordering::Relaxed),
         }
     }
 }
@@ -395,6 +413,7 @@ impl std::ops::Sub for StatsSnapshot {
             leases_swept: self.leases_swept - earlier.leases_swept,
             locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
             rebuilds: self.rebuilds - earlier.rebuilds,
+            hint_walks: self.hint_walks - earlier.hint_walks,
         }
     }
 }

@@ -128,6 +128,9 @@ pub enum Error {
     /// The pool could not be built from the configuration.
     #[error("invalid postgres configuration: {0}")]
     Config(String),
+    /// A statement's answer lacks what it always holds (a bug in the broker's SQL).
+    #[error("postgres answered unexpectedly: {0}")]
+    Unexpected(String),
 }
 
 impl Error {
@@ -137,7 +140,7 @@ impl Error {
     pub fn certainly_not_applied(&self) -> bool {
         match self {
             Error::Db(e) => e.as_db_error().is_some(),
-            Error::Pool(_) | Error::Schema(_) | Error::Config(_) => true,
+            Error::Pool(_) | Error::Schema(_) | Error::Config(_) | Error::Unexpected(_) => true,
             Error::Timeout(_) => false,
         }
     }
@@ -461,24 +464,34 @@ impl Tasks {
     }
 
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
-    /// overlap `excluded` or the conflict keys of claimed and running tasks; also the held
-    /// entries it skipped by.
+    /// overlap `excluded` or the conflict keys of claimed and running tasks (candidates.sql).
     pub async fn candidates(
         &self,
         excluded: &[String],
         after: Option<(DateTime<Utc>, Uuid)>,
         limit: i64,
-    ) -> Result<(Vec<TaskRow>, Vec<String>), Error> {
+    ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
         let statement = candidates_sql(limit);
-        let rows = self
+        let mut rows = self
             .query_read(&statement, &[&excluded, &after_created, &after_id])
             .await?;
-        let held: Vec<String> = match rows.first() {
-            Some(row) => row.try_get(7)?,
-            None => Vec::new(),
-        };
-        Ok((rows.iter().map(task_row).collect::<Result<_, _>>()?, held))
+        let closing = rows
+            .pop()
+            .ok_or_else(|| Error::Unexpected("candidates.sql returned no closing row".into()))?;
+        let id: Option<Uuid> = closing.try_get(0)?;
+        if id.is_some() {
+            return Err(Error::Unexpected(
+                "candidates.sql's last row is not its closing row".into(),
+            ));
+        }
+        let tasks: Vec<TaskRow> = rows.iter().map(task_row).collect::<Result<_, _>>()?;
+        Ok(Page {
+            full: tasks.len() as i64 >= limit,
+            tasks,
+            held: closing.try_get(7)?,
+            tail: closing.try_get(8)?,
+        })
     }
 
     /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first: the
@@ -1162,6 +1175,31 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
             skipped: false,
         },
     })
+}
+
+/// One page of candidates.sql.
+#[derive(Debug)]
+pub struct Page {
+    /// The page's tasks, in queue order.
+    pub tasks: Vec<TaskRow>,
+    /// As many tasks as asked for: more may follow.
+    pub full: bool,
+    /// The held entries (of claimed and running tasks) the page skipped tasks by.
+    pub held: Vec<String>,
+    /// The newest `pulp_created` of any waiting task when the page was read: when the page is
+    /// not full, every waiting task up to it was returned or skipped.
+    pub tail: Option<DateTime<Utc>>,
+}
+
+impl Page {
+    /// When the page is not full, the queue position every waiting task it did not return lies
+    /// at or before (skipped), or `None`.
+    pub fn end(&self) -> Option<(DateTime<Utc>, Uuid)> {
+        if self.full {
+            return None;
+        }
+        self.tail.map(|tail| (tail, Uuid::max()))
+    }
 }
 
 /// candidates.sql with its page size written in as a number (see the file's header): one

@@ -102,3 +102,162 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
         "a fetch took more than 3 redis calls"
     );
 }
+
+/// A Postgres of the test's own that keeps statement statistics (pg_stat_statements), its
+/// migrated database, and a Redis.
+async fn with_statement_statistics() -> (
+    dispatch_broker::testkit::Postgres,
+    String,
+    dispatch_broker::testkit::Redis,
+) {
+    tokio::task::spawn_blocking(|| {
+        let (mut pg, url) = support::own_postgres();
+        pg.psql(
+            "postgres",
+            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+        )
+        .expect("preload pg_stat_statements");
+        pg.restart().expect("restart postgres");
+        pg.psql("own", "CREATE EXTENSION pg_stat_statements")
+            .expect("create extension");
+        let redis = dispatch_broker::testkit::Redis::start().expect("start redis");
+        (pg, url, redis)
+    })
+    .await
+    .unwrap()
+}
+
+/// Pages (8 kB buffers) candidates.sql read since the last call, all calls together.
+async fn candidate_pages(db: &tokio_postgres::Client) -> i64 {
+    let pages: i64 = db
+        .query_one(
+            "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
+             FROM pg_stat_statements WHERE query LIKE '%candidates.sql:%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.execute("SELECT pg_stat_statements_reset()", &[])
+        .await
+        .unwrap();
+    pages
+}
+
+/// Pages (8 kB buffers) candidates.sql read in each of `fetches` fetches with `wait` 0 after the
+/// first, when every waiting task is blocked: `blocked` tasks on R0 behind its running head and
+/// nothing else. Then checks the queue still moves: the head finishes, and the next fetch hands
+/// out R0's oldest waiting task.
+async fn all_blocked(blocked: usize, fetches: usize) -> (i64, Vec<i64>) {
+    let (pg, url, redis) = with_statement_statistics().await;
+    // No background walk renews the hint during the test: what is measured is the fetches.
+    let mut env = Env::on(url, redis, |args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600)
+    })
+    .await;
+    let head = env.task(&[REPO, DOMAIN1]).await;
+    let busy = env.open("busy").await;
+    let running = env.fetch(&busy).await.expect("the head task");
+    assert_eq!(id(&running), head);
+    env.start(&busy, &running).await;
+    env.tasks_bulk(blocked, &[REPO, DOMAIN1]).await;
+    let oldest: uuid::Uuid = env
+        .db
+        .query_one(
+            "SELECT pulp_id FROM core_task WHERE state = 'waiting' \
+             ORDER BY pulp_created, pulp_id LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let worker = env.open("w").await;
+    let mut pages = Vec::new();
+    candidate_pages(&env.db).await;
+    for _ in 0..=fetches {
+        assert!(env.fetch(&worker).await.is_none(), "R0's queue is blocked");
+        env.broker().passes.idle().await;
+        pages.push(candidate_pages(&env.db).await);
+    }
+    env.finish(&busy, &running, "completed").await;
+    let next = env
+        .fetch(&worker)
+        .await
+        .expect("R0's next task once its head finished");
+    assert_eq!(id(&next), oldest, "R0's oldest waiting task comes next");
+    env.shutdown().await;
+    drop(pg);
+    (pages[0], pages[1..].to_vec())
+}
+
+#[tokio::test]
+async fn a_queue_whose_tasks_are_all_blocked_is_not_read_again_by_every_fetch() {
+    let (first_small, small) = all_blocked(1_000, 5).await;
+    let (first_large, large) = all_blocked(20_000, 5).await;
+    println!("candidates.sql pages per fetch,  1,000 blocked: first {first_small}, then {small:?}");
+    println!("candidates.sql pages per fetch, 20,000 blocked: first {first_large}, then {large:?}");
+    // The measure sees the walk: the first fetch (no scan hint yet) reads the blocked queue.
+    assert!(
+        first_large > 10 * first_small.max(1) / 2,
+        "the first fetch at 20,000 blocked read {first_large} pages, at 1,000 {first_small}"
+    );
+    // Every later fetch starts where the first stopped: at the end of the queue.
+    let most_small = *small.iter().max().unwrap();
+    let most_large = *large.iter().max().unwrap();
+    assert!(
+        most_large <= most_small + 8,
+        "later fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
+    );
+}
+
+/// The background walk that renews an old scan hint (`--fetch-hint-max-age`) keeps the blocked
+/// queue behind it: the fetch after the walk reads only what lies after the blocked tasks.
+#[tokio::test]
+async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
+    let (pg, url, redis) = with_statement_statistics().await;
+    let max_age = std::time::Duration::from_millis(300);
+    let mut env = Env::on(url, redis, |args| args.fetch.hint_max_age = max_age).await;
+    let head = env.task(&[REPO, DOMAIN1]).await;
+    let busy = env.open("busy").await;
+    let running = env.fetch(&busy).await.expect("the head task");
+    assert_eq!(id(&running), head);
+    env.start(&busy, &running).await;
+    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    for i in 0..3 {
+        env.task(&[
+            &format!("prn:file.repository:F{i}"),
+            "shared:prn:core.domain:D2",
+        ])
+        .await;
+    }
+    let worker = env.open("w").await;
+    candidate_pages(&env.db).await;
+    // The first fetch has no hint: it reads the blocked queue.
+    let first = env.fetch(&worker).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    let walked = candidate_pages(&env.db).await;
+    // The hint grows old; the next fetch still uses it and starts the walk that renews it.
+    tokio::time::sleep(max_age).await;
+    let walks = env.broker().stats.snapshot().hint_walks;
+    let second = env.fetch(&worker).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    support::eventually(std::time::Duration::from_secs(10), || async {
+        env.broker().stats.snapshot().hint_walks > walks
+    })
+    .await
+    .expect("a background walk renewed the hint");
+    candidate_pages(&env.db).await;
+    // The fetch after the walk starts from the walk's hint.
+    let third = env.fetch(&worker).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    let after_walk = candidate_pages(&env.db).await;
+    println!("candidates.sql pages: first fetch {walked}, fetch after the walk {after_walk}");
+    assert!(
+        after_walk * 10 < walked,
+        "the fetch after the walk read {after_walk} pages, the first fetch {walked}"
+    );
+    let ids: std::collections::HashSet<_> = [id(&first), id(&second), id(&third)].into();
+    assert_eq!(ids.len(), 3, "three different tasks of D2");
+    env.shutdown().await;
+    drop(pg);
+}

@@ -57,10 +57,13 @@ impl Dispatch {
             // Lets the next walk run however this one ends.
             let _running = Running(Arc::clone(&dispatch.refreshes));
             match dispatch.walk_for_hint(started).await {
-                Ok(()) => dispatch
-                    .refreshes
-                    .last_walk_ms
-                    .store(started.elapsed().as_millis() as u64, Ordering::Relaxed),
+                Ok(()) => {
+                    dispatch
+                        .refreshes
+                        .last_walk_ms
+                        .store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    dispatch.stats.hint_walk();
+                }
                 Err(e) => {
                     // The old hint stays in use; it only delays, and the next fetch retries.
                     tracing::warn!(error = %e, "renewing the scan hint failed; the next fetch retries")
@@ -85,12 +88,16 @@ impl Dispatch {
             if self.shutdown.is_fired() {
                 return Ok(());
             }
-            let (rows, held_now) = self.tasks.candidates(&excluded, after, page).await?;
-            held_seen.extend(held_now);
-            let last_page = (rows.len() as i64) < page;
-            for row in rows {
+            let found = self.tasks.candidates(&excluded, after, page).await?;
+            held_seen.extend(found.held.iter().cloned());
+            let last_page = !found.full;
+            let end = found.end();
+            for row in found.tasks {
                 let verdict = ready::obstacles(&row.candidate, &reserved, &Default::default());
                 if verdict.ready_by_rule() {
+                    // The hint starts with it: what the pages skipped before it is hidden by
+                    // held locks (looked up below) or by the reservations the hint keeps.
+                    after = Some(super::just_before(row.created, row.id));
                     break 'pages;
                 }
                 reserved.reserve(&row.candidate.resources);
@@ -102,12 +109,17 @@ impl Dispatch {
                 after = Some((row.created, row.id));
             }
             if last_page {
+                // None ready: every waiting task after the last row was skipped (held, or
+                // reserved by what the hint keeps).
+                if end > after {
+                    after = end;
+                }
                 break;
             }
             page = (page * 2).min(self.policy.max_page);
         }
         let Some(after) = after else {
-            // The head of the queue may be ready: no hint, the next pass reads from the head.
+            // Nothing waits: no hint, the next pass reads from the head.
             self.install(None, taken);
             return Ok(());
         };
@@ -135,6 +147,7 @@ impl Dispatch {
     /// least as fresh). When the walk's starts earlier in the queue, a task the old hint skipped
     /// may be ready: the waiting calls get a turn.
     fn install(&self, hint: Option<ScanHint>, taken: Instant) {
+        tracing::debug!(after = ?hint.as_ref().map(|h| h.after), "walk installs a scan hint");
         let moved_back = match self.hint.lock() {
             Ok(mut slot) => {
                 if slot.as_ref().is_some_and(|h| h.taken > taken) {

@@ -9,8 +9,11 @@
 -- $4 (the LIMIT)  the page size, written into the text as a number by tasks.rs (one prepared
 --                 statement per page size): the broker's sessions use generic plans, and a
 --                 generic plan with a parameter LIMIT guesses a tenth of the table and sorts it
--- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
---          and on every row the held entries this page skipped by (for the scan hint)
+-- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
+--          text), immediate, older_conflicts), then one closing row whose pulp_id is NULL and
+--          which holds the held entries this page skipped by (held_entries) and the newest
+--          pulp_created of any waiting task (tail): when the page is not full, every waiting
+--          task up to the tail was returned or skipped (for the scan hint)
 --
 -- Tasks overlapping the conflict keys of claimed or running tasks are skipped in SQL too, so a
 -- resource whose head task runs does not make every fetch read its queue. The skip is only a
@@ -52,7 +55,7 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
        coalesce(p.immediate, false) AS immediate,
        c.older_conflicts,
-       (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held) AS held_entries
+       NULL::text[] AS held_entries, NULL::timestamptz AS tail
 FROM page p
 CROSS JOIN LATERAL (
     SELECT ARRAY(
@@ -77,4 +80,10 @@ CROSS JOIN LATERAL (
         WHERE (m.pulp_created, m.pulp_id) < (p.pulp_created, p.pulp_id)
     ) AS older_conflicts
 ) c
-ORDER BY p.pulp_created, p.pulp_id
+UNION ALL
+-- The closing row. The tail is one step of the (state, pulp_created) index, from its end.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held),
+       (SELECT max(w.pulp_created) FROM core_task w WHERE w.state = 'waiting')
+-- (The closing row last: NULLS LAST is the default of an ascending order.)
+ORDER BY 2, 1

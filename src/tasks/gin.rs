@@ -59,6 +59,10 @@ fn not_permitted(e: &Error) -> bool {
         Error::Db(db) => {
             db.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
         }
-        Error::Pool(_) | Error::Timeout(_) | Error::Schema(_) | Error::Config(_) => false,
+        Error::Pool(_)
+        | Error::Timeout(_)
+        | Error::Schema(_)
+        | Error::Config(_)
+        | Error::Unexpected(_) => false,
     }
 }
