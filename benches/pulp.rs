@@ -170,6 +170,9 @@ fn summary(mut ms: Vec<f64>) -> (f64, f64) {
 struct Costs {
     statements: f64,
     buffers: f64,
+    /// The lane gauge's statements (lanes*.sql) during the rounds: calls and total ms.
+    lane_calls: i64,
+    lane_ms: f64,
     /// The statements by total time: (first line, calls, mean ms, buffers per call).
     top: Vec<(String, i64, f64, f64)>,
 }
@@ -196,6 +199,12 @@ async fn broker_costs(db: &tokio_postgres::Client) -> Costs {
     for row in rows {
         let calls: i64 = row.get(1);
         let per_call: f64 = row.get(3);
+        let first_line: String = row.get(0);
+        if first_line.starts_with("-- lanes") {
+            let mean: f64 = row.get(2);
+            costs.lane_calls += calls;
+            costs.lane_ms += mean * calls as f64;
+        }
         costs.statements += calls as f64;
         costs.buffers += per_call * calls as f64;
         costs.top.push((row.get(0), calls, row.get(2), per_call));
@@ -459,6 +468,14 @@ async fn run_size(
             rows.push(row);
         }
     }
+    // One full pass of the lane gauge over this backlog, as the broker makes it (a
+    // maintained pass in between reads only what changed).
+    let started = Instant::now();
+    broker.lanes.compute(true).await.unwrap();
+    eprintln!(
+        "  lane gauge: one full pass at {blocked} blocked took {:.1} ms",
+        started.elapsed().as_secs_f64() * 1000.0
+    );
     for worker in &fleet {
         worker.close().await.unwrap();
     }
@@ -500,6 +517,10 @@ fn print_row(row: &Row) {
             "    broker role: {:.1} statements and {:.0} buffers per fetch",
             c.statements / calls,
             c.buffers / calls
+        );
+        eprintln!(
+            "    lane gauge during the rounds: {} statements, {:.1} ms in all",
+            c.lane_calls, c.lane_ms
         );
         for (text, n, mean, buffers) in c.top.iter().take(6) {
             eprintln!("      {n:>5} x {mean:>7.3} ms {buffers:>8.1} buffers  {text}");

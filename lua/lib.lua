@@ -11,6 +11,8 @@
 --                                   refuses when it is not what the caller expects (lost state)
 --   PREFIX:changes                  sorted set resource name -> sequence number of its last
 --                                   release (or other change that may make waiting tasks ready);
+--                                   a shared lock's release is recorded as "shared:" .. name (only
+--                                   tasks needing the name exclusively may be ready after it);
 --                                   "*" stands for "anything may have changed"
 --   PREFIX:changeseq                the sequence counter of PREFIX:changes
 --   PREFIX:changefloor              changes at or below this sequence were trimmed away
@@ -73,7 +75,7 @@ local function release_task(prefix, task_id)
   end
   for _, name in ipairs(split_names(lock[3])) do
     redis.call('SREM', prefix .. ':s:' .. name, task_id)
-    changed[#changed + 1] = name
+    changed[#changed + 1] = 'shared:' .. name
   end
   note_changes(prefix, changed)
   redis.call('SREM', prefix .. ':lease:' .. lock[1] .. ':tasks', task_id)

@@ -828,9 +828,17 @@ impl Dispatch {
                     !names.iter().any(|n| {
                         if n.starts_with(REQUEUED_PREFIX) {
                             false
-                        } else if let Some(name) = n.strip_prefix(LEFT_PREFIX) {
-                            // A waiting task left: the held locks the hint relies on stay.
-                            h.reserved.touches(name)
+                        } else if let Some(entry) = n.strip_prefix(LEFT_PREFIX) {
+                            // A waiting task left: the held locks the hint relies on stay. Its
+                            // shared reservation stood in the way of exclusive users only.
+                            match entry.strip_prefix(SHARED_PREFIX) {
+                                Some(name) => h.reserved.is_exclusive(name),
+                                None => h.reserved.touches(entry),
+                            }
+                        } else if let Some(name) = n.strip_prefix(SHARED_PREFIX) {
+                            // A shared lock released: only tasks that need the name exclusively
+                            // may be ready now.
+                            h.reserved.is_exclusive(name) || h.hiding.contains(name)
                         } else {
                             n == "*" || h.reserved.touches(n) || h.hiding.contains(n)
                         }

@@ -149,7 +149,7 @@ impl Reservations {
     }
 
     /// True when `name` is reserved exclusively.
-    fn is_exclusive(&self, name: &str) -> bool {
+    pub fn is_exclusive(&self, name: &str) -> bool {
         self.names.get(name).copied().unwrap_or(false)
     }
 

@@ -1024,20 +1024,16 @@ impl Tasks {
             .collect()
     }
 
-    /// Finishes, as canceled, tasks asked to cancel while unclaimed; returns their resource
-    /// names.
+    /// Finishes, as canceled, tasks asked to cancel while unclaimed; returns the entries of
+    /// their records (`NAME` or `shared:NAME`).
     pub async fn finish_orphan_cancels(&self) -> Result<Vec<String>, Error> {
         let rows = self.query(sql::FINISH_ORPHAN_CANCELS, &[]).await?;
-        let mut names = Vec::new();
+        let mut entries = Vec::new();
         for row in &rows {
             let record: Vec<String> = row.try_get(0)?;
-            names.extend(record.into_iter().map(|e| {
-                e.strip_prefix(crate::ready::SHARED_PREFIX)
-                    .map(str::to_owned)
-                    .unwrap_or(e)
-            }));
+            entries.extend(record);
         }
-        Ok(names)
+        Ok(entries)
     }
 
     /// Whether any task is incomplete.

@@ -528,6 +528,44 @@ async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
     env.shutdown().await;
 }
 
+/// The same with a shared reservation: the task Pulp canceled needed y shared, the task behind
+/// it needs y exclusively. Its leaving is recorded in its mode and frees the exclusive user.
+#[tokio::test]
+async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.sweep_interval = std::time::Duration::from_millis(200);
+    })
+    .await;
+    env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on x");
+    env.start(&holder, &running).await;
+    let canceled = env.task(&["x", "shared:y"]).await;
+    let blocked = env.task(&["y"]).await;
+    let free = env.task(&["z"]).await;
+    let w = env.open("w").await;
+    assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
+            &[&canceled],
+        )
+        .await
+        .unwrap();
+    let mut handed_out = None;
+    for _ in 0..100 {
+        if let Some(task) = env.fetch(&w).await {
+            handed_out = Some(id(&task));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(handed_out, Some(blocked));
+    assert_eq!(env.state(canceled).await, "canceled");
+    env.shutdown().await;
+}
+
 /// A task Pulp canceled while it waited (`canceling`, claimed by nobody) holds nothing: the task
 /// behind it is judged by the exact look-up, not hidden as if a lock were held, and is handed out
 /// once the sweeper has finished the canceled one, whatever the scan hint's age.

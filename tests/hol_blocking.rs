@@ -261,3 +261,54 @@ async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
     env.shutdown().await;
     drop(pg);
 }
+
+/// A shared lock's release frees only tasks that need its resource exclusively: a scan hint whose
+/// passed-over tasks use the resource shared, as every task of a Pulp domain does
+/// (`shared:` + the domain), survives it, and the next fetch does not read the blocked queue
+/// again.
+#[tokio::test]
+async fn a_shared_release_keeps_a_hint_that_reserves_the_name_only_shared() {
+    let (pg, url, redis) = with_statement_statistics().await;
+    let mut env = Env::on(url, redis, |args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600)
+    })
+    .await;
+    let domain = "shared:prn:core.domain:D2";
+    let head = env.task(&[REPO, DOMAIN1]).await;
+    let busy = env.open("busy").await;
+    let running = env.fetch(&busy).await.expect("the head task");
+    assert_eq!(id(&running), head);
+    env.start(&busy, &running).await;
+    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    // Hidden behind R0's running head, and holding up `waits` (through Y), which the pass then
+    // passes over: the hint reserves Y exclusively and the domain shared.
+    env.task(&[REPO, "prn:file.repository:Y"]).await;
+    let waits = env.task(&["prn:file.repository:Y", domain]).await;
+    let first = env.task(&["prn:file.repository:F1", domain]).await;
+    let second = env.task(&["prn:file.repository:F2", domain]).await;
+    let worker = env.open("w").await;
+    candidate_pages(&env.db).await;
+    let task = env.fetch(&worker).await.expect("F1");
+    assert_eq!(id(&task), first);
+    env.broker().passes.idle().await;
+    let walked = candidate_pages(&env.db).await;
+    env.start(&worker, &task).await;
+    // Releases F1's lock on F1 and its shared lock on the domain.
+    env.finish(&worker, &task, "completed").await;
+    let task = env.fetch(&worker).await.expect("F2");
+    assert_eq!(id(&task), second);
+    env.broker().passes.idle().await;
+    let after_release = candidate_pages(&env.db).await;
+    println!("candidates.sql pages: first fetch {walked}, fetch after the shared release {after_release}");
+    assert!(
+        after_release * 10 < walked,
+        "the fetch after the shared release read {after_release} pages, the first fetch {walked}"
+    );
+    assert_eq!(
+        env.state(waits).await,
+        "waiting",
+        "Y's older task still holds it up"
+    );
+    env.shutdown().await;
+    drop(pg);
+}

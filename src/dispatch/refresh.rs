@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::{Dispatch, ScanHint};
 use crate::error::Result;
-use crate::ready::{self, Reservations};
+use crate::ready::{self, Reservations, SHARED_PREFIX};
 
 /// The background walks of one replica: whether one runs, and how long the last took.
 #[derive(Debug, Default)]
@@ -123,12 +123,29 @@ impl Dispatch {
             self.install(None, taken);
             return Ok(());
         };
-        let held: Vec<String> = held_seen.into_iter().collect();
-        let hiding = if held.is_empty() {
-            HashSet::new()
-        } else {
-            self.tasks.hiding(after, &held).await?.into_iter().collect()
-        };
+        // What hides older tasks at the new position. The names the current hint knows to hide
+        // are kept without a look-up when still held (a name kept needlessly only drops the hint
+        // more often than needed: never a task handed out late); only the other held names are
+        // looked up. Counting the blocked repository's name again cost as much as the walk.
+        let known: HashSet<String> = self
+            .hint
+            .lock()
+            .ok()
+            .and_then(|slot| slot.as_ref().map(|h| h.hiding.clone()))
+            .unwrap_or_default();
+        let mut hiding: HashSet<String> = HashSet::new();
+        let mut unknown: Vec<String> = Vec::new();
+        for entry in held_seen {
+            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
+            if known.contains(name) {
+                hiding.insert(name.to_owned());
+            } else {
+                unknown.push(entry);
+            }
+        }
+        if !unknown.is_empty() {
+            hiding.extend(self.tasks.hiding(after, &unknown).await?);
+        }
         let hint = ScanHint {
             epoch,
             seq,

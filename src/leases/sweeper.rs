@@ -129,15 +129,11 @@ impl Sweeper {
         }
         let canceled = self.tasks.finish_orphan_cancels().await?;
         if !canceled.is_empty() {
-            // They held no lock: what changed is only that they no longer reserve their names.
+            // They held no lock: what changed is only that they no longer reserve their names,
+            // each in its mode (a shared reservation gone frees only exclusive users).
             let left: Vec<String> = canceled
                 .iter()
-                .map(|entry| {
-                    let name = entry
-                        .strip_prefix(crate::ready::SHARED_PREFIX)
-                        .unwrap_or(entry);
-                    format!("{}{name}", crate::locks::LEFT_PREFIX)
-                })
+                .map(|entry| format!("{}{entry}", crate::locks::LEFT_PREFIX))
                 .collect();
             self.locks
                 .note_changes(&left.iter().map(String::as_str).collect::<Vec<_>>())
