@@ -24,7 +24,8 @@
 //! included).
 //!
 //! Run: `cargo bench --bench pulp` (N = 1,000, 17,000, 100,000, 1,000,000) or
-//! `cargo bench --bench pulp -- 1000 17000`; `PULPCORE=0` runs the broker's rounds only.
+//! `cargo bench --bench pulp -- 1000 17000`; `PULPCORE=0` runs the broker's rounds only,
+//! `PULPCORE=first` pulpcore's in the first cell of each size only.
 //! Prints Markdown tables.
 
 use std::collections::BTreeMap;
@@ -341,9 +342,14 @@ async fn insert_backlog(db: &tokio_postgres::Client, blocked: usize, domain: &st
 }
 
 /// `PULPCORE=0`: the broker's rounds only (pulpcore's fetch_task takes about a second per call
-/// at 1,000,000 blocked).
-fn skip_pulpcore() -> bool {
-    std::env::var("PULPCORE").is_ok_and(|v| v == "0")
+/// at 1,000,000 blocked); `PULPCORE=first`: pulpcore's rounds in each size's first cell only
+/// (pending list on, finish).
+fn skip_pulpcore(first_cell: bool) -> bool {
+    match std::env::var("PULPCORE").as_deref() {
+        Ok("0") => true,
+        Ok("first") => !first_cell,
+        _ => false,
+    }
 }
 
 /// `SLOW=MS`: print every broker fetch that took at least MS milliseconds, with its round.
@@ -447,7 +453,8 @@ async fn run_size(
                 .unwrap();
         }
         for (mode, requeue) in [("finish", false), ("requeue", true)] {
-            let pulpcore = if skip_pulpcore() {
+            let first_cell = pending == "on" && !requeue;
+            let pulpcore = if skip_pulpcore(first_cell) {
                 Cell {
                     fetch_ms: Vec::new(),
                     fetched: 0,
