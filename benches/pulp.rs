@@ -478,11 +478,16 @@ async fn run_size(
     // One full pass of the lane gauge over this backlog, as the broker makes it (a
     // maintained pass in between reads only what changed).
     let started = Instant::now();
-    broker.lanes.compute(true).await.unwrap();
-    eprintln!(
-        "  lane gauge: one full pass at {blocked} blocked took {:.1} ms",
-        started.elapsed().as_secs_f64() * 1000.0
-    );
+    match broker.lanes.compute(true).await {
+        Ok(_) => eprintln!(
+            "  lane gauge: one full pass at {blocked} blocked took {:.1} ms",
+            started.elapsed().as_secs_f64() * 1000.0
+        ),
+        Err(e) => eprintln!(
+            "  lane gauge: one full pass at {blocked} blocked failed after {:.1} ms: {e}",
+            started.elapsed().as_secs_f64() * 1000.0
+        ),
+    }
     for worker in &fleet {
         worker.close().await.unwrap();
     }

@@ -697,3 +697,30 @@ async fn activity_checked_once(env: &Env) -> Arc<dispatch_broker::lanes::Lanes> 
     .expect("activity checked once");
     lanes
 }
+
+/// The full pass reads the whole queue in one statement: on a large queue it takes longer than
+/// the backend timeout, which bounds the statements of calls a client waits on, not this
+/// background pass. It completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pass_over_a_queue_longer_than_the_backend_timeout_completes() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        // The server stops a statement after 160 ms; reading 400,000 tasks takes longer.
+        a.backend_timeout = Duration::from_millis(200);
+    })
+    .await;
+    env.tasks_bulk(400_000, &["a"]).await;
+    let started = std::time::Instant::now();
+    env.broker()
+        .lanes
+        .compute(true)
+        .await
+        .expect("the full pass completes");
+    println!("full pass over 400,000 tasks: {:?}", started.elapsed());
+    assert_eq!(
+        env.broker().lanes.current().lanes,
+        1,
+        "one lane: the queue on a"
+    );
+    env.shutdown().await;
+}
