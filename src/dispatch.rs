@@ -829,12 +829,11 @@ impl Dispatch {
                         if n.starts_with(REQUEUED_PREFIX) {
                             false
                         } else if let Some(entry) = n.strip_prefix(LEFT_PREFIX) {
-                            // A waiting task left: the held locks the hint relies on stay. Its
-                            // shared reservation stood in the way of exclusive users only.
-                            match entry.strip_prefix(SHARED_PREFIX) {
-                                Some(name) => h.reserved.is_exclusive(name),
-                                None => h.reserved.touches(entry),
-                            }
+                            // A waiting task left: the held locks the hint relies on stay. In
+                            // either mode, the tasks the hint skipped as conflicting with it
+                            // (its conflict keys are among `excluded`) may be ready now.
+                            h.reserved
+                                .touches(entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry))
                         } else if let Some(name) = n.strip_prefix(SHARED_PREFIX) {
                             // A shared lock released: only tasks that need the name exclusively
                             // may be ready now.
@@ -1010,7 +1009,6 @@ impl Dispatch {
                     // this pass judges (for one that is lost meanwhile, only a delay). So the
                     // attempts of one round never conflict with each other.
                     reserved.reserve(&row.candidate.resources);
-                    excluded.extend(row.candidate.resources.conflict_keys());
                     steps.push(Step { row, seen });
                     if nobody_left(&claimants, may_recruit) {
                         break;
@@ -1116,6 +1114,13 @@ impl Dispatch {
                 // Settle in queue order: the hint is bookkept row by row.
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
+                    if !matches!(settled, Some(Settled::Granted)) {
+                        // The next page skips the tasks that conflict with it. Not those that
+                        // conflict with a task handed out: that one is held when the page is
+                        // read (skipped by `held`, and so known to the hint's `hiding`), or
+                        // finished already, and then they must be judged.
+                        excluded.extend(row.candidate.resources.conflict_keys());
+                    }
                     if extra_ids.contains(&row.id) {
                         // A returned claim (before the hint's position, which stays): handed
                         // out or gone, it is checked no more; still waiting, it reserves its

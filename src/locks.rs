@@ -88,8 +88,8 @@ pub const REQUEUED_PREFIX: &str = "\u{1}requeued:";
 
 /// The change recorded when a waiting task left the queue without a lock being released (Pulp
 /// canceled it while nobody held it) is this prefix and an entry of its record (`NAME`, or
-/// `shared:NAME`): it matters only to a scan hint whose passed-over tasks reserve that name (for a
-/// shared entry, exclusively), not to one that relies on the name's lock still being held.
+/// `shared:NAME`): it matters only to a scan hint whose passed-over tasks reserve that name, not
+/// to one that relies on the name's lock still being held.
 pub const LEFT_PREFIX: &str = "\u{1}left:";
 
 /// What changed since a scan hint was taken.

@@ -1204,8 +1204,9 @@ pub struct Page {
     pub full: bool,
     /// The held entries (of claimed and running tasks) the page skipped tasks by.
     pub held: Vec<String>,
-    /// The newest `pulp_created` of any waiting task when the page was read: when the page is
-    /// not full, every waiting task up to it was returned or skipped.
+    /// When the page is not full: every waiting task created up to it (committed then or
+    /// later) was returned or skipped. `None` on a full page, or when an open writer's start
+    /// cannot be read.
     pub tail: Option<DateTime<Utc>>,
 }
 
@@ -1223,7 +1224,7 @@ impl Page {
 /// candidates.sql with its page size written in as a number (see the file's header): one
 /// prepared statement per page size, each planned once per connection.
 fn candidates_sql(limit: i64) -> String {
-    sql::CANDIDATES.replacen("LIMIT $4", &format!("LIMIT {}", limit.max(1)), 1)
+    sql::CANDIDATES.replace("$4", &limit.max(1).to_string())
 }
 
 #[cfg(test)]

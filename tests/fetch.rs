@@ -566,6 +566,86 @@ async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
     env.shutdown().await;
 }
 
+/// A task the scan hint skipped as conflicting with a waiting shared user of its resource (it
+/// arrived after the hint was taken) is handed out once Pulp cancels that shared user.
+#[tokio::test]
+async fn a_task_skipped_behind_a_shared_user_pulp_canceled_is_handed_out() {
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.sweep_interval = std::time::Duration::from_millis(200);
+    })
+    .await;
+    env.task(&["b"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on b");
+    env.start(&holder, &running).await;
+    // Hidden behind b; it holds up `shared_user` through a.
+    env.task(&["b", "a"]).await;
+    let shared_user = env.task(&["shared:a", "shared:y"]).await;
+    let free = env.task(&["z"]).await;
+    let w = env.open("w").await;
+    assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
+    // Needs y alone: behind the shared user, so the next pass skips it and the hint passes it.
+    let skipped = env.task(&["y"]).await;
+    assert!(
+        env.fetch(&w).await.is_none(),
+        "y's task waits for the shared user"
+    );
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
+            &[&shared_user],
+        )
+        .await
+        .unwrap();
+    let mut handed_out = None;
+    for _ in 0..100 {
+        if let Some(task) = env.fetch(&w).await {
+            handed_out = Some(id(&task));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(handed_out, Some(skipped));
+    env.shutdown().await;
+}
+
+/// A task inserted by a transaction still open when a pass read the queue, and committed after a
+/// newer task, is not behind the scan hint: the hint's end at the queue's tail is no later than
+/// the start of any open writer of core_task.
+#[tokio::test]
+async fn a_task_committed_after_a_newer_one_is_not_behind_the_hint() {
+    let mut env = Env::with(|a| a.fetch.hint_max_age = std::time::Duration::from_secs(3600)).await;
+    env.task(&["r"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on r");
+    env.start(&holder, &running).await;
+    env.task(&["r"]).await;
+    let w = env.open("w").await;
+    assert!(env.fetch(&w).await.is_none(), "r's queue is blocked");
+    // A writer stamps its task (the insert trigger) and stays open.
+    let (writer, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let late = uuid::Uuid::new_v4();
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer
+        .execute(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record)              VALUES ($1, 'late', 'waiting', ARRAY['z'])",
+            &[&late],
+        )
+        .await
+        .unwrap();
+    // A newer task on the blocked resource commits first; a pass reads the queue to its tail.
+    env.task(&["r"]).await;
+    assert!(env.fetch(&w).await.is_none(), "only r's tasks are visible");
+    writer.batch_execute("COMMIT").await.unwrap();
+    let task = env.fetch(&w).await.expect("the task committed late");
+    assert_eq!(id(&task), late);
+    env.shutdown().await;
+}
+
 /// A task Pulp canceled while it waited (`canceling`, claimed by nobody) holds nothing: the task
 /// behind it is judged by the exact look-up, not hidden as if a lock were held, and is handed out
 /// once the sweeper has finished the canceled one, whatever the scan hint's age.

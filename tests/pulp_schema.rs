@@ -464,7 +464,7 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
          PREPARE candidates(text[], timestamptz, uuid) AS {}; \
          PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {};",
-        dispatch_broker::tasks::sql::CANDIDATES.replacen("LIMIT $4", "LIMIT 8", 1),
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$4", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
     ))

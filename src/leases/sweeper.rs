@@ -129,8 +129,7 @@ impl Sweeper {
         }
         let canceled = self.tasks.finish_orphan_cancels().await?;
         if !canceled.is_empty() {
-            // They held no lock: what changed is only that they no longer reserve their names,
-            // each in its mode (a shared reservation gone frees only exclusive users).
+            // They held no lock: what changed is only that they no longer reserve their names.
             let left: Vec<String> = canceled
                 .iter()
                 .map(|entry| format!("{}{entry}", crate::locks::LEFT_PREFIX))

@@ -11,9 +11,9 @@
 --                 generic plan with a parameter LIMIT guesses a tenth of the table and sorts it
 -- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
 --          text), immediate, older_conflicts), then one closing row whose pulp_id is NULL and
---          which holds the held entries this page skipped by (held_entries) and the newest
---          pulp_created of any waiting task (tail): when the page is not full, every waiting
---          task up to the tail was returned or skipped (for the scan hint)
+--          which holds the held entries this page skipped by (held_entries) and, when the page is
+--          not full, the tail: every waiting task created up to it, now or committed later, was
+--          returned or skipped (for the scan hint)
 --
 -- Tasks overlapping the conflict keys of claimed or running tasks are skipped in SQL too, so a
 -- resource whose head task runs does not make every fetch read its queue. The skip is only a
@@ -84,6 +84,22 @@ UNION ALL
 -- The closing row. The tail is one step of the (state, pulp_created) index, from its end.
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held),
-       (SELECT max(w.pulp_created) FROM core_task w WHERE w.state = 'waiting')
+       -- The tail, when the page is not full: the newest waiting task, but no later than the
+       -- start of any transaction that has written to core_task and is still open (its tasks,
+       -- stamped by the insert trigger after it began, may commit after this statement); none
+       -- when such a writer's start cannot be read. (pg_locks is read only here.)
+       CASE WHEN (SELECT count(*) FROM page) < $4 THEN (
+           SELECT CASE WHEN bool_or(a.xact_start IS NULL) THEN NULL
+                       ELSE least((SELECT max(w.pulp_created) FROM core_task w
+                                   WHERE w.state = 'waiting'),
+                                  min(a.xact_start)) END
+           FROM pg_locks l
+           LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+           WHERE l.locktype = 'relation'
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+             AND l.relation = 'core_task'::regclass
+             AND l.mode = 'RowExclusiveLock'
+             AND l.pid IS DISTINCT FROM pg_backend_pid())
+       END
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1
