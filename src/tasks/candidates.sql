@@ -85,9 +85,11 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held),
        -- The tail, when the page is not full: the newest waiting task, but no later than the
-       -- start of any transaction that has written to core_task and is still open (its tasks,
-       -- stamped by the insert trigger after it began, may commit after this statement); none
-       -- when such a writer's start cannot be read. (pg_locks is read only here.)
+       -- start of any transaction that has written to core_task and is still open when this
+       -- row is computed (its tasks, stamped by the insert trigger after it began, may commit
+       -- after this statement); none when such a writer's start cannot be read. A writer that
+       -- commits while the page is read is missed: its task waits for the next walk at most.
+       -- (pg_locks is read only here.)
        CASE WHEN (SELECT count(*) FROM page) < $4 THEN (
            SELECT CASE WHEN bool_or(a.xact_start IS NULL) THEN NULL
                        ELSE least((SELECT max(w.pulp_created) FROM core_task w
