@@ -819,6 +819,8 @@ impl Dispatch {
             .filter_map(|id| id.parse().ok())
             .collect();
         let had_hint = held.is_some();
+        // The names the hint knew to hide tasks, kept when it is dropped: see `hiding` below.
+        let known_before = held.as_ref().map(|h| h.hiding.clone()).unwrap_or_default();
         let usable = held.filter(|h| {
             !self.policy.hint_max_age.is_zero()
                 && h.epoch == epoch
@@ -1224,7 +1226,24 @@ impl Dispatch {
                         .collect();
                     (known, unknown)
                 }
-                _ => (HashSet::new(), held_seen.into_iter().collect()),
+                // No hint to start from: the names a dropped hint knew to hide are kept while
+                // still held, as the background walk does (a name kept needlessly only drops
+                // the hint more often); the others are looked up. After the blocked
+                // repository's running task finished, counting its queue again took as long as
+                // the walk from the head.
+                _ => {
+                    let mut known = HashSet::new();
+                    let mut unknown = Vec::new();
+                    for entry in held_seen {
+                        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
+                        if known_before.contains(name) {
+                            known.insert(name.to_owned());
+                        } else {
+                            unknown.push(entry);
+                        }
+                    }
+                    (known, unknown)
+                }
             };
             let now_hiding = if unknown.is_empty() {
                 Ok(known)

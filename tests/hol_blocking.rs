@@ -312,3 +312,73 @@ async fn a_shared_release_keeps_a_hint_that_reserves_the_name_only_shared() {
     env.shutdown().await;
     drop(pg);
 }
+
+/// Pages (8 kB buffers) hiding.sql read since the last `candidate_pages`.
+async fn hiding_pages(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
+         FROM pg_stat_statements WHERE query LIKE '%hiding.sql:%'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// When a scan hint is dropped for a reason other than its blocked resource's release (here a
+/// closed lease puts a claim back, which may sit anywhere), the next pass walks from the head
+/// but does not count the blocked resource's queue again: the dropped hint knew that its name
+/// hides tasks, and it is still held.
+#[tokio::test]
+async fn a_dropped_hint_does_not_make_the_next_pass_count_the_blocked_queue_again() {
+    let (pg, url, redis) = with_statement_statistics().await;
+    let mut env = Env::on(url, redis, |args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600)
+    })
+    .await;
+    let head = env.task(&[REPO, DOMAIN1]).await;
+    let busy = env.open("busy").await;
+    let running = env.fetch(&busy).await.expect("the head task");
+    assert_eq!(id(&running), head);
+    env.start(&busy, &running).await;
+    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    for i in 0..3 {
+        env.task(&[
+            &format!("prn:file.repository:F{i}"),
+            "shared:prn:core.domain:D2",
+        ])
+        .await;
+    }
+    let worker = env.open("w").await;
+    candidate_pages(&env.db).await;
+    env.fetch(&worker).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    let first = hiding_pages(&env.db).await;
+    // A claim goes back to the queue: every hint is dropped.
+    let other = env.open("other").await;
+    env.fetch(&other).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    env.client
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest { lease_id: other })
+        .await
+        .expect("close the lease");
+    candidate_pages(&env.db).await;
+    env.fetch(&worker).await.expect("a task of D2");
+    env.broker().passes.idle().await;
+    let after_drop = hiding_pages(&env.db).await;
+    let walked = candidate_pages(&env.db).await;
+    println!(
+        "hiding.sql pages: first fetch {first}, fetch after the drop {after_drop} \
+         (candidates.sql {walked})"
+    );
+    assert!(
+        walked > 200,
+        "the fetch after the drop walked from the head: {walked} pages"
+    );
+    assert!(
+        after_drop * 10 < first,
+        "the fetch after the drop counted {after_drop} pages of hiding.sql, the first {first}"
+    );
+    env.shutdown().await;
+    drop(pg);
+}
