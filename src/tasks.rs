@@ -459,16 +459,22 @@ impl Tasks {
 
     /// A read-only statement. When the pooled connection turns out to have been closed by the
     /// server while it sat idle (a restart, a terminated session) before the pool noticed, the
-    /// read is tried once more on a fresh connection: a read changes nothing, so repeating it is
-    /// safe, and a client should not see a failure the broker can absorb.
+    /// read is tried again on another connection (up to [`READ_TRIES`] in all): a read changes
+    /// nothing, so repeating it is safe, and a client should not see a failure the broker can
+    /// absorb.
     async fn query_read(
         &self,
         statement: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, Error> {
-        match self.query(statement, params).await {
-            Err(Error::Db(e)) if e.is_closed() => self.query(statement, params).await,
-            other => other,
+        // Each closed connection is discarded when it is handed back, so every try gets
+        // another; a session terminated by an operator (or a restart) may leave several.
+        let mut tries = 1;
+        loop {
+            match self.query(statement, params).await {
+                Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
+                other => return other,
+            }
         }
     }
 
@@ -1190,6 +1196,9 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
         },
     })
 }
+
+/// How many connections a read-only statement tries when each turns out closed.
+const READ_TRIES: u32 = 4;
 
 /// How long the lane gauge's full pass may read the queue in one statement (lanes.sql, without
 /// `dispatch_lanes_idx`): it runs in the background, so the backend timeout does not apply.
