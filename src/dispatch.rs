@@ -178,6 +178,25 @@ struct ScanHint {
     returned: Vec<Uuid>,
 }
 
+/// Splits held record entries by whether the name each locks is among `known` (names known to
+/// hide tasks): those names, and the entries whose names must be looked up (hiding.sql).
+fn split_by_known(
+    held: impl IntoIterator<Item = String>,
+    known: &HashSet<String>,
+) -> (HashSet<String>, Vec<String>) {
+    let mut kept = HashSet::new();
+    let mut unknown = Vec::new();
+    for entry in held {
+        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
+        if known.contains(name) {
+            kept.insert(name.to_owned());
+        } else {
+            unknown.push(entry);
+        }
+    }
+    (kept, unknown)
+}
+
 /// The queue position just before a task's: a scan hint that starts there starts with the task.
 /// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
 fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
@@ -819,9 +838,7 @@ impl Dispatch {
             .filter_map(|id| id.parse().ok())
             .collect();
         let had_hint = held.is_some();
-        // The names the hint knew to hide tasks, kept when it is dropped: see `hiding` below.
-        let known_before = held.as_ref().map(|h| h.hiding.clone()).unwrap_or_default();
-        let usable = held.filter(|h| {
+        let usable_hint = |h: &ScanHint| {
             !self.policy.hint_max_age.is_zero()
                 && h.epoch == epoch
                 && h.seq <= changes.seq
@@ -845,7 +862,13 @@ impl Dispatch {
                         }
                     })
                 })
-        });
+        };
+        // A dropped hint leaves the names it knew to hide: see `hiding` below.
+        let (usable, known_before) = match held {
+            Some(h) if usable_hint(&h) => (Some(h), HashSet::new()),
+            Some(h) => (None, h.hiding),
+            None => (None, HashSet::new()),
+        };
         if !had_hint {
             tracing::debug!("pass without a scan hint");
         }
@@ -1217,13 +1240,7 @@ impl Dispatch {
                 // held since were not, so what could hide is known (or reserved).
                 Some((start, known)) if start == hint.after => (known, Vec::new()),
                 Some((start, known)) if start < hint.after => {
-                    let unknown = held_seen
-                        .into_iter()
-                        .filter(|entry| {
-                            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
-                            !known.contains(name)
-                        })
-                        .collect();
+                    let (_, unknown) = split_by_known(held_seen, &known);
                     (known, unknown)
                 }
                 // No hint to start from: the names a dropped hint knew to hide are kept while
@@ -1231,19 +1248,7 @@ impl Dispatch {
                 // the hint more often); the others are looked up. After the blocked
                 // repository's running task finished, counting its queue again took as long as
                 // the walk from the head.
-                _ => {
-                    let mut known = HashSet::new();
-                    let mut unknown = Vec::new();
-                    for entry in held_seen {
-                        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
-                        if known_before.contains(name) {
-                            known.insert(name.to_owned());
-                        } else {
-                            unknown.push(entry);
-                        }
-                    }
-                    (known, unknown)
-                }
+                _ => split_by_known(held_seen, &known_before),
             };
             let now_hiding = if unknown.is_empty() {
                 Ok(known)

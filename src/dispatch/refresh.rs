@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::{Dispatch, ScanHint};
 use crate::error::Result;
-use crate::ready::{self, Reservations, SHARED_PREFIX};
+use crate::ready::{self, Reservations};
 
 /// The background walks of one replica: whether one runs, and how long the last took.
 #[derive(Debug, Default)]
@@ -133,16 +133,7 @@ impl Dispatch {
             .ok()
             .and_then(|slot| slot.as_ref().map(|h| h.hiding.clone()))
             .unwrap_or_default();
-        let mut hiding: HashSet<String> = HashSet::new();
-        let mut unknown: Vec<String> = Vec::new();
-        for entry in held_seen {
-            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
-            if known.contains(name) {
-                hiding.insert(name.to_owned());
-            } else {
-                unknown.push(entry);
-            }
-        }
+        let (mut hiding, unknown) = super::split_by_known(held_seen, &known);
         if !unknown.is_empty() {
             hiding.extend(self.tasks.hiding(after, &unknown).await?);
         }
