@@ -25,6 +25,8 @@ use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources};
 pub mod sql {
     pub const CANDIDATES: &str = concat!(
         include_str!("tasks/held.sql"),
+        ",\n",
+        include_str!("tasks/writers.sql"),
         include_str!("tasks/candidates.sql")
     );
     pub const TASK: &str = include_str!("tasks/task.sql");
@@ -52,7 +54,11 @@ pub mod sql {
     pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
     pub const LANES_NEWER: &str = include_str!("tasks/lanes_newer.sql");
-    pub const LANES_LATE: &str = include_str!("tasks/lanes_late.sql");
+    pub const LANES_LATE: &str = concat!(
+        "WITH\n",
+        include_str!("tasks/writers.sql"),
+        include_str!("tasks/lanes_late.sql")
+    );
     pub const LANES_GONE: &str = include_str!("tasks/lanes_gone.sql");
     pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");

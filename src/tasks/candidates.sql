@@ -20,7 +20,7 @@
 -- shortcut: `older_conflicts` (the positive overlap with C(T), counted so that the planner uses
 -- the partial GIN index `pulp_task_resources_index`) is the decision, and it sees hidden tasks.
 -- Never writes.
-, -- (after held.sql's `held` CTE, which tasks.rs puts in front)
+, -- (after held.sql's `held` and writers.sql's `writers` CTEs, which tasks.rs puts in front)
 excluded AS (
     SELECT coalesce(array_agg(DISTINCT k), '{}'::text[]) AS keys
     FROM (
@@ -85,23 +85,15 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT coalesce(array_agg(entry), '{}'::text[]) FROM held),
        -- The tail, when the page is not full: the newest waiting task, but no later than the
-       -- start of any transaction that has written to core_task and is still open when this
-       -- row is computed (its tasks, stamped by the insert trigger after it began, may commit
-       -- after this statement); none when such a writer's start cannot be read. A writer that
-       -- commits while the page is read is missed: its task waits for the next walk at most.
-       -- (pg_locks is read only here.)
+       -- start of any open writer of core_task when this row is computed (writers.sql); none
+       -- when a writer's start cannot be read. A writer that commits while the page is read is
+       -- missed: its task waits for the next walk at most.
        CASE WHEN (SELECT count(*) FROM page) < $4 THEN (
-           SELECT CASE WHEN bool_or(a.xact_start IS NULL) THEN NULL
-                       ELSE least((SELECT max(w.pulp_created) FROM core_task w
-                                   WHERE w.state = 'waiting'),
-                                  min(a.xact_start)) END
-           FROM pg_locks l
-           LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-           WHERE l.locktype = 'relation'
-             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-             AND l.relation = 'core_task'::regclass
-             AND l.mode = 'RowExclusiveLock'
-             AND l.pid IS DISTINCT FROM pg_backend_pid())
+           SELECT CASE WHEN bool_or(w.xact_start IS NULL) THEN NULL
+                       ELSE least((SELECT max(t.pulp_created) FROM core_task t
+                                   WHERE t.state = 'waiting'),
+                                  min(w.xact_start)) END
+           FROM writers w)
        END
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1

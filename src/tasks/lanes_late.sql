@@ -9,15 +9,10 @@
 -- $1 double precision  the cut-off in seconds
 -- Returns: one boolean.
 -- Never writes.
+-- (after writers.sql's `writers` CTE, which tasks.rs puts in front)
 SELECT EXISTS (
     SELECT 1
-    FROM pg_locks l
-    LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-    WHERE l.locktype = 'relation'
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.relation = 'core_task'::regclass
-      AND l.mode = 'RowExclusiveLock'
-      AND l.pid IS DISTINCT FROM pg_backend_pid()
-      AND (a.xact_start IS NULL
-           OR a.xact_start < now() - make_interval(secs => $1::double precision * 0.8))
+    FROM writers w
+    WHERE w.xact_start IS NULL
+       OR w.xact_start < now() - make_interval(secs => $1::double precision * 0.8)
 )
