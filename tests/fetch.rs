@@ -487,16 +487,42 @@ async fn claims_put_back_behind_the_hint_are_handed_out_again_oldest_first() {
     env.shutdown().await;
 }
 
+/// A world with long-lived scan hints whose sweeper finishes what Pulp canceled within 200 ms.
+async fn sweeping_env() -> Env {
+    Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.sweep_interval = std::time::Duration::from_millis(200);
+    })
+    .await
+}
+
+/// Pulp's cancel API on a waiting task: `canceling`, claimed by nobody.
+async fn cancel_through_pulp(env: &Env, task: uuid::Uuid) {
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
+}
+
+/// The first task a lease is handed within about ten seconds of fetching (wait 0) every 100 ms.
+async fn fetch_within_ten_seconds(env: &mut Env, lease: &str) -> Option<uuid::Uuid> {
+    for _ in 0..100 {
+        if let Some(task) = env.fetch(lease).await {
+            return Some(id(&task));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    None
+}
+
 /// A waiting task that Pulp cancels while nobody holds it (the broker's sweeper finishes it)
 /// keeps the scan hints that rely only on held locks, but a task it blocked is handed out at once.
 #[tokio::test]
 async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
-    // The sweeper finishes what Pulp canceled; a short interval keeps the wait short.
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        a.sweep_interval = std::time::Duration::from_millis(200);
-    })
-    .await;
+    let mut env = sweeping_env().await;
     env.task(&["x"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("the task on x");
@@ -507,36 +533,18 @@ async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
     let free = env.task(&["z"]).await;
     let w = env.open("w").await;
     assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
-    // Pulp's cancel API on a waiting task: `canceling`, claimed by nobody.
-    env.db
-        .execute(
-            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
-            &[&canceled],
-        )
-        .await
-        .unwrap();
-    let mut handed_out = None;
-    for _ in 0..100 {
-        if let Some(task) = env.fetch(&w).await {
-            handed_out = Some(id(&task));
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    cancel_through_pulp(&env, canceled).await;
+    let handed_out = fetch_within_ten_seconds(&mut env, &w).await;
     assert_eq!(handed_out, Some(blocked));
     assert_eq!(env.state(canceled).await, "canceled");
     env.shutdown().await;
 }
 
 /// The same with a shared reservation: the task Pulp canceled needed y shared, the task behind
-/// it needs y exclusively. Its leaving is recorded in its mode and frees the exclusive user.
+/// it needs y exclusively and is handed out once it left.
 #[tokio::test]
 async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        a.sweep_interval = std::time::Duration::from_millis(200);
-    })
-    .await;
+    let mut env = sweeping_env().await;
     env.task(&["x"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("the task on x");
@@ -546,21 +554,8 @@ async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
     let free = env.task(&["z"]).await;
     let w = env.open("w").await;
     assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
-    env.db
-        .execute(
-            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
-            &[&canceled],
-        )
-        .await
-        .unwrap();
-    let mut handed_out = None;
-    for _ in 0..100 {
-        if let Some(task) = env.fetch(&w).await {
-            handed_out = Some(id(&task));
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    cancel_through_pulp(&env, canceled).await;
+    let handed_out = fetch_within_ten_seconds(&mut env, &w).await;
     assert_eq!(handed_out, Some(blocked));
     assert_eq!(env.state(canceled).await, "canceled");
     env.shutdown().await;
@@ -570,11 +565,7 @@ async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
 /// arrived after the hint was taken) is handed out once Pulp cancels that shared user.
 #[tokio::test]
 async fn a_task_skipped_behind_a_shared_user_pulp_canceled_is_handed_out() {
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        a.sweep_interval = std::time::Duration::from_millis(200);
-    })
-    .await;
+    let mut env = sweeping_env().await;
     env.task(&["b"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("the task on b");
@@ -591,21 +582,8 @@ async fn a_task_skipped_behind_a_shared_user_pulp_canceled_is_handed_out() {
         env.fetch(&w).await.is_none(),
         "y's task waits for the shared user"
     );
-    env.db
-        .execute(
-            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
-            &[&shared_user],
-        )
-        .await
-        .unwrap();
-    let mut handed_out = None;
-    for _ in 0..100 {
-        if let Some(task) = env.fetch(&w).await {
-            handed_out = Some(id(&task));
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    cancel_through_pulp(&env, shared_user).await;
+    let handed_out = fetch_within_ten_seconds(&mut env, &w).await;
     assert_eq!(handed_out, Some(skipped));
     env.shutdown().await;
 }
@@ -632,7 +610,8 @@ async fn a_task_committed_after_a_newer_one_is_not_behind_the_hint() {
     writer.batch_execute("BEGIN").await.unwrap();
     writer
         .execute(
-            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record)              VALUES ($1, 'late', 'waiting', ARRAY['z'])",
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+             VALUES ($1, 'late', 'waiting', ARRAY['z'])",
             &[&late],
         )
         .await
@@ -659,13 +638,7 @@ async fn a_task_behind_one_pulp_is_canceling_is_handed_out_once_it_is_canceled()
     })
     .await;
     let canceling = env.task(&["a"]).await;
-    env.db
-        .execute(
-            "UPDATE core_task SET state = 'canceling' WHERE pulp_id = $1",
-            &[&canceling],
-        )
-        .await
-        .unwrap();
+    cancel_through_pulp(&env, canceling).await;
     let behind = env.task(&["a"]).await;
     let free = env.task(&["z"]).await;
     let w = env.open("w").await;
