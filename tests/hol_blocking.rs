@@ -14,16 +14,26 @@ const DOMAIN1: &str = "shared:prn:core.domain:D1";
 const OTHERS: usize = 50;
 const LEASES: usize = 10;
 
-/// Runs the incident with `blocked` waiting tasks behind the running one; returns the cost of
-/// every fetch.
-async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
-    let mut env = Env::new().await;
+/// R0's head task running under the lease "busy", and `blocked` tasks on R0 behind it (the
+/// insert trigger bypassed); returns the lease and the head.
+async fn blocked_behind_a_running_head(
+    env: &mut Env,
+    blocked: usize,
+) -> (String, dispatch_broker::proto::Task) {
     let head = env.task(&[REPO, DOMAIN1]).await;
     let busy = env.open("busy").await;
     let running = env.fetch(&busy).await.expect("the head task");
     assert_eq!(id(&running), head);
     env.start(&busy, &running).await;
     env.tasks_bulk(blocked, &[REPO, DOMAIN1]).await;
+    (busy, running)
+}
+
+/// Runs the incident with `blocked` waiting tasks behind the running one; returns the cost of
+/// every fetch.
+async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
+    let mut env = Env::new().await;
+    blocked_behind_a_running_head(&mut env, blocked).await;
     let mut others = std::collections::HashSet::new();
     for i in 0..OTHERS {
         others.insert(
@@ -155,12 +165,7 @@ async fn all_blocked(blocked: usize, fetches: usize) -> (i64, Vec<i64>) {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600)
     })
     .await;
-    let head = env.task(&[REPO, DOMAIN1]).await;
-    let busy = env.open("busy").await;
-    let running = env.fetch(&busy).await.expect("the head task");
-    assert_eq!(id(&running), head);
-    env.start(&busy, &running).await;
-    env.tasks_bulk(blocked, &[REPO, DOMAIN1]).await;
+    let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
     let oldest: uuid::Uuid = env
         .db
         .query_one(
@@ -217,12 +222,7 @@ async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
     let (pg, url, redis) = with_statement_statistics().await;
     let max_age = std::time::Duration::from_millis(300);
     let mut env = Env::on(url, redis, |args| args.fetch.hint_max_age = max_age).await;
-    let head = env.task(&[REPO, DOMAIN1]).await;
-    let busy = env.open("busy").await;
-    let running = env.fetch(&busy).await.expect("the head task");
-    assert_eq!(id(&running), head);
-    env.start(&busy, &running).await;
-    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    blocked_behind_a_running_head(&mut env, 20_000).await;
     for i in 0..3 {
         env.task(&[
             &format!("prn:file.repository:F{i}"),
@@ -274,12 +274,7 @@ async fn a_shared_release_keeps_a_hint_that_reserves_the_name_only_shared() {
     })
     .await;
     let domain = "shared:prn:core.domain:D2";
-    let head = env.task(&[REPO, DOMAIN1]).await;
-    let busy = env.open("busy").await;
-    let running = env.fetch(&busy).await.expect("the head task");
-    assert_eq!(id(&running), head);
-    env.start(&busy, &running).await;
-    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    blocked_behind_a_running_head(&mut env, 20_000).await;
     // Hidden behind R0's running head, and holding up `waits` (through Y), which the pass then
     // passes over: the hint reserves Y exclusively and the domain shared.
     env.task(&[REPO, "prn:file.repository:Y"]).await;
@@ -336,12 +331,7 @@ async fn a_dropped_hint_does_not_make_the_next_pass_count_the_blocked_queue_agai
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600)
     })
     .await;
-    let head = env.task(&[REPO, DOMAIN1]).await;
-    let busy = env.open("busy").await;
-    let running = env.fetch(&busy).await.expect("the head task");
-    assert_eq!(id(&running), head);
-    env.start(&busy, &running).await;
-    env.tasks_bulk(20_000, &[REPO, DOMAIN1]).await;
+    blocked_behind_a_running_head(&mut env, 20_000).await;
     for i in 0..3 {
         env.task(&[
             &format!("prn:file.repository:F{i}"),
