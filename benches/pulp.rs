@@ -362,6 +362,20 @@ fn slow_ms() -> Option<f64> {
     std::env::var("SLOW").ok().and_then(|v| v.parse().ok())
 }
 
+/// The bench process's resident memory (broker, resource queues and clients together), in MB.
+fn rss_mb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb / 1024)
+}
+
 fn ensure_pulp() -> PathBuf {
     let root = env!("CARGO_MANIFEST_DIR");
     let status = std::process::Command::new(format!("{root}/scripts/ensure-pulp.sh"))
@@ -438,6 +452,16 @@ async fn run_size(
     // (the broker merges the pending list every second); this one arrived in one statement, so
     // the rounds start after the broker's next merge, not in the middle of it.
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // Likewise the broker's resource queues read arrivals every second: the rounds start once
+    // they hold the backlog (as they would a backlog that built up over time).
+    let settling = Instant::now();
+    broker.resource_queues.settle().await.unwrap();
+    eprintln!(
+        "  resource queues: {} tasks, caught up {:.1} s after the wait; bench process RSS {} MB",
+        broker.resource_queues.task_count().unwrap_or(0),
+        settling.elapsed().as_secs_f64(),
+        rss_mb()
+    );
     helper
         .call(json!({"op": "baseline_setup", "head": head.id(), "workers": WORKERS}))
         .await;

@@ -416,6 +416,17 @@ pub struct FetchArgs {
     /// a change made outside the broker is seen. 0 disables hints.
     #[arg(long = "fetch-hint-max-age", env = "DISPATCH_FETCH_HINT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub hint_max_age: Duration,
+    /// Keep every incomplete task in memory, per resource in queue order (about 200 bytes a
+    /// task), so that a fetch without a scan hint starts at the first task that can be ready
+    /// instead of reading the queue from its head through every blocked task. `false` reads from
+    /// the head (and saves the memory).
+    #[arg(
+        long = "fetch-resource-queues",
+        env = "DISPATCH_FETCH_RESOURCE_QUEUES",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub resource_queues: bool,
     /// Candidate rows read in the first page of a fetch; later pages double.
     #[arg(long = "fetch-page", env = "DISPATCH_FETCH_PAGE", default_value_t = 8)]
     pub page: i64,

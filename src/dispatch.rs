@@ -13,6 +13,7 @@
 //! skips per lease, `ready::runs_on`), under that waiter's own lease, locks and fencing token, and
 //! a grant no caller can take any more is put back (`Restore`), never dropped.
 
+pub mod queues;
 mod refresh;
 mod waiters;
 pub mod wakeups;
@@ -90,6 +91,8 @@ pub struct FetchPolicy {
     /// How long a scan hint may be trusted without being re-checked from the start of the queue
     /// (zero: never use hints).
     pub hint_max_age: Duration,
+    /// Whether a pass without a scan hint starts where the resource queues say (`queues`).
+    pub resource_queues: bool,
     /// How many other waiting calls one pass may serve besides its own (0: no sharing).
     pub share: usize,
     /// Fetch passes this replica runs at once. A call that arrives, or whose turn comes, while
@@ -248,6 +251,8 @@ pub struct Dispatch {
     slots: Arc<PassSlots>,
     /// Background walks that renew an old scan hint (`refresh`).
     refreshes: Arc<refresh::Refreshes>,
+    /// Where a pass without a scan hint starts (`queues`).
+    queues: Arc<queues::Queues>,
 }
 
 /// Fetch passes running now, and whether a call waits for them: it joined the waiters, or
@@ -594,7 +599,7 @@ impl Dispatch {
         });
         Dispatch {
             locks,
-            tasks,
+            tasks: tasks.clone(),
             stats,
             shutdown,
             hint: Arc::new(Mutex::new(None)),
@@ -605,6 +610,7 @@ impl Dispatch {
             recent: Arc::new(Mutex::new(Recent::default())),
             slots: Arc::new(PassSlots::default()),
             refreshes: Arc::new(refresh::Refreshes::default()),
+            queues: Arc::new(queues::Queues::new(tasks.clone())),
             policy,
         }
     }
@@ -789,6 +795,11 @@ impl Dispatch {
         self.waiters.wake();
     }
 
+    /// The resource queues of this replica (the server runs their loading).
+    pub fn resource_queues(&self) -> Arc<queues::Queues> {
+        Arc::clone(&self.queues)
+    }
+
     /// The passes running in their own tasks (shutdown waits for them).
     pub fn passes(&self) -> Arc<Passes> {
         Arc::clone(&self.passes)
@@ -890,6 +901,23 @@ impl Dispatch {
         let mut hiding = None;
         // Claims put back behind the hint's position: judged before its page.
         let mut returned: Vec<Uuid> = Vec::new();
+        // Where the resource queues say a pass may start (see below).
+        let use_queues = self.policy.resource_queues && !self.policy.hint_max_age.is_zero();
+        let mut start = None;
+        if use_queues
+            && usable.as_ref().is_none_or(|h| {
+                self.queues
+                    .worth_a_start((h.after.0.timestamp_micros(), h.after.1))
+            })
+        {
+            // A failure only costs a pass from the hint or the head.
+            match self.queues.start().await {
+                Ok(found) => start = found,
+                Err(e) => {
+                    tracing::debug!(error = %e, "the resource queues gave no start")
+                }
+            }
+        }
         if let Some(h) = usable {
             returned = h.returned;
             for id in requeued {
@@ -903,6 +931,23 @@ impl Dispatch {
             after = Some(h.after);
             hint_taken = h.taken;
             hiding = Some((h.after, h.hiding));
+        }
+        // Without a hint, or with one that many tasks arrived behind (a burst for a busy
+        // repository): start where the resource queues say the first waiting lane is, if that is
+        // later, and reserve what the waiting holders before it need (a change to one of their
+        // resources then drops the hint this pass leaves).
+        if let Some(start) = start {
+            let position = crate::tasks::key_bound(start.after);
+            if after.is_none_or(|a| a < position) {
+                tracing::debug!(after = ?position, "pass starts where the resource queues say");
+                for record in &start.waiting {
+                    let resources = ready::Resources::from_record(record);
+                    reserved.reserve(&resources);
+                    excluded.extend(resources.conflict_keys());
+                }
+                after = Some(position);
+                self.stats.queue_start();
+            }
         }
         // The same, without the tasks this pass hands out: what the hint keeps.
         let mut reserved_waiting = reserved.clone();
@@ -1250,6 +1295,22 @@ impl Dispatch {
                 // the walk from the head.
                 _ => split_by_known(held_seen, &known_before),
             };
+            // The resource queues answer for most names without a look-up (e.g. the blocked
+            // repository's: counting its users read its whole queue).
+            let position = (hint.after.0.timestamp_micros(), hint.after.1);
+            let mut known = known;
+            let unknown: Vec<String> = unknown
+                .into_iter()
+                .filter(|entry| match self.queues.hides(entry, position) {
+                    Some(true) => {
+                        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
+                        known.insert(name.to_owned());
+                        false
+                    }
+                    Some(false) => false,
+                    None => true,
+                })
+                .collect();
             let now_hiding = if unknown.is_empty() {
                 Ok(known)
             } else {

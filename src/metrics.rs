@@ -72,6 +72,10 @@ pub const GIN_PENDING_MERGED_PAGES_TOTAL: &str = "dispatch_gin_pending_merged_pa
 /// Background walks from the queue's head that renewed the scan hint (`--fetch-hint-max-age`).
 pub const FETCH_HINT_WALKS_TOTAL: &str = "dispatch_fetch_hint_walks_total";
 
+/// Passes without a scan hint that started where the resource queues put the first waiting lane,
+/// instead of at the queue's head.
+pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -97,6 +101,7 @@ pub const ALL: &[&str] = &[
     LEASES_OPENED_TOTAL,
     GIN_PENDING_MERGED_PAGES_TOTAL,
     FETCH_HINT_WALKS_TOTAL,
+    FETCH_QUEUE_STARTS_TOTAL,
 ];
 
 /// Describes every metric once, at start-up.
@@ -164,6 +169,10 @@ pub fn describe() {
     describe_counter!(
         FETCH_HINT_WALKS_TOTAL,
         "Background walks from the queue's head that renewed the scan hint."
+    );
+    describe_counter!(
+        FETCH_QUEUE_STARTS_TOTAL,
+        "Passes without a scan hint that started where the resource queues put the first waiting lane."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -289,6 +298,7 @@ pub struct Stats {
     locks_reconciled: AtomicU64,
     rebuilds: AtomicU64,
     hint_walks: AtomicU64,
+    queue_starts: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -312,6 +322,8 @@ pub struct StatsSnapshot {
     pub rebuilds: u64,
     /// Background walks that renewed this replica's scan hint.
     pub hint_walks: u64,
+    /// Passes without a hint that started where the resource queues said.
+    pub queue_starts: u64,
 }
 
 impl Stats {
@@ -349,6 +361,12 @@ impl Stats {
     pub fn hint_walk(&self) {
         self.hint_walks.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_HINT_WALKS_TOTAL).increment(1);
+    }
+
+    /// Counts a pass without a hint that started where the resource queues said.
+    pub fn queue_start(&self) {
+        self.queue_starts.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_QUEUE_STARTS_TOTAL).increment(1);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.
@@ -397,6 +415,7 @@ impl Stats {
             locks_reconciled: self.locks_reconciled.load(Ordering::Relaxed),
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
             hint_walks: self.hint_walks.load(Ordering::Relaxed),
+            queue_starts: self.queue_starts.load(Ordering::Relaxed),
         }
     }
 }
@@ -414,6 +433,7 @@ impl std::ops::Sub for StatsSnapshot {
             locks_reconciled: self.locks_reconciled - earlier.locks_reconciled,
             rebuilds: self.rebuilds - earlier.rebuilds,
             hint_walks: self.hint_walks - earlier.hint_walks,
+            queue_starts: self.queue_starts - earlier.queue_starts,
         }
     }
 }

@@ -341,6 +341,8 @@ pub fn is_valid_release(v: &str) -> bool {
 
 mod counter;
 pub use counter::{Key, LaneCounter, Repair};
+pub mod queues;
+pub use queues::{ResourceQueues, Seen, Start};
 
 #[cfg(test)]
 mod tests;

@@ -46,6 +46,8 @@ pub struct Running {
     /// This replica's fetch passes running in their own tasks (a pass answers its caller
     /// before it has settled everything; tests wait for them before reading counters).
     pub passes: Arc<crate::dispatch::Passes>,
+    /// This replica's resource queues (tests wait for them to catch up).
+    pub resource_queues: Arc<crate::dispatch::queues::Queues>,
     trigger: Trigger,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: JoinHandle<()>,
@@ -170,6 +172,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             max_waiters: args.fetch.max_waiters,
             max_wait: args.fetch.max_wait,
             hint_max_age: args.fetch.hint_max_age,
+            resource_queues: args.fetch.resource_queues,
             share: args.fetch.share as usize,
             passes: args.fetch.passes as usize,
             pass_stall: args.fetch.pass_stall,
@@ -222,6 +225,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         ),
         args.limits,
     );
+    let resource_queues = dispatch.resource_queues();
     let service = BrokerService::new(leases, dispatch, args.limits);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -262,6 +266,14 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         let shutdown = shutdown.clone();
         async move { lanes.run(shutdown).await }
     });
+    if args.fetch.resource_queues {
+        tokio::spawn({
+            let queues = Arc::clone(&resource_queues);
+            let tasks = sweeper.tasks.clone();
+            let shutdown = shutdown.clone();
+            async move { queues.run(tasks, shutdown).await }
+        });
+    }
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
         sweeper.tasks.clone(),
         args.gin_clean_interval,
@@ -324,6 +336,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         sweeper,
         waiters,
         passes,
+        resource_queues,
         trigger,
         server,
         background,

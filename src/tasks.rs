@@ -8,7 +8,7 @@
 pub mod gin;
 pub mod migrate;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
 use crate::metrics::Stats;
-use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources};
+use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
@@ -60,6 +60,13 @@ pub mod sql {
         include_str!("tasks/lanes_late.sql")
     );
     pub const LANES_GONE: &str = include_str!("tasks/lanes_gone.sql");
+    pub const QUEUE_PAGE: &str = include_str!("tasks/queue_page.sql");
+    pub const QUEUE_KNOWN: &str = concat!(
+        "WITH\n",
+        include_str!("tasks/writers.sql"),
+        include_str!("tasks/queue_known.sql")
+    );
+    pub const TASK_SEEN: &str = include_str!("tasks/task_seen.sql");
     pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
     pub const HIDING: &str = include_str!("tasks/hiding.sql");
@@ -81,7 +88,10 @@ pub mod sql {
     pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
 
     /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 34] = [
+        QUEUE_PAGE,
+        QUEUE_KNOWN,
+        TASK_SEEN,
         GIN_CLEAN,
         LANES_LATE,
         LANES_NEWER,
@@ -115,6 +125,9 @@ pub mod sql {
         DELETE_APP_STATUS,
     ];
 }
+
+/// The most tasks one read of queue_page.sql returns (its LIMIT).
+pub const QUEUE_PAGE_ROWS: usize = 5000;
 
 /// Failures of the task store.
 #[derive(Debug, thiserror::Error)]
@@ -265,7 +278,7 @@ impl Default for LaneReads {
 const LANE_PAGE_ROWS: usize = 512;
 
 /// A counter's key as the statements take it.
-fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
+pub fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
     (
         DateTime::from_timestamp_micros(key.0).unwrap_or(DateTime::UNIX_EPOCH),
         key.1,
@@ -1051,6 +1064,49 @@ impl Tasks {
             .await?;
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
+            .collect()
+    }
+
+    /// The next incomplete tasks after `after` (from the head when None) in queue order, with
+    /// their records: at most [`QUEUE_PAGE_ROWS`] (queue_page.sql).
+    pub async fn queue_page(&self, after: Option<Key>) -> Result<Vec<(Key, Vec<String>)>, Error> {
+        let after = after.map(key_bound);
+        let (created, id) = (after.map(|a| a.0), after.map(|a| a.1));
+        let rows = self.query_read(sql::QUEUE_PAGE, &[&created, &id]).await?;
+        rows.iter()
+            .map(|row| {
+                let (key, record) = lane_row(row)?;
+                Ok((key, record.into_iter().map(str::to_owned).collect()))
+            })
+            .collect()
+    }
+
+    /// Up to where a read of the queue that starts now sees every incomplete task
+    /// (queue_known.sql): just before the oldest open writer's start, or now. None when a
+    /// writer's start cannot be read.
+    pub async fn queue_known(&self) -> Result<Option<Key>, Error> {
+        let rows = self.query_read(sql::QUEUE_KNOWN, &[]).await?;
+        let at: Option<DateTime<Utc>> = match rows.first() {
+            Some(row) => row.try_get(0)?,
+            None => None,
+        };
+        // (The last position of the previous microsecond: a task stamped at `at` is not known.)
+        Ok(at.map(|at| (at.timestamp_micros() - 1, Uuid::max())))
+    }
+
+    /// What each task is now (task_seen.sql).
+    pub async fn seen(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, Seen>, Error> {
+        let rows = self.query_read(sql::TASK_SEEN, &[&ids]).await?;
+        rows.iter()
+            .map(|row| {
+                let id: Uuid = row.try_get(0)?;
+                let seen = match row.try_get::<_, &str>(1)? {
+                    "waiting" => Seen::Waiting,
+                    "held" => Seen::Held,
+                    _ => Seen::Gone,
+                };
+                Ok((id, seen))
+            })
             .collect()
     }
 

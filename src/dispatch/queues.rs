@@ -1,0 +1,266 @@
+//! The resource queues one replica keeps (`ready::ResourceQueues`), and where a pass without a
+//! scan hint starts.
+//!
+//! Without a hint a pass would read the queue from its head, through every task blocked behind
+//! a busy resource (100,000 on the incident's repository: 30-70 ms). The resource queues know
+//! which tasks are lanes, so the pass starts just before the first lane that waits, once the
+//! tasks that make the others wait (the holders) are checked to be still incomplete
+//! (task_seen.sql, a primary-key probe each). Tasks the queues have not read yet are newer than
+//! where they stop, so the pass reads those itself.
+//!
+//! They are loaded off the fetch path (queue_page.sql from the head, once at start and again
+//! every minute or thirty loads' time, whichever is longer: that bounds how long a task a read
+//! missed stays unknown) and kept up with arrivals (the tasks after their last position, every
+//! second). Tasks that end are removed when a start finds them gone. Memory: one entry per incomplete task (about 200 bytes).
+//!
+//! Never grants, locks or claims, and never decides readiness: a failure here, or queues not yet
+//! loaded, only costs a pass from the head.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use crate::ready::{Key, ResourceQueues, Seen, Start};
+use crate::shutdown::Shutdown;
+use crate::tasks::{self, Tasks, QUEUE_PAGE_ROWS};
+
+/// How often the background catches up with arrivals.
+const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
+/// Loads from the head are at least this far apart, and thirty loads' time.
+const RELOAD_AFTER: Duration = Duration::from_secs(60);
+/// A pass with a scan hint asks for a start only when at least half of this many tasks after the
+/// hint are blocked (tasks that arrived after the hint was taken, e.g. a burst for a busy
+/// repository): otherwise a start's check costs more than reading them.
+const SKIP_AT_LEAST: usize = 256;
+/// Tasks inserted per hold of the queues' lock while catching up.
+const INSERT_CHUNK: usize = 512;
+/// How many holders and lanes a start checks, round by round, while the position it finds stops
+/// at one it did not check.
+const CHECK_ROUNDS: [usize; 3] = [16, 128, 1024];
+
+/// The queues and who may change them.
+pub struct Queues {
+    /// The request path's task store (the checks of a start).
+    tasks: Tasks,
+    /// The background's (loads and catch-ups), once [`Queues::run`] started.
+    background: OnceLock<Tasks>,
+    /// None until the first load is done.
+    state: Mutex<Option<ResourceQueues>>,
+    /// Counts loads: a catch-up read for older queues is not applied to newer ones.
+    generation: AtomicU64,
+}
+
+impl Queues {
+    pub(super) fn new(tasks: Tasks) -> Self {
+        Queues {
+            tasks,
+            background: OnceLock::new(),
+            state: Mutex::new(None),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// How many tasks the queues hold (None before the first load).
+    pub fn task_count(&self) -> Option<usize> {
+        self.state.lock().ok()?.as_ref().map(ResourceQueues::len)
+    }
+
+    /// Loads the queues, then keeps them up with arrivals and loads them again now and then,
+    /// until shutdown; `tasks` is the background's task store.
+    pub async fn run(&self, tasks: Tasks, shutdown: Shutdown) {
+        let _ = self.background.set(tasks);
+        let mut next_load = Instant::now();
+        let mut tick = tokio::time::interval(CATCH_UP_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.fired() => return,
+            }
+            if Instant::now() >= next_load {
+                let started = Instant::now();
+                match self.load(&shutdown).await {
+                    Ok(n) => {
+                        let took = started.elapsed();
+                        tracing::debug!(tasks = n, ?took, "resource queues loaded");
+                        next_load = Instant::now() + RELOAD_AFTER.max(took * 30);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "loading the resource queues failed; passes without a scan hint read from the head until a load succeeds");
+                        next_load = Instant::now() + RELOAD_AFTER;
+                    }
+                }
+            } else if let Err(e) = self.catch_up(usize::MAX).await {
+                tracing::debug!(error = %e, "catching up with arrivals failed; retrying");
+            }
+        }
+    }
+
+    /// Up to where the queues hold every incomplete task (None before the first load, or when
+    /// the writers of core_task could not be read).
+    pub fn known(&self) -> Option<Key> {
+        self.state.lock().ok()?.as_ref()?.known()
+    }
+
+    /// Waits for the first load, then reads every task that arrived since (tests use it to know
+    /// what the queues hold). Returns at once when the queues are not kept.
+    pub async fn settle(&self) -> Result<(), tasks::Error> {
+        if self.background.get().is_none() {
+            return Ok(());
+        }
+        while self.task_count().is_none() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.catch_up(usize::MAX).await
+    }
+
+    /// Reads every incomplete task from the head into new queues and puts them in place.
+    async fn load(&self, shutdown: &Shutdown) -> Result<usize, tasks::Error> {
+        let Some(tasks) = self.background.get() else {
+            return Ok(0);
+        };
+        let known = tasks.queue_known().await?;
+        let mut queues = ResourceQueues::default();
+        let mut after: Option<Key> = None;
+        loop {
+            if shutdown.is_fired() {
+                return Ok(0);
+            }
+            let rows = tasks.queue_page(after).await?;
+            let full = rows.len() >= QUEUE_PAGE_ROWS;
+            for (key, record) in rows {
+                after = Some(key);
+                queues.insert(key, &record);
+            }
+            if !full {
+                break;
+            }
+        }
+        // Every task up to `known` had committed before the first page was read.
+        if let Some(known) = known {
+            queues.know_up_to(known);
+        }
+        let n = queues.len();
+        if let Ok(mut state) = self.state.lock() {
+            *state = Some(queues);
+            self.generation.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(n)
+    }
+
+    /// Reads the tasks after the queues' last position, at most `pages` pages.
+    async fn catch_up(&self, pages: usize) -> Result<(), tasks::Error> {
+        let Some(tasks) = self.background.get() else {
+            return Ok(());
+        };
+        let generation = self.generation.load(Ordering::SeqCst);
+        let Some(mut after) = self.state.lock().ok().and_then(|s| s.as_ref()?.known()) else {
+            return Ok(());
+        };
+        let known = tasks.queue_known().await?;
+        for _ in 0..pages {
+            let rows = tasks.queue_page(Some(after)).await?;
+            let full = rows.len() >= QUEUE_PAGE_ROWS;
+            // In chunks, so that a burst does not hold up the passes that ask the queues.
+            for chunk in rows.chunks(INSERT_CHUNK) {
+                let Ok(mut state) = self.state.lock() else {
+                    return Ok(());
+                };
+                let Some(queues) = state.as_mut() else {
+                    return Ok(());
+                };
+                if self.generation.load(Ordering::SeqCst) != generation {
+                    return Ok(());
+                }
+                for (key, record) in chunk {
+                    after = *key;
+                    queues.insert(*key, record);
+                }
+            }
+            let Some(known) = known else {
+                return Ok(());
+            };
+            let Ok(mut state) = self.state.lock() else {
+                return Ok(());
+            };
+            let Some(queues) = state.as_mut() else {
+                return Ok(());
+            };
+            if self.generation.load(Ordering::SeqCst) != generation {
+                return Ok(());
+            }
+            if !full {
+                queues.know_up_to(known);
+                return Ok(());
+            }
+            queues.know_up_to(after.min(known));
+        }
+        Ok(())
+    }
+
+    /// Where a pass without a scan hint may start (see `ResourceQueues::start`): None before
+    /// the first load, or when nothing is known.
+    pub(super) async fn start(&self) -> Result<Option<Start>, tasks::Error> {
+        if self.task_count().is_none() {
+            return Ok(None);
+        }
+        let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+        let mut start = None;
+        for limit in CHECK_ROUNDS {
+            let ids = match self.state.lock() {
+                Ok(state) => match state.as_ref() {
+                    Some(queues) => queues.to_check(&seen, limit),
+                    None => return Ok(None),
+                },
+                Err(_) => return Ok(None),
+            };
+            let found = if ids.is_empty() {
+                HashMap::new()
+            } else {
+                self.tasks.seen(&ids).await?
+            };
+            let Ok(mut state) = self.state.lock() else {
+                return Ok(None);
+            };
+            let Some(queues) = state.as_mut() else {
+                return Ok(None);
+            };
+            for (id, now) in found {
+                if now == Seen::Gone {
+                    queues.remove(&id);
+                } else {
+                    seen.insert(id, now);
+                }
+            }
+            start = queues.start(&seen);
+            if !start.as_ref().is_some_and(|s| s.unchecked) {
+                break;
+            }
+        }
+        Ok(start)
+    }
+
+    /// Whether a pass that starts at `position` (a scan hint's) would read many tasks before the
+    /// first that can be ready, so that asking for a start is worth its statement.
+    pub(super) fn worth_a_start(&self, position: Key) -> bool {
+        self.state
+            .lock()
+            .ok()
+            .and_then(|s| Some(s.as_ref()?.blocked_after(position, SKIP_AT_LEAST)))
+            .unwrap_or(false)
+    }
+
+    /// Whether a held record entry hides a waiting task older than `before`, when the queues
+    /// know every task up to it and can tell (None otherwise: ask Postgres, hiding.sql).
+    pub(super) fn hides(&self, entry: &str, before: Key) -> Option<bool> {
+        let state = self.state.lock().ok()?;
+        let queues = state.as_ref()?;
+        if queues.known().is_none_or(|k| k < before) {
+            return None;
+        }
+        queues.hides(entry, before)
+    }
+}

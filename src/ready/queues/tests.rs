@@ -1,0 +1,235 @@
+use super::*;
+use proptest::prelude::*;
+
+fn key(n: u8) -> Key {
+    (i64::from(n), Uuid::from_u128(u128::from(n) + 1))
+}
+
+fn record(entries: &[&str]) -> Vec<String> {
+    entries.iter().map(|e| (*e).to_owned()).collect()
+}
+
+/// The rule, pairwise, over the tasks present: no older task conflicts.
+fn reference_lanes(present: &BTreeMap<Key, Vec<String>>) -> Vec<Key> {
+    let all: Vec<(Key, Resources)> = present
+        .iter()
+        .map(|(k, r)| (*k, Resources::from_record(r)))
+        .collect();
+    (0..all.len())
+        .filter(|&i| {
+            !all[..i]
+                .iter()
+                .any(|(_, older)| older.conflicts_with(&all[i].1))
+        })
+        .map(|i| all[i].0)
+        .collect()
+}
+
+#[test]
+fn a_blocked_queue_has_one_lane_at_its_head_and_the_next_resource_after_it() {
+    let mut q = ResourceQueues::default();
+    q.insert(key(1), &record(&["R0", "shared:D"]));
+    for n in 2..50 {
+        q.insert(key(n), &record(&["R0", "shared:D"]));
+    }
+    q.insert(key(60), &record(&["O1", "shared:D"]));
+    assert_eq!(q.lanes().collect::<Vec<_>>(), vec![key(1), key(60)]);
+    // The head finishes: the next R0 task takes its place.
+    q.remove(&key(1).1);
+    assert_eq!(q.lanes().collect::<Vec<_>>(), vec![key(2), key(60)]);
+    assert_eq!(q.holders().collect::<Vec<_>>(), vec![key(2), key(60)]);
+}
+
+#[test]
+fn a_position_before_many_blocked_tasks_is_worth_a_start() {
+    let mut q = ResourceQueues::default();
+    for n in 1..50 {
+        q.insert(key(n), &record(&["R0"]));
+    }
+    q.insert(key(60), &record(&["O1"]));
+    q.know_up_to(key(70));
+    // Before the head too (a hint that ends just before it, a running task).
+    assert!(q.blocked_after(before(key(1)), 40));
+    assert!(q.blocked_after(key(1), 40));
+    // Fewer tasks than asked: reading them costs no more than a start.
+    assert!(!q.blocked_after(key(1), 60));
+    // Past the blocked tasks: nothing to skip.
+    assert!(!q.blocked_after(key(49), 1));
+    assert!(!ResourceQueues::default().blocked_after(key(1), 1));
+}
+
+#[test]
+fn a_late_task_takes_the_places_of_newer_ones() {
+    let mut q = ResourceQueues::default();
+    q.insert(key(5), &record(&["A"]));
+    q.insert(key(6), &record(&["shared:B"]));
+    q.insert(key(7), &record(&["shared:B"]));
+    assert_eq!(q.lanes().count(), 3);
+    // Committed late, older than all: B exclusively.
+    q.insert(key(1), &record(&["B", "A"]));
+    assert_eq!(q.lanes().collect::<Vec<_>>(), vec![key(1)]);
+    q.remove(&key(1).1);
+    assert_eq!(q.lanes().count(), 3);
+}
+
+#[test]
+fn the_start_is_just_before_the_first_waiting_lane_once_the_holders_are_checked() {
+    let mut q = ResourceQueues::default();
+    q.insert(key(1), &record(&["R0", "shared:D"]));
+    for n in 2..50 {
+        q.insert(key(n), &record(&["R0", "shared:D"]));
+    }
+    q.insert(key(60), &record(&["O1", "shared:D"]));
+    q.know_up_to(key(70));
+    let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+    // Nothing checked: the first holder (the running head) stops the start.
+    let start = q.start(&seen).unwrap();
+    assert_eq!((start.after, start.unchecked), (before(key(1)), true));
+    assert_eq!(q.to_check(&seen, 8), vec![key(1).1, key(60).1]);
+    for id in q.to_check(&seen, 8) {
+        seen.insert(id, Seen::Waiting);
+    }
+    seen.insert(key(1).1, Seen::Held);
+    let start = q.start(&seen).unwrap();
+    assert_eq!((start.after, start.unchecked), (before(key(60)), false));
+    assert!(start.waiting.is_empty());
+    // The first lane is claimed too: the start is where the queues end.
+    seen.insert(key(60).1, Seen::Held);
+    assert_eq!(q.start(&seen).unwrap().after, key(70));
+    // Nothing known: no start.
+    assert_eq!(ResourceQueues::default().start(&HashMap::new()), None);
+}
+
+#[test]
+fn a_held_entry_hides_older_users_in_a_conflicting_mode() {
+    let mut q = ResourceQueues::default();
+    q.insert(key(1), &record(&["R0", "shared:D"]));
+    q.insert(key(2), &record(&["R0", "shared:D"]));
+    assert_eq!(q.hides("R0", key(3)), Some(true));
+    assert_eq!(q.hides("R0", key(1)), Some(false));
+    // One user before: the lock's holder, or a task it hides; the queues cannot tell.
+    assert_eq!(q.hides("R0", key(2)), None);
+    // D is only shared: a shared lock on it hides no one; an exclusive one would.
+    assert_eq!(q.hides("shared:D", key(3)), Some(false));
+    assert_eq!(q.hides("D", key(3)), Some(true));
+    assert_eq!(q.hides("X", key(3)), Some(false));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert(u8, Vec<(u8, bool)>),
+    Remove(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..40, proptest::collection::vec((0u8..5, any::<bool>()), 0..3))
+            .prop_map(|(n, uses)| Op::Insert(n, uses)),
+        1 => (0u8..40).prop_map(Op::Remove),
+    ]
+}
+
+fn entries(uses: &[(u8, bool)]) -> Vec<String> {
+    uses.iter()
+        .map(|(r, exclusive)| {
+            if *exclusive {
+                format!("r{r}")
+            } else {
+                format!("shared:r{r}")
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    /// In any order of arrivals (late ones included) and removals, the lanes are those of the
+    /// rule over the tasks present, and the holders are the first and first exclusive users.
+    #[test]
+    fn lanes_and_holders_follow_the_rule(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut q = ResourceQueues::default();
+        let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Insert(n, uses) => {
+                    let record = entries(&uses);
+                    let inserted = q.insert(key(n), &record);
+                    prop_assert_eq!(inserted, !present.contains_key(&key(n)));
+                    present.entry(key(n)).or_insert(record);
+                }
+                Op::Remove(n) => {
+                    prop_assert_eq!(q.remove(&key(n).1), present.remove(&key(n)).is_some());
+                }
+            }
+            prop_assert_eq!(q.lanes().collect::<Vec<_>>(), reference_lanes(&present));
+            let mut holders: BTreeSet<Key> = BTreeSet::new();
+            let mut firsts: BTreeMap<String, (Option<Key>, Option<Key>)> = BTreeMap::new();
+            for (k, record) in &present {
+                let r = Resources::from_record(record);
+                for name in r.exclusive.iter() {
+                    let f = firsts.entry(name.clone()).or_default();
+                    f.0.get_or_insert(*k);
+                    f.1.get_or_insert(*k);
+                }
+                for name in r.shared.iter() {
+                    firsts.entry(name.clone()).or_default().0.get_or_insert(*k);
+                }
+            }
+            for (first, first_exclusive) in firsts.values() {
+                holders.extend(first.iter().chain(first_exclusive.iter()));
+            }
+            prop_assert_eq!(q.holders().collect::<BTreeSet<_>>(), holders);
+            prop_assert_eq!(q.len(), present.len());
+        }
+    }
+
+    /// Whatever was checked, no waiting task at or before the start is ready by the rule.
+    #[test]
+    fn no_ready_task_lies_before_the_start(
+        ops in proptest::collection::vec(op(), 1..60),
+        held in proptest::collection::vec(any::<bool>(), 40),
+        holders in 0usize..8,
+        lanes in 0usize..8,
+        known in 0u8..45,
+    ) {
+        let mut q = ResourceQueues::default();
+        let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Insert(n, uses) => {
+                    let record = entries(&uses);
+                    q.insert(key(n), &record);
+                    present.entry(key(n)).or_insert(record);
+                }
+                Op::Remove(n) => {
+                    q.remove(&key(n).1);
+                    present.remove(&key(n));
+                }
+            }
+        }
+        q.know_up_to(key(known));
+        let state = |k: &Key| if held[k.0 as usize] { Seen::Held } else { Seen::Waiting };
+        let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+        for limit in [holders, lanes] {
+            for id in q.to_check(&seen, limit) {
+                let k = present.keys().find(|k| k.1 == id).copied().unwrap();
+                seen.insert(id, state(&k));
+            }
+        }
+        let start = q.start(&seen).unwrap();
+        prop_assert!(start.after <= key(known));
+        // The waiting holders it reserves are those up to it.
+        let waiting = present
+            .keys()
+            .filter(|k| **k <= start.after && seen.get(&k.1) == Some(&Seen::Waiting))
+            .filter(|k| q.holders().any(|h| h == **k))
+            .count();
+        prop_assert_eq!(start.waiting.len(), waiting);
+        let start = start.after;
+        let ready = reference_lanes(&present);
+        for k in ready {
+            if state(&k) == Seen::Waiting {
+                prop_assert!(k > start, "ready task {:?} lies before the start {:?}", k, start);
+            }
+        }
+    }
+}

@@ -1,0 +1,15 @@
+-- task_seen.sql: what a few tasks are now, for the resource queues' check before a scan starts
+-- past them (ready::Seen).
+--
+-- $1 uuid[]  the tasks
+-- Returns: pulp_id, then 'waiting' (waiting and unclaimed), 'held' (incomplete otherwise:
+-- claimed, running or canceling) or 'gone' (final, or no such task) per task. One primary-key
+-- probe per task.
+-- Never writes.
+SELECT id,
+       CASE WHEN t.pulp_id IS NULL OR t.state IN ('completed', 'failed', 'canceled', 'skipped')
+                THEN 'gone'
+            WHEN t.state = 'waiting' AND t.app_lock_id IS NULL THEN 'waiting'
+            ELSE 'held' END
+FROM unnest($1::uuid[]) AS id
+LEFT JOIN core_task t ON t.pulp_id = id
