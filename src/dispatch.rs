@@ -936,6 +936,9 @@ impl Dispatch {
         // repository): start where the resource queues say the first waiting lane is, if that is
         // later, and reserve what the waiting holders before it need (a change to one of their
         // resources then drops the hint this pass leaves).
+        // The held holders' entries count among the held entries the pass skipped by, so that
+        // their release drops the hint it leaves, also when it comes before the page is read.
+        let mut skipped_held: Vec<String> = Vec::new();
         if let Some(start) = start {
             let position = crate::tasks::key_bound(start.after);
             if after.is_none_or(|a| a < position) {
@@ -945,6 +948,7 @@ impl Dispatch {
                     reserved.reserve(&resources);
                     excluded.extend(resources.conflict_keys());
                 }
+                skipped_held = start.held.into_iter().flatten().collect();
                 after = Some(position);
                 self.stats.queue_start();
             }
@@ -995,7 +999,7 @@ impl Dispatch {
             let room = (others.min(may_recruit) as i64).saturating_add(1);
             page = page.max(room.min(self.policy.max_page));
         }
-        let mut held_seen: HashSet<String> = HashSet::new();
+        let mut held_seen: HashSet<String> = skipped_held.into_iter().collect();
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;

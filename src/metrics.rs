@@ -72,8 +72,8 @@ pub const GIN_PENDING_MERGED_PAGES_TOTAL: &str = "dispatch_gin_pending_merged_pa
 /// Background walks from the queue's head that renewed the scan hint (`--fetch-hint-max-age`).
 pub const FETCH_HINT_WALKS_TOTAL: &str = "dispatch_fetch_hint_walks_total";
 
-/// Passes without a scan hint that started where the resource queues put the first waiting lane,
-/// instead of at the queue's head.
+/// Fetch passes that started where the resource queues put the first waiting lane, instead of at
+/// the queue's head or their scan hint.
 pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
 
 /// Every metric name above (the dashboard test checks its queries against this list).
@@ -172,7 +172,7 @@ pub fn describe() {
     );
     describe_counter!(
         FETCH_QUEUE_STARTS_TOTAL,
-        "Passes without a scan hint that started where the resource queues put the first waiting lane."
+        "Fetch passes that started where the resource queues put the first waiting lane, instead of at the queue's head or their scan hint."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -322,7 +322,7 @@ pub struct StatsSnapshot {
     pub rebuilds: u64,
     /// Background walks that renewed this replica's scan hint.
     pub hint_walks: u64,
-    /// Passes without a hint that started where the resource queues said.
+    /// Passes that started where the resource queues said.
     pub queue_starts: u64,
 }
 
@@ -363,7 +363,7 @@ impl Stats {
         metrics::counter!(FETCH_HINT_WALKS_TOTAL).increment(1);
     }
 
-    /// Counts a pass without a hint that started where the resource queues said.
+    /// Counts a pass that started where the resource queues said.
     pub fn queue_start(&self) {
         self.queue_starts.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_QUEUE_STARTS_TOTAL).increment(1);

@@ -463,10 +463,14 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
          SET max_parallel_workers_per_gather = 0; \
          PREPARE candidates(text[], timestamptz, uuid) AS {}; \
          PREPARE task(uuid[]) AS {}; \
-         PREPARE hiding(timestamptz, uuid, text[]) AS {};",
+         PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
+         PREPARE seen(uuid[]) AS {}; \
+         PREPARE queue_page(timestamptz, uuid) AS {};",
         dispatch_broker::tasks::sql::CANDIDATES.replace("$4", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
+        dispatch_broker::tasks::sql::TASK_SEEN,
+        dispatch_broker::tasks::sql::QUEUE_PAGE,
     ))
     .await
     .unwrap();
@@ -505,6 +509,18 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
                     ),
                 )
                 .await,
+            ),
+            (
+                "task_seen.sql for a start's holders and lanes",
+                buffers(
+                    &db,
+                    &format!("EXECUTE seen(ARRAY['{other}', '{id}']::uuid[])"),
+                )
+                .await,
+            ),
+            (
+                "queue_page.sql catching up from the hint",
+                buffers(&db, &format!("EXECUTE queue_page('{created}', '{id}')")).await,
             ),
         ];
     }

@@ -51,6 +51,11 @@ pub struct Queues {
     state: Mutex<Option<ResourceQueues>>,
     /// Counts loads: a catch-up read for older queues is not applied to newer ones.
     generation: AtomicU64,
+    /// The last task a catch-up read (None: none since the last load). While an open writer
+    /// keeps the queues' known position from moving, catch-ups read on from here rather than
+    /// again from that position every second; once it moves, they read from the known position
+    /// once more (a writer that closed may have committed tasks before what was read).
+    last_read: Mutex<Option<Key>>,
 }
 
 impl Queues {
@@ -60,6 +65,7 @@ impl Queues {
             background: OnceLock::new(),
             state: Mutex::new(None),
             generation: AtomicU64::new(0),
+            last_read: Mutex::new(None),
         }
     }
 
@@ -144,9 +150,17 @@ impl Queues {
             queues.know_up_to(known);
         }
         let n = queues.len();
-        if let Ok(mut state) = self.state.lock() {
-            *state = Some(queues);
-            self.generation.fetch_add(1, Ordering::SeqCst);
+        let old = match self.state.lock() {
+            Ok(mut state) => {
+                self.generation.fetch_add(1, Ordering::SeqCst);
+                state.replace(queues)
+            }
+            Err(_) => None,
+        };
+        // (Freed without the lock held: a million tasks take a while.)
+        drop(old);
+        if let Ok(mut last) = self.last_read.lock() {
+            *last = None;
         }
         Ok(n)
     }
@@ -157,10 +171,17 @@ impl Queues {
             return Ok(());
         };
         let generation = self.generation.load(Ordering::SeqCst);
-        let Some(mut after) = self.state.lock().ok().and_then(|s| s.as_ref()?.known()) else {
+        let Some(from) = self.state.lock().ok().and_then(|s| s.as_ref()?.known()) else {
             return Ok(());
         };
         let known = tasks.queue_known().await?;
+        let last_read = self.last_read.lock().ok().and_then(|l| *l);
+        let mut after = match (known, last_read) {
+            // The known position moves: read from it (see `last_read`).
+            (Some(known), _) if known > from => from,
+            (_, Some(last)) => last.max(from),
+            _ => from,
+        };
         for _ in 0..pages {
             let rows = tasks.queue_page(Some(after)).await?;
             let full = rows.len() >= QUEUE_PAGE_ROWS;
@@ -178,6 +199,11 @@ impl Queues {
                 for (key, record) in chunk {
                     after = *key;
                     queues.insert(*key, record);
+                }
+            }
+            if let Ok(mut last) = self.last_read.lock() {
+                if self.generation.load(Ordering::SeqCst) == generation {
+                    *last = Some(after);
                 }
             }
             let Some(known) = known else {

@@ -52,7 +52,8 @@ struct Entry {
 /// What a check of a task found (see [`ResourceQueues::start`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Seen {
-    /// Waiting and unclaimed: a task a scan may hand out.
+    /// Waiting and unclaimed (or canceled by Pulp while it waited: it holds no lock): a lane seen
+    /// so stops a start, and a holder seen so is reserved by the scan.
     Waiting,
     /// Incomplete but not to be handed out (claimed, running or canceling): it keeps its places.
     Held,
@@ -127,7 +128,11 @@ impl ResourceQueues {
             .range((Bound::Excluded(position), Bound::Included(known)))
             .take(n)
             .collect();
-        next.len() >= n && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
+        // A lane right after the position is what a scan reads first anyway (a walk's hint ends
+        // just before one): a start would not move it.
+        next.len() >= n
+            && !self.lanes.contains(next[0])
+            && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
     }
 
     /// Whether the task is in the queues.
@@ -364,18 +369,23 @@ impl ResourceQueues {
             (h, l) => h.or(l),
         };
         let mut waiting = Vec::new();
+        let mut held = Vec::new();
         let after = stop.map_or(known, |(key, _)| before(key));
         for key in self.holders.keys().take_while(|k| **k <= after) {
-            if seen.get(&key.1) == Some(&Seen::Waiting) {
-                if let Some(entry) = self.tasks.get(&key.1) {
-                    waiting.push(self.record(entry));
-                }
+            let Some(entry) = self.tasks.get(&key.1) else {
+                continue;
+            };
+            match seen.get(&key.1) {
+                Some(Seen::Waiting) => waiting.push(self.record(entry)),
+                Some(Seen::Held) => held.push(self.record(entry)),
+                _ => {}
             }
         }
         Some(Start {
             after,
             unchecked: stop.is_some_and(|(_, unchecked)| unchecked),
             waiting,
+            held,
         })
     }
 
@@ -406,6 +416,11 @@ pub struct Start {
     /// The records of the waiting holders up to it: they make tasks up to it wait, so a scan
     /// that starts there reserves their resources (a change to one of them may free a task).
     pub waiting: Vec<Vec<String>>,
+    /// The records of the held holders (claimed or running) up to it: their locks make tasks up
+    /// to it wait, so a scan that starts there counts their entries among the held ones it
+    /// skipped by (their release may free a task, even when it happens before the scan reads
+    /// which locks are held).
+    pub held: Vec<Vec<String>>,
 }
 
 /// The position just before a task's (no id lies between an id and its predecessor).

@@ -4,14 +4,35 @@
 --
 -- $1 timestamptz, $2 uuid  only tasks after this position (both NULL: from the queue's head)
 -- Returns: reserved_resources_record (NULL for none), pulp_id, pulp_created per task; at most
--- 5000 (a literal: the generic plan is then an ordered range scan of an index on pulp_created).
+-- 5000 (a literal, so that the generic plan is known).
 -- Never writes.
+--
+-- One ordered range per incomplete state, merged: each is a range of Pulp's (state,
+-- pulp_created) index from the position, so a page reads about as many rows as it returns,
+-- whatever lies before the position (a single `state NOT IN (...)` range reads every task after
+-- it, completed ones included, or sorts them; tests/pulp_schema.rs checks the pages it reads).
 SELECT reserved_resources_record, pulp_id, pulp_created
-FROM core_task
-WHERE state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-  -- The bound alone too: a plain comparison every index on pulp_created can start at.
-  AND pulp_created >= coalesce($1::timestamptz, '-infinity')
-  AND (pulp_created, pulp_id) > (coalesce($1::timestamptz, '-infinity'),
-                                 coalesce($2::uuid, '00000000-0000-0000-0000-000000000000'))
+FROM (
+    (SELECT reserved_resources_record, pulp_id, pulp_created FROM core_task
+     WHERE state = 'waiting'
+       AND pulp_created >= coalesce($1::timestamptz, '-infinity')
+       AND (pulp_created, pulp_id) > (coalesce($1::timestamptz, '-infinity'),
+                                      coalesce($2::uuid, '00000000-0000-0000-0000-000000000000'))
+     ORDER BY pulp_created, pulp_id LIMIT 5000)
+    UNION ALL
+    (SELECT reserved_resources_record, pulp_id, pulp_created FROM core_task
+     WHERE state = 'running'
+       AND pulp_created >= coalesce($1::timestamptz, '-infinity')
+       AND (pulp_created, pulp_id) > (coalesce($1::timestamptz, '-infinity'),
+                                      coalesce($2::uuid, '00000000-0000-0000-0000-000000000000'))
+     ORDER BY pulp_created, pulp_id LIMIT 5000)
+    UNION ALL
+    (SELECT reserved_resources_record, pulp_id, pulp_created FROM core_task
+     WHERE state = 'canceling'
+       AND pulp_created >= coalesce($1::timestamptz, '-infinity')
+       AND (pulp_created, pulp_id) > (coalesce($1::timestamptz, '-infinity'),
+                                      coalesce($2::uuid, '00000000-0000-0000-0000-000000000000'))
+     ORDER BY pulp_created, pulp_id LIMIT 5000)
+) AS incomplete
 ORDER BY pulp_created, pulp_id
 LIMIT 5000

@@ -2,14 +2,16 @@
 -- past them (ready::Seen).
 --
 -- $1 uuid[]  the tasks
--- Returns: pulp_id, then 'waiting' (waiting and unclaimed), 'held' (incomplete otherwise:
--- claimed, running or canceling) or 'gone' (final, or no such task) per task. One primary-key
+-- Returns: pulp_id, then 'waiting' (waiting and unclaimed; also canceling and unclaimed: Pulp
+-- canceled it while it waited, it holds no lock, and a scan that starts past it reserves it as
+-- it would a waiting task, so that its leaving drops the scan hint), 'held' (incomplete
+-- otherwise: claimed or running) or 'gone' (final, or no such task) per task. One primary-key
 -- probe per task.
 -- Never writes.
 SELECT id,
        CASE WHEN t.pulp_id IS NULL OR t.state IN ('completed', 'failed', 'canceled', 'skipped')
                 THEN 'gone'
-            WHEN t.state = 'waiting' AND t.app_lock_id IS NULL THEN 'waiting'
+            WHEN t.state IN ('waiting', 'canceling') AND t.app_lock_id IS NULL THEN 'waiting'
             ELSE 'held' END
 FROM unnest($1::uuid[]) AS id
 LEFT JOIN core_task t ON t.pulp_id = id
