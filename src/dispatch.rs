@@ -936,6 +936,12 @@ impl Dispatch {
         // repository): start where the resource queues say the first waiting lane is, if that is
         // later, and reserve what the waiting holders before it need (a change to one of their
         // resources then drops the hint this pass leaves).
+        // Where the queue's head ends, for the exact look-ups of the tasks in it (candidates.sql).
+        let near = if use_queues {
+            self.queues.head_end().map(crate::tasks::key_bound)
+        } else {
+            None
+        };
         // The held holders' entries count among the held entries the pass skipped by, so that
         // their release drops the hint it leaves, also when it comes before the page is read.
         let mut skipped_held: Vec<String> = Vec::new();
@@ -1027,7 +1033,7 @@ impl Dispatch {
         }
         'pages: loop {
             let read_at = Instant::now();
-            let found = self.tasks.candidates(&excluded, after, page).await?;
+            let found = self.tasks.candidates(&excluded, after, near, page).await?;
             held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();

@@ -499,16 +499,29 @@ impl Tasks {
 
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
     /// overlap `excluded` or the conflict keys of claimed and running tasks (candidates.sql).
+    /// Tasks up to `near` (the end of the queue's head, from the resource queues) are looked up
+    /// against the tasks older than them rather than against their resources' users.
     pub async fn candidates(
         &self,
         excluded: &[String],
         after: Option<(DateTime<Utc>, Uuid)>,
+        near: Option<(DateTime<Utc>, Uuid)>,
         limit: i64,
     ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
+        let (near_created, near_id) = (near.map(|a| a.0), near.map(|a| a.1));
         let statement = candidates_sql(limit);
         let mut rows = self
-            .query_read(&statement, &[&excluded, &after_created, &after_id])
+            .query_read(
+                &statement,
+                &[
+                    &excluded,
+                    &after_created,
+                    &after_id,
+                    &near_created,
+                    &near_id,
+                ],
+            )
             .await?;
         let closing = rows
             .pop()
@@ -1295,7 +1308,7 @@ impl Page {
 /// candidates.sql with its page size written in as a number (see the file's header): one
 /// prepared statement per page size, each planned once per connection.
 fn candidates_sql(limit: i64) -> String {
-    sql::CANDIDATES.replace("$4", &limit.max(1).to_string())
+    sql::CANDIDATES.replace("$6", &limit.max(1).to_string())
 }
 
 #[cfg(test)]

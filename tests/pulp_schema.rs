@@ -265,12 +265,15 @@ async fn the_readiness_lookup_uses_pulps_gin_index() {
     .unwrap();
     let sql = dispatch_broker::tasks::sql::CANDIDATES;
     db.batch_execute(&format!(
-        "PREPARE candidates(text[], timestamptz, uuid, bigint) AS {sql}"
+        "PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, bigint) AS {sql}"
     ))
     .await
     .unwrap();
     let plan: String = db
-        .query("EXPLAIN EXECUTE candidates('{}', NULL, NULL, 32)", &[])
+        .query(
+            "EXPLAIN EXECUTE candidates('{}', NULL, NULL, NULL, NULL, 32)",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -461,12 +464,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; \
-         PREPARE candidates(text[], timestamptz, uuid) AS {}; \
+         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
          PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
-        dispatch_broker::tasks::sql::CANDIDATES.replace("$4", "8"),
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
         dispatch_broker::tasks::sql::TASK_SEEN,
@@ -491,7 +494,7 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
                 "candidates.sql from the hint",
                 buffers(
                     &db,
-                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}')"),
+                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL)"),
                 )
                 .await,
             ),
@@ -570,6 +573,66 @@ async fn pending_pages(db: &tokio_postgres::Client) -> i64 {
     .await
     .unwrap()
     .get(0)
+}
+
+/// Pages candidates.sql reads for the first page from the queue's head once R0's head finished
+/// (R0's next tasks come first, and `blocked` tasks use R0): with the end of the queue's head
+/// passed (the 256th incomplete task, as the resource queues say), and without.
+async fn next_head_reads(blocked: usize) -> (u64, u64) {
+    let (db, _, _) = incident_database(blocked).await;
+    db.batch_execute(&format!(
+        "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
+         SET max_parallel_workers_per_gather = 0; \
+         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
+         UPDATE core_task SET state = 'completed' WHERE state = 'running' \
+         AND reserved_resources_record @> ARRAY['prn:python.repository:R0'];",
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
+    ))
+    .await
+    .unwrap();
+    let near = db
+        .query_one(
+            "SELECT pulp_created::text, pulp_id::text FROM core_task \
+             WHERE state IN ('waiting', 'running', 'canceling') \
+             ORDER BY pulp_created, pulp_id OFFSET 255 LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (created, id): (String, String) = (near.get(0), near.get(1));
+    let (mut with_end, mut without) = (0, 0);
+    // Twice each: the first execution of a prepared statement may still be a custom plan.
+    for _ in 0..2 {
+        with_end = buffers(
+            &db,
+            &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}')"),
+        )
+        .await;
+        without = buffers(&db, "EXECUTE candidates('{}', NULL, NULL, NULL, NULL)").await;
+    }
+    (with_end, without)
+}
+
+/// Once R0's head finished, the exact look-up of R0's next tasks reads the few tasks older than
+/// them, not R0's queue: flat from 1,000 to 20,000 blocked, where the look-up by R0's name
+/// (what a task deeper in the queue gets) grows with the queue.
+#[tokio::test]
+async fn the_next_task_of_a_long_queue_is_looked_up_against_the_older_tasks() {
+    let (small, small_by_name) = next_head_reads(1_000).await;
+    let (large, large_by_name) = next_head_reads(20_000).await;
+    println!(
+        "candidates.sql pages at R0's next task: {small} / {large} at 1,000 / 20,000 blocked \
+         ({small_by_name} / {large_by_name} looked up by name)"
+    );
+    assert!(
+        large <= small * 3 / 2 + 8,
+        "{large} pages at 20,000 blocked, {small} at 1,000"
+    );
+    assert!(
+        large_by_name > 5 * small_by_name.max(1) && large_by_name > 5 * large,
+        "the look-up by name does not grow: the test proves nothing \
+         ({small_by_name} / {large_by_name})"
+    );
 }
 
 /// With Pulp's pending list on (a fresh Pulp database), the broker merges it every

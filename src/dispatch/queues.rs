@@ -35,6 +35,8 @@ const RELOAD_AFTER: Duration = Duration::from_secs(60);
 /// hint are blocked (tasks that arrived after the hint was taken, e.g. a burst for a busy
 /// repository): otherwise a start's check costs more than reading them.
 const SKIP_AT_LEAST: usize = 256;
+/// How many tasks the queue's head holds, for the exact look-up (see [`Queues::head_end`]).
+pub const HEAD_TASKS: usize = 256;
 /// Tasks inserted per hold of the queues' lock while catching up.
 const INSERT_CHUNK: usize = 512;
 /// How many holders and lanes a start checks, round by round, while the position it finds stops
@@ -56,6 +58,9 @@ pub struct Queues {
     /// again from that position every second; once it moves, they read from the known position
     /// once more (a writer that closed may have committed tasks before what was read).
     last_read: Mutex<Option<Key>>,
+    /// One load or catch-up at a time (a test's or a bench's `settle` waits for the running one
+    /// instead of reading the same tasks beside it).
+    reading: tokio::sync::Mutex<()>,
 }
 
 impl Queues {
@@ -66,6 +71,7 @@ impl Queues {
             state: Mutex::new(None),
             generation: AtomicU64::new(0),
             last_read: Mutex::new(None),
+            reading: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -128,6 +134,7 @@ impl Queues {
         let Some(tasks) = self.background.get() else {
             return Ok(0);
         };
+        let _reading = self.reading.lock().await;
         let known = tasks.queue_known().await?;
         let mut queues = ResourceQueues::default();
         let mut after: Option<Key> = None;
@@ -170,6 +177,7 @@ impl Queues {
         let Some(tasks) = self.background.get() else {
             return Ok(());
         };
+        let _reading = self.reading.lock().await;
         let generation = self.generation.load(Ordering::SeqCst);
         let Some(from) = self.state.lock().ok().and_then(|s| s.as_ref()?.known()) else {
             return Ok(());
@@ -277,6 +285,17 @@ impl Queues {
             .ok()
             .and_then(|s| Some(s.as_ref()?.blocked_after(position, SKIP_AT_LEAST)))
             .unwrap_or(false)
+    }
+
+    /// The end of the queue's head: the position of the [`HEAD_TASKS`]th task the queues hold
+    /// (or where their knowledge ends, when they hold fewer). A task up to it has fewer
+    /// incomplete tasks before it than that, so its exact look-up reads those rather than
+    /// every user of its resources. None before the first load.
+    pub(super) fn head_end(&self) -> Option<Key> {
+        let state = self.state.lock().ok()?;
+        let queues = state.as_ref()?;
+        let known = queues.known()?;
+        Some(queues.nth(HEAD_TASKS).map_or(known, |k| k.min(known)))
     }
 
     /// Whether a held record entry hides a waiting task older than `before`, when the queues

@@ -84,11 +84,16 @@ impl Dispatch {
         let mut after = None;
         let mut held_seen: HashSet<String> = HashSet::new();
         let mut page = self.policy.first_page;
+        let near = if self.policy.resource_queues {
+            self.queues.head_end().map(crate::tasks::key_bound)
+        } else {
+            None
+        };
         'pages: loop {
             if self.shutdown.is_fired() {
                 return Ok(());
             }
-            let found = self.tasks.candidates(&excluded, after, page).await?;
+            let found = self.tasks.candidates(&excluded, after, near, page).await?;
             held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();

@@ -135,6 +135,11 @@ impl ResourceQueues {
             && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
     }
 
+    /// The position of the `n`th task in queue order (1-based), if there are that many.
+    pub fn nth(&self, n: usize) -> Option<Key> {
+        self.order.iter().nth(n.checked_sub(1)?).copied()
+    }
+
     /// Whether the task is in the queues.
     pub fn contains(&self, id: &Uuid) -> bool {
         self.tasks.contains_key(id)

@@ -6,7 +6,11 @@
 --                 are skipped, which is safe because such a task is not ready either
 -- $2 timestamptz  keyset: only tasks after ($2, $3) in (pulp_created, pulp_id) order; NULL for
 -- $3 uuid         the first page
--- $4 (the LIMIT)  the page size, written into the text as a number by tasks.rs (one prepared
+-- $4 timestamptz  the end of the queue's head (NULL: none): tasks at or before ($4, $5) have few
+-- $5 uuid         incomplete tasks before them (the resource queues know), so their exact
+--                 look-up reads those instead of every user of their resources (R0's next task,
+--                 once its head finished, would read R0's whole queue)
+-- $6 (the LIMIT)  the page size, written into the text as a number by tasks.rs (one prepared
 --                 statement per page size): the broker's sessions use generic plans, and a
 --                 generic plan with a parameter LIMIT guesses a tenth of the table and sorts it
 -- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
@@ -49,7 +53,7 @@ page AS (
       AND (t.pulp_created, t.pulp_id) > (coalesce($2::timestamptz, '-infinity'),
                                          coalesce($3::uuid, '00000000-0000-0000-0000-000000000000'))
     ORDER BY t.pulp_created, t.pulp_id
-    LIMIT $4
+    LIMIT $6
 )
 SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
@@ -65,10 +69,33 @@ CROSS JOIN LATERAL (
     ) AS keys
 ) k
 CROSS JOIN LATERAL (
-    -- One positive look-up in the partial GIN index, fenced from the time comparison (OFFSET 0):
-    -- a generic plan would AND it with Pulp's plain pulp_created index and read every older task
-    -- (tests/pulp_schema.rs checks the pages it reads).
-    SELECT (
+    SELECT CASE
+    WHEN $4::timestamptz IS NOT NULL
+         AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN (
+        -- Near the head: the incomplete tasks older than it, one range of Pulp's (state,
+        -- pulp_created) index per incomplete state (Pulp's states: the same set as NOT IN the
+        -- final ones), each fenced (OFFSET 0) so that the overlap is checked on what they return
+        -- and no plan reads the users of the task's resources instead.
+        SELECT count(*)
+        FROM (
+            (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
+            UNION ALL
+            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
+            UNION ALL
+            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
+        ) AS o
+        WHERE o.record && k.keys
+          AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))
+    ELSE (
+        -- One positive look-up in the partial GIN index, fenced from the time comparison
+        -- (OFFSET 0): a generic plan would AND it with Pulp's plain pulp_created index and read
+        -- every older task (tests/pulp_schema.rs checks the pages it reads).
         SELECT count(*)
         FROM (
             SELECT u.pulp_created, u.pulp_id
@@ -77,8 +104,8 @@ CROSS JOIN LATERAL (
               AND u.reserved_resources_record && k.keys
             OFFSET 0
         ) AS m
-        WHERE (m.pulp_created, m.pulp_id) < (p.pulp_created, p.pulp_id)
-    ) AS older_conflicts
+        WHERE (m.pulp_created, m.pulp_id) < (p.pulp_created, p.pulp_id))
+    END AS older_conflicts
 ) c
 UNION ALL
 -- The closing row. The tail is one step of the (state, pulp_created) index, from its end.
@@ -88,7 +115,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        -- start of any open writer of core_task when this row is computed (writers.sql); none
        -- when a writer's start cannot be read. A writer that commits while the page is read is
        -- missed: its task waits for the next walk at most.
-       CASE WHEN (SELECT count(*) FROM page) < $4 THEN (
+       CASE WHEN (SELECT count(*) FROM page) < $6 THEN (
            SELECT CASE WHEN bool_or(w.xact_start IS NULL) THEN NULL
                        ELSE least((SELECT max(t.pulp_created) FROM core_task t
                                    WHERE t.state = 'waiting'),
