@@ -9,6 +9,11 @@
 //! walk's duration, so a long queue costs Postgres at most about a tenth of its time: a change
 //! made outside the broker is seen within the larger of the hint's age limit and ten walks.
 //!
+//! With the resource queues (`queues`) the walk starts where they say, as a pass without a hint
+//! does, instead of at the head: what sees a change made outside the broker is then their check
+//! of the holders (a holder that ended is removed, and the tasks behind it become lanes), and a
+//! task they miss (see `queues`) waits for their next load.
+//!
 //! Never grants, locks or claims: it only reads the queue and judges by the readiness rule.
 
 use std::collections::HashSet;
@@ -89,6 +94,28 @@ impl Dispatch {
         } else {
             None
         };
+        // With the resource queues, the walk starts where they say, as a pass without a hint
+        // does: their check of the holders is what makes a change made outside the broker seen
+        // (a holder that ended), and the blocked queue is not read every walk.
+        if self.policy.resource_queues {
+            match self.queues.start().await {
+                Ok(Some(start)) => {
+                    for record in &start.waiting {
+                        let resources = ready::Resources::from_record(record);
+                        reserved.reserve(&resources);
+                        for key in resources.conflict_keys() {
+                            if seen_keys.insert(key.clone()) {
+                                excluded.push(key);
+                            }
+                        }
+                    }
+                    held_seen.extend(start.held.into_iter().flatten());
+                    after = Some(crate::tasks::key_bound(start.after));
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!(error = %e, "the resource queues gave the walk no start"),
+            }
+        }
         'pages: loop {
             if self.shutdown.is_fired() {
                 return Ok(());
@@ -139,6 +166,20 @@ impl Dispatch {
             .and_then(|slot| slot.as_ref().map(|h| h.hiding.clone()))
             .unwrap_or_default();
         let (mut hiding, unknown) = super::split_by_known(held_seen, &known);
+        // The resource queues answer for most names (see the pass).
+        let position = (after.0.timestamp_micros(), after.1);
+        let unknown: Vec<String> = unknown
+            .into_iter()
+            .filter(|entry| match self.queues.hides(entry, position) {
+                Some(true) => {
+                    let name = entry.strip_prefix(ready::SHARED_PREFIX).unwrap_or(entry);
+                    hiding.insert(name.to_owned());
+                    false
+                }
+                Some(false) => false,
+                None => true,
+            })
+            .collect();
         if !unknown.is_empty() {
             hiding.extend(self.tasks.hiding(after, &unknown).await?);
         }
