@@ -551,3 +551,58 @@ async fn with_the_resource_queues_the_walk_does_not_read_the_blocked_queue() {
         "the walk read {with_queues} pages with the queues, {from_head} from the head"
     );
 }
+
+/// An open writer of core_task (here a transaction that stays open after an UPDATE, as an idle
+/// Pulp session may) keeps the resource queues' knowledge from moving past its start. Passes
+/// still take from them that R0's name hides tasks (it hides them before that point, so before
+/// any later one) and do not count R0's queue with hiding.sql.
+#[tokio::test]
+async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
+    let (pg, url, redis) = with_statement_statistics().await;
+    let mut env = Env::on(url.clone(), redis, |args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    blocked_behind_a_running_head(&mut env, 20_000).await;
+    env.broker()
+        .resource_queues
+        .settle()
+        .await
+        .expect("the resource queues catch up");
+    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    writer
+        .batch_execute("BEGIN; UPDATE core_task SET name = name WHERE false")
+        .await
+        .unwrap();
+    // Tasks that arrive after the writer began: past where the queues' knowledge now ends.
+    for i in 0..3 {
+        env.task(&[
+            &format!("prn:file.repository:F{i}"),
+            "shared:prn:core.domain:D2",
+        ])
+        .await;
+    }
+    env.broker()
+        .resource_queues
+        .settle()
+        .await
+        .expect("the resource queues catch up");
+    let worker = env.open("w").await;
+    candidate_pages(&env.db).await;
+    for _ in 0..3 {
+        env.fetch(&worker).await.expect("a task of D2");
+        env.broker().passes.idle().await;
+    }
+    let counted = hiding_pages(&env.db).await;
+    println!("hiding.sql pages in three fetches with a writer open: {counted}");
+    assert!(
+        counted < 50,
+        "hiding.sql read {counted} pages: R0's queue was counted"
+    );
+    writer.batch_execute("ROLLBACK").await.unwrap();
+    env.shutdown().await;
+    drop(pg);
+}

@@ -298,14 +298,19 @@ impl Queues {
         Some(queues.nth(HEAD_TASKS).map_or(known, |k| k.min(known)))
     }
 
-    /// Whether a held record entry hides a waiting task older than `before`, when the queues
-    /// know every task up to it and can tell (None otherwise: ask Postgres, hiding.sql).
+    /// Whether a held record entry hides a waiting task older than `before`, when the queues can
+    /// tell (None otherwise: ask Postgres, hiding.sql). A name that hides a task before where the
+    /// queues' knowledge ends hides it before any later position too, so "yes" holds past it
+    /// (an open writer that keeps that end from moving, e.g. an idle Pulp session, must not make
+    /// every pass count the blocked repository's queue); "no" only up to it.
     pub(super) fn hides(&self, entry: &str, before: Key) -> Option<bool> {
         let state = self.state.lock().ok()?;
         let queues = state.as_ref()?;
-        if queues.known().is_none_or(|k| k < before) {
-            return None;
+        let known = queues.known()?;
+        match queues.hides(entry, before.min(known)) {
+            Some(true) => Some(true),
+            _ if known < before => None,
+            answer => answer,
         }
-        queues.hides(entry, before)
     }
 }

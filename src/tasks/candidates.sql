@@ -73,9 +73,11 @@ CROSS JOIN LATERAL (
     WHEN $4::timestamptz IS NOT NULL
          AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN (
         -- Near the head: the incomplete tasks older than it, one range of Pulp's (state,
-        -- pulp_created) index per incomplete state (Pulp's states: the same set as NOT IN the
-        -- final ones), each fenced (OFFSET 0) so that the overlap is checked on what they return
-        -- and no plan reads the users of the task's resources instead.
+        -- pulp_created) index per incomplete state, each fenced (OFFSET 0) so that the overlap
+        -- is checked on what they return and no plan reads the users of the task's resources
+        -- instead. Incomplete here is Pulp's three incomplete states, the same set as NOT IN
+        -- the final ones for every state Pulp's models allow; a row in a state Pulp does not
+        -- know would be counted by the form below only.
         SELECT count(*)
         FROM (
             (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
