@@ -606,3 +606,62 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
     env.shutdown().await;
     drop(pg);
 }
+
+/// Pages candidates.sql read in each of four fetches after R0's head finished, `blocked` tasks
+/// on R0 behind it and five tasks of another domain after them: the first hands out R0's next
+/// task, the others the other domain's.
+async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
+    let (pg, url, redis) = with_statement_statistics().await;
+    let mut env = Env::on(url, redis, |args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
+    for i in 0..5 {
+        env.task(&[
+            &format!("prn:file.repository:F{i}"),
+            "shared:prn:core.domain:D2",
+        ])
+        .await;
+    }
+    env.broker()
+        .resource_queues
+        .settle()
+        .await
+        .expect("the resource queues catch up");
+    let worker = env.open("w").await;
+    env.fetch(&worker).await.expect("F0");
+    env.broker().passes.idle().await;
+    env.finish(&busy, &running, "completed").await;
+    candidate_pages(&env.db).await;
+    let mut pages = Vec::new();
+    let first = env.fetch(&worker).await.expect("R0's next task");
+    env.broker().passes.idle().await;
+    pages.push(candidate_pages(&env.db).await);
+    assert!(
+        first.exclusive_resources.iter().any(|r| r == REPO),
+        "R0's next task comes first once its head finished"
+    );
+    for _ in 0..3 {
+        env.fetch(&worker).await.expect("a task of D2");
+        env.broker().passes.idle().await;
+        pages.push(candidate_pages(&env.db).await);
+    }
+    env.shutdown().await;
+    drop(pg);
+    pages
+}
+
+/// Once R0's head finishes, neither the fetch that hands out R0's next task nor the ones after
+/// it read R0's queue.
+#[tokio::test]
+async fn after_the_head_finishes_no_fetch_reads_the_blocked_queue() {
+    let small = pages_after_the_head_finished(1_000).await;
+    let large = pages_after_the_head_finished(20_000).await;
+    println!("candidates.sql pages per fetch after the head finished: {small:?} at 1,000, {large:?} at 20,000");
+    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
+    assert!(
+        most_large <= most_small * 3 / 2 + 8,
+        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
+    );
+}
