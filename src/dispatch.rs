@@ -200,6 +200,11 @@ fn split_by_known(
     (kept, unknown)
 }
 
+/// A position as the resource queues key it (`ready::Key`).
+fn position_key(position: (DateTime<Utc>, Uuid)) -> ready::Key {
+    (position.0.timestamp_micros(), position.1)
+}
+
 /// The queue position just before a task's: a scan hint that starts there starts with the task.
 /// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
 fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
@@ -800,6 +805,21 @@ impl Dispatch {
         Arc::clone(&self.queues)
     }
 
+    /// Whether passes and walks ask the resource queues (they serve scan hints: with hints off,
+    /// every pass reads from the head).
+    fn uses_resource_queues(&self) -> bool {
+        self.policy.resource_queues && !self.policy.hint_max_age.is_zero()
+    }
+
+    /// Where the queue's head ends, for the exact look-ups of the tasks in it (candidates.sql),
+    /// when the resource queues are used and loaded.
+    fn head_end(&self) -> Option<(DateTime<Utc>, Uuid)> {
+        if !self.uses_resource_queues() {
+            return None;
+        }
+        self.queues.head_end().map(crate::tasks::key_bound)
+    }
+
     /// The passes running in their own tasks (shutdown waits for them).
     pub fn passes(&self) -> Arc<Passes> {
         Arc::clone(&self.passes)
@@ -902,13 +922,12 @@ impl Dispatch {
         // Claims put back behind the hint's position: judged before its page.
         let mut returned: Vec<Uuid> = Vec::new();
         // Where the resource queues say a pass may start (see below).
-        let use_queues = self.policy.resource_queues && !self.policy.hint_max_age.is_zero();
+        let use_queues = self.uses_resource_queues();
         let mut start = None;
         if use_queues
-            && usable.as_ref().is_none_or(|h| {
-                self.queues
-                    .worth_a_start((h.after.0.timestamp_micros(), h.after.1))
-            })
+            && usable
+                .as_ref()
+                .is_none_or(|h| self.queues.worth_a_start(position_key(h.after)))
         {
             // A failure only costs a pass from the hint or the head.
             match self.queues.start().await {
@@ -936,25 +955,15 @@ impl Dispatch {
         // repository): start where the resource queues say the first waiting lane is, if that is
         // later, and reserve what the waiting holders before it need (a change to one of their
         // resources then drops the hint this pass leaves).
-        // Where the queue's head ends, for the exact look-ups of the tasks in it (candidates.sql).
-        let near = if use_queues {
-            self.queues.head_end().map(crate::tasks::key_bound)
-        } else {
-            None
-        };
+        let near = self.head_end();
         // The held holders' entries count among the held entries the pass skipped by, so that
         // their release drops the hint it leaves, also when it comes before the page is read.
-        let mut skipped_held: Vec<String> = Vec::new();
+        let mut skipped_held: HashSet<String> = HashSet::new();
         if let Some(start) = start {
             let position = crate::tasks::key_bound(start.after);
             if after.is_none_or(|a| a < position) {
                 tracing::debug!(after = ?position, "pass starts where the resource queues say");
-                for record in &start.waiting {
-                    let resources = ready::Resources::from_record(record);
-                    reserved.reserve(&resources);
-                    excluded.extend(resources.conflict_keys());
-                }
-                skipped_held = start.held.into_iter().flatten().collect();
+                start.apply(&mut reserved, &mut skipped_held, |key| excluded.push(key));
                 after = Some(position);
                 self.stats.queue_start();
             }
@@ -1005,7 +1014,7 @@ impl Dispatch {
             let room = (others.min(may_recruit) as i64).saturating_add(1);
             page = page.max(room.min(self.policy.max_page));
         }
-        let mut held_seen: HashSet<String> = skipped_held.into_iter().collect();
+        let mut held_seen = skipped_held;
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
@@ -1307,20 +1316,10 @@ impl Dispatch {
             };
             // The resource queues answer for most names without a look-up (e.g. the blocked
             // repository's: counting its users read its whole queue).
-            let position = (hint.after.0.timestamp_micros(), hint.after.1);
             let mut known = known;
-            let unknown: Vec<String> = unknown
-                .into_iter()
-                .filter(|entry| match self.queues.hides(entry, position) {
-                    Some(true) => {
-                        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
-                        known.insert(name.to_owned());
-                        false
-                    }
-                    Some(false) => false,
-                    None => true,
-                })
-                .collect();
+            let unknown = self
+                .queues
+                .split_hiding(unknown, position_key(hint.after), &mut known);
             let now_hiding = if unknown.is_empty() {
                 Ok(known)
             } else {

@@ -16,14 +16,14 @@
 //! Never grants, locks or claims, and never decides readiness: a failure here, or queues not yet
 //! loaded, only costs a pass from the head.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use crate::ready::{Key, ResourceQueues, Seen, Start};
+use crate::ready::{Key, ResourceQueues, Seen, Start, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
 use crate::tasks::{self, Tasks, QUEUE_PAGE_ROWS};
 
@@ -75,9 +75,22 @@ impl Queues {
         }
     }
 
+    /// Reads the queues (None before the first load).
+    fn read<R>(&self, f: impl FnOnce(&ResourceQueues) -> R) -> Option<R> {
+        Some(f(self.state.lock().ok()?.as_ref()?))
+    }
+
+    /// Changes the queues, unless a load replaced them since `generation` (None then, or before
+    /// the first load).
+    fn change<R>(&self, generation: u64, f: impl FnOnce(&mut ResourceQueues) -> R) -> Option<R> {
+        let mut state = self.state.lock().ok()?;
+        let queues = state.as_mut()?;
+        (self.generation.load(Ordering::SeqCst) == generation).then(|| f(queues))
+    }
+
     /// How many tasks the queues hold (None before the first load).
     pub fn task_count(&self) -> Option<usize> {
-        self.state.lock().ok()?.as_ref().map(ResourceQueues::len)
+        self.read(ResourceQueues::len)
     }
 
     /// Loads the queues, then keeps them up with arrivals and loads them again now and then,
@@ -109,12 +122,6 @@ impl Queues {
                 tracing::debug!(error = %e, "catching up with arrivals failed; retrying");
             }
         }
-    }
-
-    /// Up to where the queues hold every incomplete task (None before the first load, or when
-    /// the writers of core_task could not be read).
-    pub fn known(&self) -> Option<Key> {
-        self.state.lock().ok()?.as_ref()?.known()
     }
 
     /// Waits for the first load, then reads every task that arrived since (tests use it to know
@@ -179,7 +186,7 @@ impl Queues {
         };
         let _reading = self.reading.lock().await;
         let generation = self.generation.load(Ordering::SeqCst);
-        let Some(from) = self.state.lock().ok().and_then(|s| s.as_ref()?.known()) else {
+        let Some(from) = self.read(ResourceQueues::known).flatten() else {
             return Ok(());
         };
         let known = tasks.queue_known().await?;
@@ -195,19 +202,17 @@ impl Queues {
             let full = rows.len() >= QUEUE_PAGE_ROWS;
             // In chunks, so that a burst does not hold up the passes that ask the queues.
             for chunk in rows.chunks(INSERT_CHUNK) {
-                let Ok(mut state) = self.state.lock() else {
-                    return Ok(());
-                };
-                let Some(queues) = state.as_mut() else {
-                    return Ok(());
-                };
-                if self.generation.load(Ordering::SeqCst) != generation {
+                let inserted = self.change(generation, |queues| {
+                    for (key, record) in chunk {
+                        queues.insert(*key, record);
+                    }
+                });
+                if inserted.is_none() {
                     return Ok(());
                 }
-                for (key, record) in chunk {
-                    after = *key;
-                    queues.insert(*key, record);
-                }
+            }
+            if let Some((key, _)) = rows.last() {
+                after = *key;
             }
             if let Ok(mut last) = self.last_read.lock() {
                 if self.generation.load(Ordering::SeqCst) == generation {
@@ -217,20 +222,14 @@ impl Queues {
             let Some(known) = known else {
                 return Ok(());
             };
-            let Ok(mut state) = self.state.lock() else {
-                return Ok(());
-            };
-            let Some(queues) = state.as_mut() else {
-                return Ok(());
-            };
-            if self.generation.load(Ordering::SeqCst) != generation {
-                return Ok(());
-            }
-            if !full {
-                queues.know_up_to(known);
+            let up_to = if full { after.min(known) } else { known };
+            if self
+                .change(generation, |queues| queues.know_up_to(up_to))
+                .is_none()
+                || !full
+            {
                 return Ok(());
             }
-            queues.know_up_to(after.min(known));
         }
         Ok(())
     }
@@ -244,32 +243,29 @@ impl Queues {
         let mut seen: HashMap<Uuid, Seen> = HashMap::new();
         let mut start = None;
         for limit in CHECK_ROUNDS {
-            let ids = match self.state.lock() {
-                Ok(state) => match state.as_ref() {
-                    Some(queues) => queues.to_check(&seen, limit),
-                    None => return Ok(None),
-                },
-                Err(_) => return Ok(None),
+            let Some(ids) = self.read(|queues| queues.to_check(&seen, limit)) else {
+                return Ok(None);
             };
             let found = if ids.is_empty() {
                 HashMap::new()
             } else {
                 self.tasks.seen(&ids).await?
             };
-            let Ok(mut state) = self.state.lock() else {
-                return Ok(None);
-            };
-            let Some(queues) = state.as_mut() else {
-                return Ok(None);
-            };
-            for (id, now) in found {
-                if now == Seen::Gone {
-                    queues.remove(&id);
-                } else {
-                    seen.insert(id, now);
+            // (What a check found holds for whichever queues are in place now.)
+            let generation = self.generation.load(Ordering::SeqCst);
+            let Some(found_start) = self.change(generation, |queues| {
+                for (id, now) in found {
+                    if now == Seen::Gone {
+                        queues.remove(&id);
+                    } else {
+                        seen.insert(id, now);
+                    }
                 }
-            }
-            start = queues.start(&seen);
+                queues.start(&seen)
+            }) else {
+                return Ok(None);
+            };
+            start = found_start;
             if !start.as_ref().is_some_and(|s| s.unchecked) {
                 break;
             }
@@ -280,10 +276,7 @@ impl Queues {
     /// Whether a pass that starts at `position` (a scan hint's) would read many tasks before the
     /// first that can be ready, so that asking for a start is worth its statement.
     pub(super) fn worth_a_start(&self, position: Key) -> bool {
-        self.state
-            .lock()
-            .ok()
-            .and_then(|s| Some(s.as_ref()?.blocked_after(position, SKIP_AT_LEAST)))
+        self.read(|queues| queues.blocked_after(position, SKIP_AT_LEAST))
             .unwrap_or(false)
     }
 
@@ -292,25 +285,55 @@ impl Queues {
     /// incomplete tasks before it than that, so its exact look-up reads those rather than
     /// every user of its resources. None before the first load.
     pub(super) fn head_end(&self) -> Option<Key> {
-        let state = self.state.lock().ok()?;
-        let queues = state.as_ref()?;
-        let known = queues.known()?;
-        Some(queues.nth(HEAD_TASKS).map_or(known, |k| k.min(known)))
+        self.read(|queues| {
+            let known = queues.known()?;
+            Some(queues.nth(HEAD_TASKS).map_or(known, |k| k.min(known)))
+        })
+        .flatten()
     }
 
-    /// Whether a held record entry hides a waiting task older than `before`, when the queues can
-    /// tell (None otherwise: ask Postgres, hiding.sql). A name that hides a task before where the
-    /// queues' knowledge ends hides it before any later position too, so "yes" holds past it
-    /// (an open writer that keeps that end from moving, e.g. an idle Pulp session, must not make
-    /// every pass count the blocked repository's queue); "no" only up to it.
-    pub(super) fn hides(&self, entry: &str, before: Key) -> Option<bool> {
-        let state = self.state.lock().ok()?;
-        let queues = state.as_ref()?;
-        let known = queues.known()?;
-        match queues.hides(entry, before.min(known)) {
-            Some(true) => Some(true),
-            _ if known < before => None,
-            answer => answer,
+    /// Splits held record entries by what the queues can tell at `position` (see
+    /// `ResourceQueues::hides`): the names that hide a waiting task older than it go into
+    /// `hiding`, and the entries they cannot tell about are returned, for hiding.sql. A name that
+    /// hides a task before where the queues' knowledge ends hides it before any later position
+    /// too, so "yes" holds past it (an open writer that keeps that end from moving, e.g. an idle
+    /// Pulp session, must not make every pass count the blocked repository's queue); "no" only
+    /// up to it.
+    pub(super) fn split_hiding(
+        &self,
+        entries: Vec<String>,
+        position: Key,
+        hiding: &mut HashSet<String>,
+    ) -> Vec<String> {
+        let answers: Option<Vec<Option<bool>>> = self
+            .read(|queues| {
+                let known = queues.known()?;
+                Some(
+                    entries
+                        .iter()
+                        .map(|entry| match queues.hides(entry, position.min(known)) {
+                            Some(true) => Some(true),
+                            _ if known < position => None,
+                            answer => answer,
+                        })
+                        .collect(),
+                )
+            })
+            .flatten();
+        let Some(answers) = answers else {
+            return entries;
+        };
+        let mut unknown = Vec::new();
+        for (entry, answer) in entries.into_iter().zip(answers) {
+            match answer {
+                Some(true) => {
+                    let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
+                    hiding.insert(name.to_owned());
+                }
+                Some(false) => {}
+                None => unknown.push(entry),
+            }
         }
+        unknown
     }
 }

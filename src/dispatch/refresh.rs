@@ -89,28 +89,22 @@ impl Dispatch {
         let mut after = None;
         let mut held_seen: HashSet<String> = HashSet::new();
         let mut page = self.policy.first_page;
-        let near = if self.policy.resource_queues {
-            self.queues.head_end().map(crate::tasks::key_bound)
-        } else {
-            None
-        };
+        let near = self.head_end();
         // With the resource queues, the walk starts where they say, as a pass without a hint
         // does: their check of the holders is what makes a change made outside the broker seen
         // (a holder that ended), and the blocked queue is not read every walk.
-        if self.policy.resource_queues {
+        if self.uses_resource_queues() {
             match self.queues.start().await {
                 Ok(Some(start)) => {
-                    for record in &start.waiting {
-                        let resources = ready::Resources::from_record(record);
-                        reserved.reserve(&resources);
-                        for key in resources.conflict_keys() {
+                    after = Some(crate::tasks::key_bound(start.apply(
+                        &mut reserved,
+                        &mut held_seen,
+                        |key| {
                             if seen_keys.insert(key.clone()) {
                                 excluded.push(key);
                             }
-                        }
-                    }
-                    held_seen.extend(start.held.into_iter().flatten());
-                    after = Some(crate::tasks::key_bound(start.after));
+                        },
+                    )));
                 }
                 Ok(None) => {}
                 Err(e) => tracing::debug!(error = %e, "the resource queues gave the walk no start"),
@@ -167,19 +161,9 @@ impl Dispatch {
             .unwrap_or_default();
         let (mut hiding, unknown) = super::split_by_known(held_seen, &known);
         // The resource queues answer for most names (see the pass).
-        let position = (after.0.timestamp_micros(), after.1);
-        let unknown: Vec<String> = unknown
-            .into_iter()
-            .filter(|entry| match self.queues.hides(entry, position) {
-                Some(true) => {
-                    let name = entry.strip_prefix(ready::SHARED_PREFIX).unwrap_or(entry);
-                    hiding.insert(name.to_owned());
-                    false
-                }
-                Some(false) => false,
-                None => true,
-            })
-            .collect();
+        let unknown = self
+            .queues
+            .split_hiding(unknown, super::position_key(after), &mut hiding);
         if !unknown.is_empty() {
             hiding.extend(self.tasks.hiding(after, &unknown).await?);
         }

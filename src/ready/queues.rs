@@ -140,11 +140,6 @@ impl ResourceQueues {
         self.order.iter().nth(n.checked_sub(1)?).copied()
     }
 
-    /// Whether the task is in the queues.
-    pub fn contains(&self, id: &Uuid) -> bool {
-        self.tasks.contains_key(id)
-    }
-
     fn intern(&mut self, name: &str) -> u32 {
         if let Some(id) = self.names.get(name) {
             return *id;
@@ -426,6 +421,26 @@ pub struct Start {
     /// skipped by (their release may free a task, even when it happens before the scan reads
     /// which locks are held).
     pub held: Vec<Vec<String>>,
+}
+
+impl Start {
+    /// Takes a scan to this start: reserves the waiting holders' resources (and hands their
+    /// conflict keys to `exclude`, for the pages to skip), adds the held holders' entries to
+    /// `held` (the held entries the scan skipped by), and returns the position.
+    pub fn apply(
+        self,
+        reserved: &mut super::Reservations,
+        held: &mut std::collections::HashSet<String>,
+        mut exclude: impl FnMut(String),
+    ) -> Key {
+        for record in &self.waiting {
+            let resources = Resources::from_record(record);
+            reserved.reserve(&resources);
+            resources.conflict_keys().into_iter().for_each(&mut exclude);
+        }
+        held.extend(self.held.into_iter().flatten());
+        self.after
+    }
 }
 
 /// The position just before a task's (no id lies between an id and its predecessor).
