@@ -29,6 +29,26 @@ async fn blocked_behind_a_running_head(
     (busy, running)
 }
 
+/// `n` tasks of another domain (repositories F0, F1, ...), after everything queued so far.
+async fn other_domain_tasks(env: &Env, n: usize) {
+    for i in 0..n {
+        env.task(&[
+            &format!("prn:file.repository:F{i}"),
+            "shared:prn:core.domain:D2",
+        ])
+        .await;
+    }
+}
+
+/// Waits until the broker's resource queues hold every task queued so far.
+async fn settle(env: &Env) {
+    env.broker()
+        .resource_queues
+        .settle()
+        .await
+        .expect("the resource queues catch up");
+}
+
 /// Runs the incident with `blocked` waiting tasks behind the running one; returns the cost of
 /// every fetch.
 async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
@@ -49,11 +69,7 @@ async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
         leases.push(env.open(&format!("w{n}")).await);
     }
     // The resource queues have read the queue (as they have a second after it changed).
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    settle(&env).await;
     let mut costs = Vec::new();
     for i in 0..OTHERS {
         let lease = leases[i % LEASES].clone();
@@ -120,14 +136,12 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
     );
 }
 
-/// A Postgres of the test's own that keeps statement statistics (pg_stat_statements), its
-/// migrated database, and a Redis.
-async fn with_statement_statistics() -> (
-    dispatch_broker::testkit::Postgres,
-    String,
-    dispatch_broker::testkit::Redis,
-) {
-    tokio::task::spawn_blocking(|| {
+/// A broker (options adjusted by `tweak`) on a Postgres of the test's own that keeps statement
+/// statistics (pg_stat_statements), and that Postgres.
+async fn measured(
+    tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
+) -> (dispatch_broker::testkit::Postgres, Env) {
+    let (pg, url, redis) = tokio::task::spawn_blocking(|| {
         let (mut pg, url) = support::own_postgres();
         pg.psql(
             "postgres",
@@ -141,7 +155,8 @@ async fn with_statement_statistics() -> (
         (pg, url, redis)
     })
     .await
-    .unwrap()
+    .unwrap();
+    (pg, Env::on(url, redis, tweak).await)
 }
 
 /// Pages (8 kB buffers) candidates.sql read since the last call, all calls together.
@@ -166,19 +181,14 @@ async fn candidate_pages(db: &tokio_postgres::Client) -> i64 {
 /// nothing else. Then checks the queue still moves: the head finishes, and the next fetch hands
 /// out R0's oldest waiting task.
 async fn all_blocked(blocked: usize, fetches: usize, queues: bool) -> (i64, Vec<i64>) {
-    let (pg, url, redis) = with_statement_statistics().await;
     // No background walk renews the hint during the test: what is measured is the fetches.
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
         args.fetch.resource_queues = queues;
     })
     .await;
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    settle(&env).await;
     let oldest: uuid::Uuid = env
         .db
         .query_one(
@@ -250,22 +260,15 @@ async fn with_the_resource_queues_no_fetch_reads_the_blocked_queue() {
 /// queue behind it: the fetch after the walk reads only what lies after the blocked tasks.
 #[tokio::test]
 async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
-    let (pg, url, redis) = with_statement_statistics().await;
     let max_age = std::time::Duration::from_millis(300);
     // Without the resource queues, so that the first fetch walks from the head as a walk does.
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = max_age;
         args.fetch.resource_queues = false;
     })
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
-    for i in 0..3 {
-        env.task(&[
-            &format!("prn:file.repository:F{i}"),
-            "shared:prn:core.domain:D2",
-        ])
-        .await;
-    }
+    other_domain_tasks(&env, 3).await;
     let worker = env.open("w").await;
     candidate_pages(&env.db).await;
     // The first fetch has no hint: it reads the blocked queue.
@@ -304,10 +307,9 @@ async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
 /// again.
 #[tokio::test]
 async fn a_shared_release_keeps_a_hint_that_reserves_the_name_only_shared() {
-    let (pg, url, redis) = with_statement_statistics().await;
     // Without the resource queues, so that the first fetch reads the blocked queue and a
     // dropped hint would show.
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
         args.fetch.resource_queues = false;
     })
@@ -363,25 +365,14 @@ async fn hiding_pages(db: &tokio_postgres::Client) -> i64 {
 /// lease puts a claim back, which may sit anywhere): pages of hiding.sql read by the first fetch
 /// and by the fetch after the drop, and of candidates.sql by the fetch after the drop.
 async fn after_a_dropped_hint(queues: bool) -> (i64, i64, i64) {
-    let (pg, url, redis) = with_statement_statistics().await;
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
         args.fetch.resource_queues = queues;
     })
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
-    for i in 0..3 {
-        env.task(&[
-            &format!("prn:file.repository:F{i}"),
-            "shared:prn:core.domain:D2",
-        ])
-        .await;
-    }
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    other_domain_tasks(&env, 3).await;
+    settle(&env).await;
     let worker = env.open("w").await;
     candidate_pages(&env.db).await;
     env.fetch(&worker).await.expect("a task of D2");
@@ -462,11 +453,7 @@ async fn a_task_that_ended_outside_the_broker_does_not_hide_the_tasks_behind_it(
     let z = env.task(&["prn:file.repository:R1"]).await;
     env.task(&["prn:file.repository:O1"]).await;
     let o2 = env.task(&["prn:file.repository:O2"]).await;
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    settle(&env).await;
     let worker = env.open("w").await;
     let first = env.fetch(&worker).await.expect("O1");
     assert_ne!(id(&first), z, "Z waits for W");
@@ -497,26 +484,15 @@ async fn a_task_that_ended_outside_the_broker_does_not_hide_the_tasks_behind_it(
 /// Pages of candidates.sql that one background walk read, with the fetch that started it, 20,000
 /// tasks blocked behind R0's running head.
 async fn pages_of_a_walk(queues: bool) -> i64 {
-    let (pg, url, redis) = with_statement_statistics().await;
     let max_age = std::time::Duration::from_millis(300);
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = max_age;
         args.fetch.resource_queues = queues;
     })
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
-    for i in 0..3 {
-        env.task(&[
-            &format!("prn:file.repository:F{i}"),
-            "shared:prn:core.domain:D2",
-        ])
-        .await;
-    }
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    other_domain_tasks(&env, 3).await;
+    settle(&env).await;
     let worker = env.open("w").await;
     env.fetch(&worker).await.expect("a task of D2");
     env.broker().passes.idle().await;
@@ -558,18 +534,13 @@ async fn with_the_resource_queues_the_walk_does_not_read_the_blocked_queue() {
 /// any later one) and do not count R0's queue with hiding.sql.
 #[tokio::test]
 async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
-    let (pg, url, redis) = with_statement_statistics().await;
-    let mut env = Env::on(url.clone(), redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
     })
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
-    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+    settle(&env).await;
+    let (writer, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
@@ -578,18 +549,8 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
         .await
         .unwrap();
     // Tasks that arrive after the writer began: past where the queues' knowledge now ends.
-    for i in 0..3 {
-        env.task(&[
-            &format!("prn:file.repository:F{i}"),
-            "shared:prn:core.domain:D2",
-        ])
-        .await;
-    }
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    other_domain_tasks(&env, 3).await;
+    settle(&env).await;
     let worker = env.open("w").await;
     candidate_pages(&env.db).await;
     for _ in 0..3 {
@@ -611,24 +572,13 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
 /// on R0 behind it and five tasks of another domain after them: the first hands out R0's next
 /// task, the others the other domain's.
 async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
-    let (pg, url, redis) = with_statement_statistics().await;
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
     })
     .await;
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
-    for i in 0..5 {
-        env.task(&[
-            &format!("prn:file.repository:F{i}"),
-            "shared:prn:core.domain:D2",
-        ])
-        .await;
-    }
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    other_domain_tasks(&env, 5).await;
+    settle(&env).await;
     let worker = env.open("w").await;
     env.fetch(&worker).await.expect("F0");
     env.broker().passes.idle().await;
@@ -670,8 +620,7 @@ async fn after_the_head_finishes_no_fetch_reads_the_blocked_queue() {
 /// next task to the longest waiter, tasks of another domain (queued behind R0's `blocked` tasks,
 /// inserted without a wake-up) to the others.
 async fn pages_serving_waiters_after_the_head(blocked: usize) -> i64 {
-    let (pg, url, redis) = with_statement_statistics().await;
-    let mut env = Env::on(url, redis, |args| {
+    let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
         args.fetch.recheck = std::time::Duration::from_secs(3600);
         args.fetch.wake_poll = std::time::Duration::from_secs(3600);
@@ -708,11 +657,7 @@ async fn pages_serving_waiters_after_the_head(blocked: usize) -> i64 {
         )
         .await;
     }
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
+    settle(&env).await;
     candidate_pages(&env.db).await;
     env.finish(&busy, &running, "completed").await;
     let mut got = Vec::new();
