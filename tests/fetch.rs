@@ -518,17 +518,16 @@ async fn fetch_within_ten_seconds(env: &mut Env, lease: &str) -> Option<uuid::Uu
     None
 }
 
-/// A waiting task that Pulp cancels while nobody holds it (the broker's sweeper finishes it)
-/// keeps the scan hints that rely only on held locks, but a task it blocked is handed out at once.
-#[tokio::test]
-async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
+/// x runs; a task needing x and y (in the mode `y_entry` says) waits for it, and a task needing
+/// y exclusively waits for that one. Pulp cancels the middle task while nobody holds it (the
+/// broker's sweeper finishes it): the task behind it is handed out within ten seconds.
+async fn blocked_by_a_task_pulp_canceled(y_entry: &str) {
     let mut env = sweeping_env().await;
     env.task(&["x"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("the task on x");
     env.start(&holder, &running).await;
-    // Waits for x (held); `blocked` waits for it in turn, through y.
-    let canceled = env.task(&["x", "y"]).await;
+    let canceled = env.task(&["x", y_entry]).await;
     let blocked = env.task(&["y"]).await;
     let free = env.task(&["z"]).await;
     let w = env.open("w").await;
@@ -540,25 +539,18 @@ async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
     env.shutdown().await;
 }
 
+/// A waiting task that Pulp cancels while nobody holds it keeps the scan hints that rely only on
+/// held locks, but a task it blocked is handed out at once.
+#[tokio::test]
+async fn a_task_blocked_by_a_waiting_task_pulp_canceled_is_handed_out() {
+    blocked_by_a_task_pulp_canceled("y").await;
+}
+
 /// The same with a shared reservation: the task Pulp canceled needed y shared, the task behind
 /// it needs y exclusively and is handed out once it left.
 #[tokio::test]
 async fn a_task_waiting_for_a_shared_user_pulp_canceled_is_handed_out() {
-    let mut env = sweeping_env().await;
-    env.task(&["x"]).await;
-    let holder = env.open("holder").await;
-    let running = env.fetch(&holder).await.expect("the task on x");
-    env.start(&holder, &running).await;
-    let canceled = env.task(&["x", "shared:y"]).await;
-    let blocked = env.task(&["y"]).await;
-    let free = env.task(&["z"]).await;
-    let w = env.open("w").await;
-    assert_eq!(id(&env.fetch(&w).await.expect("the free task")), free);
-    cancel_through_pulp(&env, canceled).await;
-    let handed_out = fetch_within_ten_seconds(&mut env, &w).await;
-    assert_eq!(handed_out, Some(blocked));
-    assert_eq!(env.state(canceled).await, "canceled");
-    env.shutdown().await;
+    blocked_by_a_task_pulp_canceled("shared:y").await;
 }
 
 /// A task the scan hint skipped as conflicting with a waiting shared user of its resource (it

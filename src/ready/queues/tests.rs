@@ -25,14 +25,19 @@ fn reference_lanes(present: &BTreeMap<Key, Vec<String>>) -> Vec<Key> {
         .collect()
 }
 
-#[test]
-fn a_blocked_queue_has_one_lane_at_its_head_and_the_next_resource_after_it() {
+/// R0's head (task 1) and 48 tasks behind it, then a task on O1; all share D.
+fn blocked_r0() -> ResourceQueues {
     let mut q = ResourceQueues::default();
-    q.insert(key(1), &record(&["R0", "shared:D"]));
-    for n in 2..50 {
+    for n in 1..50 {
         q.insert(key(n), &record(&["R0", "shared:D"]));
     }
     q.insert(key(60), &record(&["O1", "shared:D"]));
+    q
+}
+
+#[test]
+fn a_blocked_queue_has_one_lane_at_its_head_and_the_next_resource_after_it() {
+    let mut q = blocked_r0();
     assert_eq!(q.lanes().collect::<Vec<_>>(), vec![key(1), key(60)]);
     // The head finishes: the next R0 task takes its place.
     q.remove(&key(1).1);
@@ -74,12 +79,7 @@ fn a_late_task_takes_the_places_of_newer_ones() {
 
 #[test]
 fn the_start_is_just_before_the_first_waiting_lane_once_the_holders_are_checked() {
-    let mut q = ResourceQueues::default();
-    q.insert(key(1), &record(&["R0", "shared:D"]));
-    for n in 2..50 {
-        q.insert(key(n), &record(&["R0", "shared:D"]));
-    }
-    q.insert(key(60), &record(&["O1", "shared:D"]));
+    let mut q = blocked_r0();
     q.know_up_to(key(70));
     let mut seen: HashMap<Uuid, Seen> = HashMap::new();
     // Nothing checked: the first holder (the running head) stops the start.
