@@ -208,11 +208,7 @@ fn position_key(position: (DateTime<Utc>, Uuid)) -> ready::Key {
 /// The queue position just before a task's: a scan hint that starts there starts with the task.
 /// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
 fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
-    match id.as_u128().checked_sub(1) {
-        Some(previous) => (created, Uuid::from_u128(previous)),
-        // (The nil id: the last position of the previous microsecond, Postgres' resolution.)
-        None => (created - chrono::Duration::microseconds(1), Uuid::max()),
-    }
+    crate::tasks::key_bound(ready::queues::before(position_key((created, id))))
 }
 
 /// The most claims put back that a scan hint checks on every pass.

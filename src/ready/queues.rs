@@ -443,7 +443,8 @@ impl Start {
     }
 }
 
-/// The position just before a task's (no id lies between an id and its predecessor).
+/// The position just before a task's (no id lies between an id and its predecessor; for the
+/// nil id, the last position of the previous microsecond, Postgres' resolution).
 pub fn before(key: Key) -> Key {
     match key.1.as_u128().checked_sub(1) {
         Some(previous) => (key.0, Uuid::from_u128(previous)),
