@@ -83,11 +83,18 @@ CROSS JOIN LATERAL (
         -- the final ones for every state Pulp's models allow; a row in a state Pulp does not
         -- know would be counted by the form below only.
         SELECT count(*)
-        FROM (VALUES ('waiting'), ('running'), ('canceling')) AS s(state)
-        CROSS JOIN LATERAL (
-            SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
-            FROM core_task u WHERE u.state = s.state AND u.pulp_created <= p.pulp_created
-            OFFSET 0
+        FROM (
+            (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
+            UNION ALL
+            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
+            UNION ALL
+            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+             FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
+             OFFSET 0)
         ) AS o
         WHERE o.record && k.keys
           AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))

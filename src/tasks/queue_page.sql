@@ -11,9 +11,9 @@
 -- pulp_created) index from the position, so a page reads about as many rows as it returns,
 -- whatever lies before the position (a single `state NOT IN (...)` range reads every task after
 -- it, completed ones included, or sorts them; tests/pulp_schema.rs checks the pages it reads).
--- Written out per state: one branch joined laterally to a list of the states (as candidates.sql's
--- look-up near the head is) read 450 pages at 20,000 blocked without Pulp's plain pulp_created
--- index, against 28 at 1,000.
+-- Written out per state (as candidates.sql's look-up near the head is): one branch joined
+-- laterally to a list of the states read 450 pages at 20,000 blocked without Pulp's plain
+-- pulp_created index, against 28 at 1,000.
 SELECT reserved_resources_record, pulp_id, pulp_created
 FROM (
     (SELECT reserved_resources_record, pulp_id, pulp_created FROM core_task
