@@ -268,10 +268,11 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     });
     if args.fetch.resource_queues {
         tokio::spawn({
+            // Kept from here on (before the loop's task runs: `settle` relies on it).
+            resource_queues.keep(sweeper.tasks.clone());
             let queues = Arc::clone(&resource_queues);
-            let tasks = sweeper.tasks.clone();
             let shutdown = shutdown.clone();
-            async move { queues.run(tasks, shutdown).await }
+            async move { queues.run(shutdown).await }
         });
     }
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(

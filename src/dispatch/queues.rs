@@ -93,10 +93,18 @@ impl Queues {
         self.read(ResourceQueues::len)
     }
 
-    /// Loads the queues, then keeps them up with arrivals and loads them again now and then,
-    /// until shutdown; `tasks` is the background's task store.
-    pub async fn run(&self, tasks: Tasks, shutdown: Shutdown) {
+    /// Says the queues are kept, loaded and caught up through `tasks` (the background's task
+    /// store) by [`Queues::run`].
+    pub fn keep(&self, tasks: Tasks) {
         let _ = self.background.set(tasks);
+    }
+
+    /// Loads the queues, then keeps them up with arrivals and loads them again now and then,
+    /// until shutdown (nothing unless [`Queues::keep`] was called).
+    pub async fn run(&self, shutdown: Shutdown) {
+        if self.background.get().is_none() {
+            return;
+        }
         let mut next_load = Instant::now();
         let mut tick = tokio::time::interval(CATCH_UP_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -125,7 +133,7 @@ impl Queues {
     }
 
     /// Waits for the first load, then reads every task that arrived since (tests use it to know
-    /// what the queues hold). Returns at once when the queues are not kept.
+    /// what the queues hold). Returns at once when the queues are not kept ([`Queues::keep`]).
     pub async fn settle(&self) -> Result<(), tasks::Error> {
         if self.background.get().is_none() {
             return Ok(());
