@@ -926,7 +926,7 @@ impl Dispatch {
                 .is_none_or(|h| self.queues.worth_a_start(position_key(h.after)))
         {
             // A failure only costs a pass from the hint or the head.
-            match self.queues.start().await {
+            match self.queues.start(None).await {
                 Ok(found) => start = found,
                 Err(e) => {
                     tracing::debug!(error = %e, "the resource queues gave no start")
@@ -1264,6 +1264,34 @@ impl Dispatch {
             }
             if stop || own_served || last_page {
                 break 'pages;
+            }
+            // The next page reads on from `after`. When the resource queues say that most of
+            // the tasks after it wait behind others (the queue of a resource whose task this
+            // pass handed out or passed over: R0's, once its head finished), it starts just
+            // before the next waiting lane instead, as a pass without a hint does, with the
+            // holders up to there reserved or counted as held. Without this, reaching the other
+            // domains' tasks read R0's whole queue.
+            if use_queues && after.is_some_and(|a| self.queues.worth_a_start(position_key(a))) {
+                match self.queues.start(after.map(position_key)).await {
+                    Ok(Some(start)) => {
+                        let position = crate::tasks::key_bound(start.after);
+                        if after.is_some_and(|a| a < position) {
+                            tracing::debug!(after = ?position, "next page starts where the resource queues say");
+                            start
+                                .clone()
+                                .apply(&mut reserved_waiting, &mut held_seen, |key| {
+                                    excluded_waiting.push(key)
+                                });
+                            start.apply(&mut reserved, &mut held_seen, |key| excluded.push(key));
+                            after = Some(position);
+                            self.stats.queue_start();
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "the resource queues gave the next page no start")
+                    }
+                }
             }
             page = (page * 2).min(self.policy.max_page);
         }

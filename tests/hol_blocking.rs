@@ -8,6 +8,7 @@ mod support;
 
 use dispatch_broker::metrics::StatsSnapshot;
 use support::{id, Env};
+use uuid::Uuid;
 
 const REPO: &str = "prn:python.repository:R0";
 const DOMAIN1: &str = "shared:prn:core.domain:D1";
@@ -695,5 +696,65 @@ async fn the_waiting_calls_served_after_the_head_finishes_do_not_read_the_blocke
     assert!(
         large <= small * 3 / 2 + 100,
         "serving them read {large} pages at 20,000 blocked, {small} at 1,000"
+    );
+}
+
+/// Pages candidates.sql read in each of three fetches that pass R0's next task over (it is in
+/// their `skip_task_ids`, as for a worker that cannot run it) once R0's head finished, with
+/// `blocked` tasks on R0 behind it and five tasks of another domain after them.
+async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
+    let (pg, mut env) = measured(|args| {
+        args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
+    other_domain_tasks(&env, 5).await;
+    settle(&env).await;
+    env.finish(&busy, &running, "completed").await;
+    let next: Uuid = env
+        .db
+        .query_one(
+            "SELECT pulp_id FROM core_task WHERE state = 'waiting' \
+             ORDER BY pulp_created, pulp_id LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let worker = env.open("w").await;
+    candidate_pages(&env.db).await;
+    let mut pages = Vec::new();
+    for _ in 0..3 {
+        let task = env
+            .try_fetch(&worker, &[next])
+            .await
+            .unwrap()
+            .expect("a task of D2");
+        assert!(
+            task.exclusive_resources.iter().all(|r| r != REPO),
+            "the fetch hands out a task of the other domain"
+        );
+        env.broker().passes.idle().await;
+        pages.push(candidate_pages(&env.db).await);
+    }
+    env.shutdown().await;
+    drop(pg);
+    pages
+}
+
+/// A fetch that passes over R0's next task (ready, but not for this worker) does not read R0's
+/// queue to reach the other domain's tasks behind it: the resource queues say where the next
+/// page may start.
+#[tokio::test]
+async fn a_fetch_that_passes_the_next_task_over_does_not_read_the_blocked_queue() {
+    let small = pages_passing_the_next_task_over(1_000).await;
+    let large = pages_passing_the_next_task_over(20_000).await;
+    println!(
+        "candidates.sql pages per fetch passing R0's next task over: {small:?} at 1,000, {large:?} at 20,000"
+    );
+    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
+    assert!(
+        most_large <= most_small * 3 / 2 + 8,
+        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
     );
 }

@@ -242,16 +242,17 @@ impl Queues {
         Ok(())
     }
 
-    /// Where a pass without a scan hint may start (see `ResourceQueues::start`): None before
-    /// the first load, or when nothing is known.
-    pub(super) async fn start(&self) -> Result<Option<Start>, tasks::Error> {
+    /// Where a pass without a scan hint may start, or a pass that has judged the tasks up to
+    /// `from` may go on (see `ResourceQueues::start`): None before the first load, or when
+    /// nothing is known.
+    pub(super) async fn start(&self, from: Option<Key>) -> Result<Option<Start>, tasks::Error> {
         if self.task_count().is_none() {
             return Ok(None);
         }
         let mut seen: HashMap<Uuid, Seen> = HashMap::new();
         let mut start = None;
         for limit in CHECK_ROUNDS {
-            let Some(ids) = self.read(|queues| queues.to_check(&seen, limit)) else {
+            let Some(ids) = self.read(|queues| queues.to_check(&seen, limit, from)) else {
                 return Ok(None);
             };
             let found = if ids.is_empty() {
@@ -269,7 +270,7 @@ impl Queues {
                         seen.insert(id, now);
                     }
                 }
-                queues.start(&seen)
+                queues.start(&seen, from)
             }) else {
                 return Ok(None);
             };

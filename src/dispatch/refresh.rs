@@ -94,7 +94,7 @@ impl Dispatch {
         // does: their check of the holders is what makes a change made outside the broker seen
         // (a holder that ended), and the blocked queue is not read every walk.
         if self.uses_resource_queues() {
-            match self.queues.start().await {
+            match self.queues.start(None).await {
                 Ok(Some(start)) => {
                     after = Some(crate::tasks::key_bound(start.apply(
                         &mut reserved,

@@ -318,9 +318,15 @@ impl ResourceQueues {
         }
     }
 
-    /// The tasks a start must check, oldest first: the first `limit` holders and lanes (merged
-    /// in queue order) up to [`ResourceQueues::known`] that `seen` does not name yet.
-    pub fn to_check(&self, seen: &HashMap<Uuid, Seen>, limit: usize) -> Vec<Uuid> {
+    /// The tasks a start after `from` must check, oldest first: the first `limit` holders and
+    /// lanes after `from` (merged in queue order) up to [`ResourceQueues::known`] that `seen`
+    /// does not name yet.
+    pub fn to_check(
+        &self,
+        seen: &HashMap<Uuid, Seen>,
+        limit: usize,
+        from: Option<Key>,
+    ) -> Vec<Uuid> {
         let Some(known) = self.known else {
             return Vec::new();
         };
@@ -330,7 +336,13 @@ impl ResourceQueues {
             .keys()
             .filter(unseen)
             .take(limit)
-            .chain(self.lanes.iter().filter(unseen).take(limit))
+            .chain(
+                self.lanes
+                    .iter()
+                    .filter(|k| from.is_none_or(|f| **k > f))
+                    .filter(unseen)
+                    .take(limit),
+            )
             .copied()
             .collect();
         keys.sort_unstable();
@@ -349,7 +361,12 @@ impl ResourceQueues {
     /// Why it holds: a waiting task W before that position is not a lane, so a task older than W
     /// holds a place W needs; that holder is older than the position, so it was checked and is
     /// still incomplete: W conflicts with an older incomplete task.
-    pub fn start(&self, seen: &HashMap<Uuid, Seen>) -> Option<Start> {
+    ///
+    /// With `from`, only the lanes after it stop the position (a scan that has judged the tasks up
+    /// to `from` may go on from there): the waiting tasks between `from` and the position are not
+    /// ready, for the same reason. The holders are still every one from the head (a task after
+    /// `from` may wait for one before it).
+    pub fn start(&self, seen: &HashMap<Uuid, Seen>, from: Option<Key>) -> Option<Start> {
         let known = self.known?;
         // Holders and lanes are sorted: the first one that stops a run stops it.
         let holder = self
@@ -361,6 +378,7 @@ impl ResourceQueues {
         let lane = self
             .lanes
             .iter()
+            .skip_while(|k| from.is_some_and(|f| **k <= f))
             .take_while(|k| **k <= known)
             .find(|k| seen.get(&k.1) != Some(&Seen::Held))
             .map(|k| (*k, seen.get(&k.1) != Some(&Seen::Waiting)));

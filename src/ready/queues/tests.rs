@@ -83,23 +83,23 @@ fn the_start_is_just_before_the_first_waiting_lane_once_the_holders_are_checked(
     q.know_up_to(key(70));
     let mut seen: HashMap<Uuid, Seen> = HashMap::new();
     // Nothing checked: the first holder (the running head) stops the start.
-    let start = q.start(&seen).unwrap();
+    let start = q.start(&seen, None).unwrap();
     assert_eq!((start.after, start.unchecked), (before(key(1)), true));
-    assert_eq!(q.to_check(&seen, 8), vec![key(1).1, key(60).1]);
-    for id in q.to_check(&seen, 8) {
+    assert_eq!(q.to_check(&seen, 8, None), vec![key(1).1, key(60).1]);
+    for id in q.to_check(&seen, 8, None) {
         seen.insert(id, Seen::Waiting);
     }
     seen.insert(key(1).1, Seen::Held);
-    let start = q.start(&seen).unwrap();
+    let start = q.start(&seen, None).unwrap();
     assert_eq!((start.after, start.unchecked), (before(key(60)), false));
     assert!(start.waiting.is_empty());
     // The running head's locks make the tasks up to the start wait: its record comes back.
     assert_eq!(start.held, vec![record(&["R0", "shared:D"])]);
     // The first lane is claimed too: the start is where the queues end.
     seen.insert(key(60).1, Seen::Held);
-    assert_eq!(q.start(&seen).unwrap().after, key(70));
+    assert_eq!(q.start(&seen, None).unwrap().after, key(70));
     // Nothing known: no start.
-    assert_eq!(ResourceQueues::default().start(&HashMap::new()), None);
+    assert_eq!(ResourceQueues::default().start(&HashMap::new(), None), None);
 }
 
 #[test]
@@ -184,7 +184,8 @@ proptest! {
         }
     }
 
-    /// Whatever was checked, no waiting task at or before the start is ready by the rule.
+    /// Whatever was checked, no waiting task at or before the start (and after `from`, for a
+    /// start after a position) is ready by the rule.
     #[test]
     fn no_ready_task_lies_before_the_start(
         ops in proptest::collection::vec(op(), 1..60),
@@ -192,7 +193,9 @@ proptest! {
         holders in 0usize..8,
         lanes in 0usize..8,
         known in 0u8..45,
+        from in proptest::option::of(0u8..45),
     ) {
+        let from = from.map(key);
         let mut q = ResourceQueues::default();
         let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
         for op in ops {
@@ -212,12 +215,12 @@ proptest! {
         let state = |k: &Key| if held[k.0 as usize] { Seen::Held } else { Seen::Waiting };
         let mut seen: HashMap<Uuid, Seen> = HashMap::new();
         for limit in [holders, lanes] {
-            for id in q.to_check(&seen, limit) {
+            for id in q.to_check(&seen, limit, from) {
                 let k = present.keys().find(|k| k.1 == id).copied().unwrap();
                 seen.insert(id, state(&k));
             }
         }
-        let start = q.start(&seen).unwrap();
+        let start = q.start(&seen, from).unwrap();
         prop_assert!(start.after <= key(known));
         // The waiting holders it reserves are those up to it.
         let waiting = present
@@ -229,7 +232,7 @@ proptest! {
         let start = start.after;
         let ready = reference_lanes(&present);
         for k in ready {
-            if state(&k) == Seen::Waiting {
+            if state(&k) == Seen::Waiting && from.is_none_or(|f| k > f) {
                 prop_assert!(k > start, "ready task {:?} lies before the start {:?}", k, start);
             }
         }
