@@ -11,8 +11,8 @@
 //!
 //! With the resource queues (`queues`) the walk starts where they say, as a pass without a hint
 //! does, instead of at the head: what sees a change made outside the broker is then their check
-//! of the holders (a holder that ended is removed, and the tasks behind it become lanes), and a
-//! task they miss (see `queues`) waits for their next load.
+//! of the holders (a holder that ended is removed, and the tasks behind it become lanes); a task
+//! newer than where their knowledge ends is read by the walk itself.
 //!
 //! Never grants, locks or claims: it only reads the queue and judges by the readiness rule.
 
