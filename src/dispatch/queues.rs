@@ -320,10 +320,14 @@ impl Queues {
                 Some(
                     entries
                         .iter()
-                        .map(|entry| match queues.hides(entry, position.min(known)) {
-                            Some(true) => Some(true),
-                            _ if known < position => None,
-                            answer => answer,
+                        .map(|entry| {
+                            if queues.hides(entry, position.min(known)) {
+                                Some(true)
+                            } else if known < position {
+                                None
+                            } else {
+                                Some(false)
+                            }
                         })
                         .collect(),
                 )

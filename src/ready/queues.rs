@@ -295,26 +295,26 @@ impl ResourceQueues {
     /// Whether a held lock on a record entry (`NAME` or `shared:NAME`) hides a task older than
     /// `before`: a task in the queues before it needs NAME in a mode that conflicts with the
     /// entry's, and is not the lock's holder. A shared lock's holders never need NAME
-    /// exclusively, so any exclusive user counts; an exclusive lock's holder is one of its users,
-    /// so two users say yes, none says no, and one alone cannot tell (None: ask Postgres). A
-    /// task that ended but is still in the queues may make the answer yes where none hides (a
-    /// hint then drops once too often, never once too rarely). Only meaningful for positions up
-    /// to [`ResourceQueues::known`].
-    pub fn hides(&self, entry: &str, before: Key) -> Option<bool> {
+    /// exclusively, so any exclusive user counts. An exclusive lock's holder H is one of NAME's
+    /// users, and the first: it was ready when it was handed out (no older incomplete task used
+    /// NAME), and no older one can appear since (the insert trigger). So one user before `before`
+    /// is H itself, and it takes two to hide one (were that rule ever broken outside the broker,
+    /// e.g. by a task Pulp's API ran itself, a release would leave the hint in place until the
+    /// next walk: a delay, never a grant). A task that ended but is still in the queues may make
+    /// the answer yes where none hides (a hint then drops once too often, never once too rarely).
+    /// Only meaningful for positions up to [`ResourceQueues::known`].
+    pub fn hides(&self, entry: &str, before: Key) -> bool {
         let (name, exclusive) = match entry.strip_prefix(super::SHARED_PREFIX) {
             Some(name) => (name, false),
             None => (entry, true),
         };
         let Some(queue) = self.names.get(name).and_then(|id| self.queues.get(id)) else {
-            return Some(false);
+            return false;
         };
-        if !exclusive {
-            return Some(queue.exclusive.first().is_some_and(|k| *k < before));
-        }
-        match queue.users.range(..before).take(2).count() {
-            0 => Some(false),
-            1 => None,
-            _ => Some(true),
+        if exclusive {
+            queue.users.range(..before).take(2).count() == 2
+        } else {
+            queue.exclusive.first().is_some_and(|k| *k < before)
         }
     }
 
