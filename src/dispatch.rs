@@ -855,6 +855,8 @@ impl Dispatch {
         if let Ok(mut out) = lease_out.lock() {
             *out = Some(Arc::clone(&lease));
         }
+        // Before anything the hint relies on is read (see `queues::Queues::split_hiding`).
+        let removals = self.queues.removals();
         let epoch = self.locks.epoch();
         // Claims put back since the hint: checked first, not a reason to drop it.
         let requeued: Vec<Uuid> = changes
@@ -1341,9 +1343,9 @@ impl Dispatch {
             // The resource queues answer for most names without a look-up (e.g. the blocked
             // repository's: counting its users read its whole queue).
             let mut known = known;
-            let unknown = self
-                .queues
-                .split_hiding(unknown, position_key(hint.after), &mut known);
+            let unknown =
+                self.queues
+                    .split_hiding(unknown, position_key(hint.after), removals, &mut known);
             let now_hiding = if unknown.is_empty() {
                 Ok(known)
             } else {

@@ -43,6 +43,15 @@ const INSERT_CHUNK: usize = 512;
 /// at one it did not check.
 const CHECK_ROUNDS: [usize; 3] = [16, 128, 1024];
 
+/// Where the queues' removals stood at some moment (see [`Queues::removals`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Removals {
+    /// Which load's queues.
+    generation: u64,
+    /// How many tasks they had removed (None: not loaded yet).
+    count: Option<u64>,
+}
+
 /// The queues and who may change them.
 pub struct Queues {
     /// The request path's task store (the checks of a start).
@@ -282,6 +291,18 @@ impl Queues {
         Ok(start)
     }
 
+    /// Where the queues' removals stand, for [`Queues::split_hiding`]: taken before a pass or a
+    /// walk reads which locks are held.
+    pub(super) fn removals(&self) -> Removals {
+        let state = self.state.lock().ok();
+        Removals {
+            generation: self.generation.load(Ordering::SeqCst),
+            count: state
+                .as_ref()
+                .and_then(|s| s.as_ref().map(ResourceQueues::removals)),
+        }
+    }
+
     /// Whether a pass that starts at `position` (a scan hint's) would read many tasks before the
     /// first that can be ready, so that asking for a start is worth its statement.
     pub(super) fn worth_a_start(&self, position: Key) -> bool {
@@ -307,28 +328,32 @@ impl Queues {
     /// hides a task before where the queues' knowledge ends hides it before any later position
     /// too, so "yes" holds past it (an open writer that keeps that end from moving, e.g. an idle
     /// Pulp session, must not make every pass count the blocked repository's queue); "no" only
-    /// up to it.
+    /// up to it. `since`: where the removals stood before the caller read anything it relies on
+    /// (the holders' checks, the held locks).
     pub(super) fn split_hiding(
         &self,
         entries: Vec<String>,
         position: Key,
+        since: Removals,
         hiding: &mut HashSet<String>,
     ) -> Vec<String> {
         let answers: Option<Vec<Option<bool>>> = self
             .read(|queues| {
                 let known = queues.known()?;
+                // (Read under the queues' lock: a load replaces them and counts a generation.)
+                let since = since
+                    .count
+                    .filter(|_| self.generation.load(Ordering::SeqCst) == since.generation);
                 Some(
                     entries
                         .iter()
-                        .map(|entry| {
-                            if queues.hides(entry, position.min(known)) {
-                                Some(true)
-                            } else if known < position {
-                                None
-                            } else {
-                                Some(false)
-                            }
-                        })
+                        .map(
+                            |entry| match queues.hides(entry, position.min(known), since) {
+                                Some(true) => Some(true),
+                                _ if known < position => None,
+                                answer => answer,
+                            },
+                        )
                         .collect(),
                 )
             })

@@ -82,6 +82,8 @@ impl Dispatch {
     /// installed meanwhile.
     async fn walk_for_hint(&self, taken: Instant) -> Result<()> {
         let seq = self.locks.change_seq().await?;
+        // Before anything the hint relies on is read (see `queues::Queues::split_hiding`).
+        let removals = self.queues.removals();
         let epoch = self.locks.epoch();
         let mut reserved = Reservations::default();
         let mut excluded: Vec<String> = Vec::new();
@@ -161,9 +163,9 @@ impl Dispatch {
             .unwrap_or_default();
         let (mut hiding, unknown) = super::split_by_known(held_seen, &known);
         // The resource queues answer for most names (see the pass).
-        let unknown = self
-            .queues
-            .split_hiding(unknown, super::position_key(after), &mut hiding);
+        let unknown =
+            self.queues
+                .split_hiding(unknown, super::position_key(after), removals, &mut hiding);
         if !unknown.is_empty() {
             hiding.extend(self.tasks.hiding(after, &unknown).await?);
         }

@@ -33,6 +33,8 @@ struct Queue {
     users: BTreeSet<Key>,
     /// Those that need it exclusively.
     exclusive: BTreeSet<Key>,
+    /// The count of removals (see [`ResourceQueues::removals`]) when a user was last removed.
+    removed_at: u64,
 }
 
 impl Queue {
@@ -78,6 +80,8 @@ pub struct ResourceQueues {
     holders: BTreeMap<Key, u32>,
     /// Every incomplete task up to this position is in the queues (None: nothing is known).
     known: Option<Key>,
+    /// How many tasks were removed so far.
+    removals: u64,
 }
 
 impl ResourceQueues {
@@ -94,6 +98,11 @@ impl ResourceQueues {
     /// Every incomplete task up to this position is in the queues.
     pub fn known(&self) -> Option<Key> {
         self.known
+    }
+
+    /// How many tasks were removed so far (see [`ResourceQueues::hides`]).
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// Says that every incomplete task up to `position` has been inserted. Never moves back.
@@ -218,6 +227,7 @@ impl ResourceQueues {
         let key = (entry.created, *id);
         self.order.remove(&key);
         self.lanes.remove(&key);
+        self.removals += 1;
         let mut judge = Vec::new();
         for &(name, exclusive) in entry.uses.iter() {
             let Some(queue) = self.queues.get_mut(&name) else {
@@ -225,6 +235,7 @@ impl ResourceQueues {
             };
             let before = queue.places();
             queue.users.remove(&key);
+            queue.removed_at = self.removals;
             if exclusive {
                 queue.exclusive.remove(&key);
                 // The head run may be lanes now: users up to and with the first exclusive one.
@@ -298,23 +309,29 @@ impl ResourceQueues {
     /// exclusively, so any exclusive user counts. An exclusive lock's holder H is one of NAME's
     /// users, and the first: it was ready when it was handed out (no older incomplete task used
     /// NAME), and no older one can appear since (the insert trigger). So one user before `before`
-    /// is H itself, and it takes two to hide one (were that rule ever broken outside the broker,
-    /// e.g. by a task Pulp's API ran itself, a release would leave the hint in place until the
-    /// next walk: a delay, never a grant). A task that ended but is still in the queues may make
-    /// the answer yes where none hides (a hint then drops once too often, never once too rarely).
-    /// Only meaningful for positions up to [`ResourceQueues::known`].
-    pub fn hides(&self, entry: &str, before: Key) -> bool {
+    /// is H itself, and it takes two to hide one, unless a user of NAME was removed since
+    /// `since` (a count of [`ResourceQueues::removals`] taken before the held locks were read;
+    /// None: these queues were not in place then, so anything may have gone): H may have ended
+    /// and gone from the queues meanwhile, leaving only a task it hid (None: ask Postgres). Were that rule ever broken outside the broker, a release would leave a scan
+    /// hint in place until the next walk: a delay, never a grant. A task that ended but is still
+    /// in the queues may make the answer yes where none hides (a hint then drops once too often,
+    /// never once too rarely). Only meaningful for positions up to [`ResourceQueues::known`].
+    pub fn hides(&self, entry: &str, before: Key, since: Option<u64>) -> Option<bool> {
         let (name, exclusive) = match entry.strip_prefix(super::SHARED_PREFIX) {
             Some(name) => (name, false),
             None => (entry, true),
         };
         let Some(queue) = self.names.get(name).and_then(|id| self.queues.get(id)) else {
-            return false;
+            return Some(false);
         };
-        if exclusive {
-            queue.users.range(..before).take(2).count() == 2
-        } else {
-            queue.exclusive.first().is_some_and(|k| *k < before)
+        if !exclusive {
+            return Some(queue.exclusive.first().is_some_and(|k| *k < before));
+        }
+        match queue.users.range(..before).take(2).count() {
+            0 => Some(false),
+            1 if since.is_none_or(|s| queue.removed_at > s) => None,
+            1 => Some(false),
+            _ => Some(true),
         }
     }
 

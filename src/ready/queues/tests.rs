@@ -107,14 +107,22 @@ fn a_held_entry_hides_older_users_in_a_conflicting_mode() {
     let mut q = ResourceQueues::default();
     q.insert(key(1), &record(&["R0", "shared:D"]));
     q.insert(key(2), &record(&["R0", "shared:D"]));
-    assert!(q.hides("R0", key(3)));
-    assert!(!q.hides("R0", key(1)));
+    let since = Some(q.removals());
+    assert_eq!(q.hides("R0", key(3), since), Some(true));
+    assert_eq!(q.hides("R0", key(1), since), Some(false));
     // One user before: the lock's holder (the first user of the name), hiding no one.
-    assert!(!q.hides("R0", key(2)));
+    assert_eq!(q.hides("R0", key(2), since), Some(false));
     // D is only shared: a shared lock on it hides no one; an exclusive one would.
-    assert!(!q.hides("shared:D", key(3)));
-    assert!(q.hides("D", key(3)));
-    assert!(!q.hides("X", key(3)));
+    assert_eq!(q.hides("shared:D", key(3), since), Some(false));
+    assert_eq!(q.hides("D", key(3), since), Some(true));
+    assert_eq!(q.hides("X", key(3), since), Some(false));
+    // The holder ended and left the queues after the locks were read: the one user left may be a
+    // task it hid, which the queues cannot tell.
+    assert!(q.remove(&key(1).1));
+    assert_eq!(q.hides("R0", key(3), since), None);
+    assert_eq!(q.hides("R0", key(3), Some(q.removals())), Some(false));
+    // Queues loaded after the locks were read cannot tell either.
+    assert_eq!(q.hides("R0", key(3), None), None);
 }
 
 #[derive(Debug, Clone)]
