@@ -1016,14 +1016,19 @@ impl Dispatch {
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
-        // The returned claims still waiting, oldest first; what the next hint keeps of them.
-        let mut extra = if returned.is_empty() {
-            Vec::new()
+        // The returned claims still waiting, oldest first; what the next hint keeps of them. Read
+        // beside the first page (neither depends on the other): one round trip for both.
+        let first_read_at = Instant::now();
+        let (mut extra, mut first_page) = if returned.is_empty() {
+            (Vec::new(), None)
         } else {
+            let (mut rows, found) = tokio::try_join!(
+                self.tasks.returned(&returned),
+                self.tasks.candidates(&excluded, after, near, page),
+            )?;
             // Only those up to the hint's position: the page reaches the others in order.
-            let mut rows = self.tasks.returned(&returned).await?;
             rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
-            rows
+            (rows, Some(found))
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
@@ -1039,8 +1044,13 @@ impl Dispatch {
             };
         }
         'pages: loop {
-            let read_at = Instant::now();
-            let found = self.tasks.candidates(&excluded, after, near, page).await?;
+            let (read_at, found) = match first_page.take() {
+                Some(found) => (first_read_at, found),
+                None => (
+                    Instant::now(),
+                    self.tasks.candidates(&excluded, after, near, page).await?,
+                ),
+            };
             held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();
