@@ -37,8 +37,9 @@ const RELOAD_AFTER: Duration = Duration::from_secs(60);
 const SKIP_AT_LEAST: usize = 256;
 /// How many tasks the queue's head holds, for the exact look-up (see [`Queues::head_end`]).
 pub const HEAD_TASKS: usize = 256;
-/// Tasks inserted per hold of the queues' lock while catching up.
-const INSERT_CHUNK: usize = 512;
+/// Tasks inserted per hold of the queues' lock while catching up (and between yields while
+/// loading).
+const INSERT_CHUNK: usize = 128;
 /// How many holders and lanes a start checks, round by round, while the position it finds stops
 /// at one it did not check.
 const CHECK_ROUNDS: [usize; 3] = [16, 128, 1024];
@@ -168,9 +169,14 @@ impl Queues {
             }
             let rows = tasks.queue_page(after).await?;
             let full = rows.len() >= QUEUE_PAGE_ROWS;
-            for (key, record) in rows {
-                after = Some(key);
-                queues.insert(key, &record);
+            for chunk in rows.chunks(INSERT_CHUNK) {
+                for (key, record) in chunk {
+                    after = Some(*key);
+                    queues.insert(*key, record);
+                }
+                // A million tasks take seconds of CPU: the passes on this runtime's threads go on
+                // meanwhile.
+                tokio::task::yield_now().await;
             }
             if !full {
                 break;
@@ -188,8 +194,11 @@ impl Queues {
             }
             Err(_) => None,
         };
-        // (Freed without the lock held: a million tasks take a while.)
-        drop(old);
+        // (Freed without the lock held and off the runtime's threads: a million tasks take a
+        // few hundred milliseconds, which stalled the fetches on the thread that freed them.)
+        if let Some(old) = old {
+            tokio::task::spawn_blocking(move || drop(old));
+        }
         if let Ok(mut last) = self.last_read.lock() {
             *last = None;
         }
@@ -217,7 +226,8 @@ impl Queues {
         for _ in 0..pages {
             let rows = tasks.queue_page(Some(after)).await?;
             let full = rows.len() >= QUEUE_PAGE_ROWS;
-            // In chunks, so that a burst does not hold up the passes that ask the queues.
+            // In chunks, so that a burst does not hold up the passes that ask the queues (they
+            // wait for the lock on the runtime's threads), and yielding between them.
             for chunk in rows.chunks(INSERT_CHUNK) {
                 let inserted = self.change(generation, |queues| {
                     for (key, record) in chunk {
@@ -227,6 +237,7 @@ impl Queues {
                 if inserted.is_none() {
                     return Ok(());
                 }
+                tokio::task::yield_now().await;
             }
             if let Some((key, _)) = rows.last() {
                 after = *key;
