@@ -807,6 +807,18 @@ impl Dispatch {
         self.policy.resource_queues && !self.policy.hint_max_age.is_zero()
     }
 
+    /// Where the resource queues say a scan may start, or go on after `from` (see
+    /// `queues::Queues::start`). A failure only costs reading from the hint or the head.
+    async fn queue_start(&self, from: Option<(DateTime<Utc>, Uuid)>) -> Option<ready::Start> {
+        match self.queues.start(from.map(position_key)).await {
+            Ok(start) => start,
+            Err(e) => {
+                tracing::debug!(error = %e, "the resource queues gave no start");
+                None
+            }
+        }
+    }
+
     /// Where the queue's head ends, for the exact look-ups of the tasks in it (candidates.sql),
     /// when the resource queues are used and loaded.
     fn head_end(&self) -> Option<(DateTime<Utc>, Uuid)> {
@@ -921,20 +933,15 @@ impl Dispatch {
         let mut returned: Vec<Uuid> = Vec::new();
         // Where the resource queues say a pass may start (see below).
         let use_queues = self.uses_resource_queues();
-        let mut start = None;
-        if use_queues
+        let start = if use_queues
             && usable
                 .as_ref()
                 .is_none_or(|h| self.queues.worth_a_start(position_key(h.after)))
         {
-            // A failure only costs a pass from the hint or the head.
-            match self.queues.start(None).await {
-                Ok(found) => start = found,
-                Err(e) => {
-                    tracing::debug!(error = %e, "the resource queues gave no start")
-                }
-            }
-        }
+            self.queue_start(None).await
+        } else {
+            None
+        };
         if let Some(h) = usable {
             returned = h.returned;
             for id in requeued {
@@ -1284,24 +1291,18 @@ impl Dispatch {
             // holders up to there reserved or counted as held. Without this, reaching the other
             // domains' tasks read R0's whole queue.
             if use_queues && after.is_some_and(|a| self.queues.worth_a_start(position_key(a))) {
-                match self.queues.start(after.map(position_key)).await {
-                    Ok(Some(start)) => {
-                        let position = crate::tasks::key_bound(start.after);
-                        if after.is_some_and(|a| a < position) {
-                            tracing::debug!(after = ?position, "next page starts where the resource queues say");
-                            start
-                                .clone()
-                                .apply(&mut reserved_waiting, &mut held_seen, |key| {
-                                    excluded_waiting.push(key)
-                                });
-                            start.apply(&mut reserved, &mut held_seen, |key| excluded.push(key));
-                            after = Some(position);
-                            self.stats.queue_start();
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::debug!(error = %e, "the resource queues gave the next page no start")
+                if let Some(start) = self.queue_start(after).await {
+                    let position = crate::tasks::key_bound(start.after);
+                    if after.is_some_and(|a| a < position) {
+                        tracing::debug!(after = ?position, "next page starts where the resource queues say");
+                        start
+                            .clone()
+                            .apply(&mut reserved_waiting, &mut held_seen, |key| {
+                                excluded_waiting.push(key)
+                            });
+                        start.apply(&mut reserved, &mut held_seen, |key| excluded.push(key));
+                        after = Some(position);
+                        self.stats.queue_start();
                     }
                 }
             }

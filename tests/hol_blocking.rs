@@ -41,15 +41,6 @@ async fn other_domain_tasks(env: &Env, n: usize) {
     }
 }
 
-/// Waits until the broker's resource queues hold every task queued so far.
-async fn settle(env: &Env) {
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
-}
-
 /// Runs the incident with `blocked` waiting tasks behind the running one; returns the cost of
 /// every fetch.
 async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
@@ -70,7 +61,7 @@ async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
         leases.push(env.open(&format!("w{n}")).await);
     }
     // The resource queues have read the queue (as they have a second after it changed).
-    settle(&env).await;
+    env.settle_queues().await;
     let mut costs = Vec::new();
     for i in 0..OTHERS {
         let lease = leases[i % LEASES].clone();
@@ -160,6 +151,23 @@ async fn measured(
     (pg, Env::on(url, redis, tweak).await)
 }
 
+/// Pages candidates.sql read since the last count, once every pass has ended.
+async fn pages_when_idle(env: &Env) -> i64 {
+    env.broker().passes.idle().await;
+    candidate_pages(&env.db).await
+}
+
+/// Fails when a fetch read clearly more candidates.sql pages at 20,000 blocked (`large`) than
+/// any fetch at 1,000 (`small`).
+fn no_fetch_reads_more_at_20_000(case: &str, small: &[i64], large: &[i64]) {
+    println!("candidates.sql pages per fetch {case}: {small:?} at 1,000, {large:?} at 20,000");
+    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
+    assert!(
+        most_large <= most_small * 3 / 2 + 8,
+        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
+    );
+}
+
 /// Pages (8 kB buffers) candidates.sql read since the last call, all calls together.
 async fn candidate_pages(db: &tokio_postgres::Client) -> i64 {
     let pages: i64 = db
@@ -189,7 +197,7 @@ async fn all_blocked(blocked: usize, fetches: usize, queues: bool) -> (i64, Vec<
     })
     .await;
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let oldest: uuid::Uuid = env
         .db
         .query_one(
@@ -205,8 +213,7 @@ async fn all_blocked(blocked: usize, fetches: usize, queues: bool) -> (i64, Vec<
     candidate_pages(&env.db).await;
     for _ in 0..=fetches {
         assert!(env.fetch(&worker).await.is_none(), "R0's queue is blocked");
-        env.broker().passes.idle().await;
-        pages.push(candidate_pages(&env.db).await);
+        pages.push(pages_when_idle(&env).await);
     }
     env.finish(&busy, &running, "completed").await;
     let next = env
@@ -274,8 +281,7 @@ async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
     candidate_pages(&env.db).await;
     // The first fetch has no hint: it reads the blocked queue.
     let first = env.fetch(&worker).await.expect("a task of D2");
-    env.broker().passes.idle().await;
-    let walked = candidate_pages(&env.db).await;
+    let walked = pages_when_idle(&env).await;
     // The hint grows old; the next fetch still uses it and starts the walk that renews it.
     tokio::time::sleep(max_age).await;
     let walks = env.broker().stats.snapshot().hint_walks;
@@ -289,8 +295,7 @@ async fn the_walk_that_renews_the_hint_keeps_the_blocked_queue_behind_it() {
     candidate_pages(&env.db).await;
     // The fetch after the walk starts from the walk's hint.
     let third = env.fetch(&worker).await.expect("a task of D2");
-    env.broker().passes.idle().await;
-    let after_walk = candidate_pages(&env.db).await;
+    let after_walk = pages_when_idle(&env).await;
     println!("candidates.sql pages: first fetch {walked}, fetch after the walk {after_walk}");
     assert!(
         after_walk * 10 < walked,
@@ -327,15 +332,13 @@ async fn a_shared_release_keeps_a_hint_that_reserves_the_name_only_shared() {
     candidate_pages(&env.db).await;
     let task = env.fetch(&worker).await.expect("F1");
     assert_eq!(id(&task), first);
-    env.broker().passes.idle().await;
-    let walked = candidate_pages(&env.db).await;
+    let walked = pages_when_idle(&env).await;
     env.start(&worker, &task).await;
     // Releases F1's lock on F1 and its shared lock on the domain.
     env.finish(&worker, &task, "completed").await;
     let task = env.fetch(&worker).await.expect("F2");
     assert_eq!(id(&task), second);
-    env.broker().passes.idle().await;
-    let after_release = candidate_pages(&env.db).await;
+    let after_release = pages_when_idle(&env).await;
     println!("candidates.sql pages: first fetch {walked}, fetch after the shared release {after_release}");
     assert!(
         after_release * 10 < walked,
@@ -373,7 +376,7 @@ async fn after_a_dropped_hint(queues: bool) -> (i64, i64, i64) {
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
     other_domain_tasks(&env, 3).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let worker = env.open("w").await;
     candidate_pages(&env.db).await;
     env.fetch(&worker).await.expect("a task of D2");
@@ -454,7 +457,7 @@ async fn a_task_that_ended_outside_the_broker_does_not_hide_the_tasks_behind_it(
     let z = env.task(&["prn:file.repository:R1"]).await;
     env.task(&["prn:file.repository:O1"]).await;
     let o2 = env.task(&["prn:file.repository:O2"]).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let worker = env.open("w").await;
     let first = env.fetch(&worker).await.expect("O1");
     assert_ne!(id(&first), z, "Z waits for W");
@@ -493,7 +496,7 @@ async fn pages_of_a_walk(queues: bool) -> i64 {
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
     other_domain_tasks(&env, 3).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let worker = env.open("w").await;
     env.fetch(&worker).await.expect("a task of D2");
     env.broker().passes.idle().await;
@@ -540,7 +543,7 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
     })
     .await;
     blocked_behind_a_running_head(&mut env, 20_000).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let (writer, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -551,7 +554,7 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
         .unwrap();
     // Tasks that arrive after the writer began: past where the queues' knowledge now ends.
     other_domain_tasks(&env, 3).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let worker = env.open("w").await;
     candidate_pages(&env.db).await;
     for _ in 0..3 {
@@ -579,7 +582,7 @@ async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
     .await;
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
     other_domain_tasks(&env, 5).await;
-    settle(&env).await;
+    env.settle_queues().await;
     let worker = env.open("w").await;
     env.fetch(&worker).await.expect("F0");
     env.broker().passes.idle().await;
@@ -587,16 +590,14 @@ async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
     candidate_pages(&env.db).await;
     let mut pages = Vec::new();
     let first = env.fetch(&worker).await.expect("R0's next task");
-    env.broker().passes.idle().await;
-    pages.push(candidate_pages(&env.db).await);
+    pages.push(pages_when_idle(&env).await);
     assert!(
         first.exclusive_resources.iter().any(|r| r == REPO),
         "R0's next task comes first once its head finished"
     );
     for _ in 0..3 {
         env.fetch(&worker).await.expect("a task of D2");
-        env.broker().passes.idle().await;
-        pages.push(candidate_pages(&env.db).await);
+        pages.push(pages_when_idle(&env).await);
     }
     env.shutdown().await;
     drop(pg);
@@ -609,12 +610,7 @@ async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
 async fn after_the_head_finishes_no_fetch_reads_the_blocked_queue() {
     let small = pages_after_the_head_finished(1_000).await;
     let large = pages_after_the_head_finished(20_000).await;
-    println!("candidates.sql pages per fetch after the head finished: {small:?} at 1,000, {large:?} at 20,000");
-    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
-    assert!(
-        most_large <= most_small * 3 / 2 + 8,
-        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
-    );
+    no_fetch_reads_more_at_20_000("after the head finished", &small, &large);
 }
 
 /// Pages candidates.sql read while three waiting calls were served after R0's head finished: R0's
@@ -658,7 +654,7 @@ async fn pages_serving_waiters_after_the_head(blocked: usize) -> i64 {
         )
         .await;
     }
-    settle(&env).await;
+    env.settle_queues().await;
     candidate_pages(&env.db).await;
     env.finish(&busy, &running, "completed").await;
     let mut got = Vec::new();
@@ -671,8 +667,7 @@ async fn pages_serving_waiters_after_the_head(blocked: usize) -> i64 {
             .expect("a task");
         got.push(task);
     }
-    env.broker().passes.idle().await;
-    let pages = candidate_pages(&env.db).await;
+    let pages = pages_when_idle(&env).await;
     assert!(
         got[0].exclusive_resources.iter().any(|r| r == REPO),
         "R0's next task goes to the longest waiter"
@@ -709,7 +704,7 @@ async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
     .await;
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
     other_domain_tasks(&env, 5).await;
-    settle(&env).await;
+    env.settle_queues().await;
     env.finish(&busy, &running, "completed").await;
     let next: Uuid = env
         .db
@@ -734,8 +729,7 @@ async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
             task.exclusive_resources.iter().all(|r| r != REPO),
             "the fetch hands out a task of the other domain"
         );
-        env.broker().passes.idle().await;
-        pages.push(candidate_pages(&env.db).await);
+        pages.push(pages_when_idle(&env).await);
     }
     env.shutdown().await;
     drop(pg);
@@ -749,12 +743,5 @@ async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
 async fn a_fetch_that_passes_the_next_task_over_does_not_read_the_blocked_queue() {
     let small = pages_passing_the_next_task_over(1_000).await;
     let large = pages_passing_the_next_task_over(20_000).await;
-    println!(
-        "candidates.sql pages per fetch passing R0's next task over: {small:?} at 1,000, {large:?} at 20,000"
-    );
-    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
-    assert!(
-        most_large <= most_small * 3 / 2 + 8,
-        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
-    );
+    no_fetch_reads_more_at_20_000("passing R0's next task over", &small, &large);
 }

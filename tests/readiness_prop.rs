@@ -77,16 +77,6 @@ async fn expected(env: &Env) -> Option<Uuid> {
     })
 }
 
-/// Waits until the broker's resource queues hold every task queued so far (they catch up once a
-/// second on their own, so without this a fast test may run before they know of any task).
-async fn settle(env: &Env) {
-    env.broker()
-        .resource_queues
-        .settle()
-        .await
-        .expect("the resource queues catch up");
-}
-
 /// How the broker's background work meets the test's steps.
 #[derive(Debug, Clone, Copy)]
 struct Timing {
@@ -161,7 +151,7 @@ async fn check(queue: Vec<Spec>, history: Vec<u8>, page: i64, timing: Timing) {
     let mut ids = Vec::new();
     for (n, spec) in queue.iter().enumerate() {
         if timing.settle_at == Some(n) {
-            settle(&env).await;
+            env.settle_queues().await;
         }
         let record: Vec<&str> = spec.record.iter().map(String::as_str).collect();
         ids.push(env.task(&record).await);
@@ -173,7 +163,7 @@ async fn check(queue: Vec<Spec>, history: Vec<u8>, page: i64, timing: Timing) {
     let mut running = Vec::new();
     for (n, step) in history.iter().enumerate() {
         if timing.settle_at == Some(queue.len() + n) {
-            settle(&env).await;
+            env.settle_queues().await;
         }
         match step % 5 {
             0 if !running.is_empty() => {
@@ -197,7 +187,7 @@ async fn check(queue: Vec<Spec>, history: Vec<u8>, page: i64, timing: Timing) {
         }
     }
     if timing.settle_at == Some(queue.len() + history.len()) {
-        settle(&env).await;
+        env.settle_queues().await;
     }
     // Now a fresh worker fetches until nothing is ready; each grant must be the rule's choice.
     let worker = env.open("worker").await;

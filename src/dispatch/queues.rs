@@ -44,14 +44,10 @@ const INSERT_CHUNK: usize = 128;
 /// at one it did not check.
 const CHECK_ROUNDS: [usize; 3] = [16, 128, 1024];
 
-/// Where the queues' removals stood at some moment (see [`Queues::removals`]).
+/// Where the queues' removals stood at some moment (see [`Queues::removals`]): which load's
+/// queues, and how many tasks they had removed (None: not loaded yet).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Removals {
-    /// Which load's queues.
-    generation: u64,
-    /// How many tasks they had removed (None: not loaded yet).
-    count: Option<u64>,
-}
+pub(super) struct Removals(Option<(u64, u64)>);
 
 /// The queues and who may change them.
 pub struct Queues {
@@ -305,13 +301,8 @@ impl Queues {
     /// Where the queues' removals stand, for [`Queues::split_hiding`]: taken before a pass or a
     /// walk reads which locks are held.
     pub(super) fn removals(&self) -> Removals {
-        let state = self.state.lock().ok();
-        Removals {
-            generation: self.generation.load(Ordering::SeqCst),
-            count: state
-                .as_ref()
-                .and_then(|s| s.as_ref().map(ResourceQueues::removals)),
-        }
+        // (Read under the queues' lock: a load replaces them and counts a generation.)
+        Removals(self.read(|queues| (self.generation.load(Ordering::SeqCst), queues.removals())))
     }
 
     /// Whether a pass that starts at `position` (a scan hint's) would read many tasks before the
@@ -351,10 +342,8 @@ impl Queues {
         let answers: Option<Vec<Option<bool>>> = self
             .read(|queues| {
                 let known = queues.known()?;
-                // (Read under the queues' lock: a load replaces them and counts a generation.)
-                let since = since
-                    .count
-                    .filter(|_| self.generation.load(Ordering::SeqCst) == since.generation);
+                let generation = self.generation.load(Ordering::SeqCst);
+                let since = since.0.and_then(|(g, n)| (g == generation).then_some(n));
                 Some(
                     entries
                         .iter()

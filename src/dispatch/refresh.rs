@@ -95,22 +95,21 @@ impl Dispatch {
         // With the resource queues, the walk starts where they say, as a pass without a hint
         // does: their check of the holders is what makes a change made outside the broker seen
         // (a holder that ended), and the blocked queue is not read every walk.
-        if self.uses_resource_queues() {
-            match self.queues.start(None).await {
-                Ok(Some(start)) => {
-                    after = Some(crate::tasks::key_bound(start.apply(
-                        &mut reserved,
-                        &mut held_seen,
-                        |key| {
-                            if seen_keys.insert(key.clone()) {
-                                excluded.push(key);
-                            }
-                        },
-                    )));
-                }
-                Ok(None) => {}
-                Err(e) => tracing::debug!(error = %e, "the resource queues gave the walk no start"),
-            }
+        let start = if self.uses_resource_queues() {
+            self.queue_start(None).await
+        } else {
+            None
+        };
+        if let Some(start) = start {
+            after = Some(crate::tasks::key_bound(start.apply(
+                &mut reserved,
+                &mut held_seen,
+                |key| {
+                    if seen_keys.insert(key.clone()) {
+                        excluded.push(key);
+                    }
+                },
+            )));
         }
         'pages: loop {
             if self.shutdown.is_fired() {

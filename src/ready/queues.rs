@@ -312,10 +312,11 @@ impl ResourceQueues {
     /// is H itself, and it takes two to hide one, unless a user of NAME was removed since
     /// `since` (a count of [`ResourceQueues::removals`] taken before the held locks were read;
     /// None: these queues were not in place then, so anything may have gone): H may have ended
-    /// and gone from the queues meanwhile, leaving only a task it hid (None: ask Postgres). Were that rule ever broken outside the broker, a release would leave a scan
-    /// hint in place until the next walk: a delay, never a grant. A task that ended but is still
-    /// in the queues may make the answer yes where none hides (a hint then drops once too often,
-    /// never once too rarely). Only meaningful for positions up to [`ResourceQueues::known`].
+    /// and gone from the queues meanwhile, leaving only a task it hid (None: ask Postgres). Were
+    /// that rule ever broken outside the broker, a release would leave a scan hint in place until
+    /// the next walk: a delay, never a grant. A task that ended but is still in the queues may
+    /// make the answer yes where none hides (a hint then drops once too often, never once too
+    /// rarely). Only meaningful for positions up to [`ResourceQueues::known`].
     pub fn hides(&self, entry: &str, before: Key, since: Option<u64>) -> Option<bool> {
         let (name, exclusive) = match entry.strip_prefix(super::SHARED_PREFIX) {
             Some(name) => (name, false),

@@ -109,6 +109,16 @@ impl Env {
         self.broker.as_ref().expect("broker running")
     }
 
+    /// Waits until the broker's resource queues hold every task queued so far (they catch up
+    /// once a second on their own, so a fast test may otherwise run before they know of any).
+    pub async fn settle_queues(&self) {
+        self.broker()
+            .resource_queues
+            .settle()
+            .await
+            .expect("the resource queues catch up");
+    }
+
     /// Inserts a waiting task with this `reserved_resources_record`.
     pub async fn task(&self, record: &[&str]) -> Uuid {
         self.task_with(record, "test.task", &[]).await
