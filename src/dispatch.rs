@@ -1360,6 +1360,7 @@ impl Dispatch {
             let now_hiding = if unknown.is_empty() {
                 Ok(known)
             } else {
+                tracing::debug!(names = ?unknown, after = ?hint.after, "held names counted with hiding.sql");
                 self.tasks
                     .hiding(hint.after, &unknown)
                     .await
@@ -1457,14 +1458,17 @@ impl Dispatch {
             let stalled = CancellationToken::new();
             let waiters = Arc::clone(&this.waiters);
             let outcome = {
-                let pass = crate::metrics::count_pass(this.fetch_once(
-                    call,
-                    &stalled,
-                    own_place,
-                    &passed_over,
-                    &lease_out,
-                    &mut answer,
-                ));
+                let pass = crate::metrics::count_pass(
+                    &stats,
+                    this.fetch_once(
+                        call,
+                        &stalled,
+                        own_place,
+                        &passed_over,
+                        &lease_out,
+                        &mut answer,
+                    ),
+                );
                 tokio::pin!(pass);
                 tokio::select! {
                     outcome = &mut pass => outcome,

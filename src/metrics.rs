@@ -273,13 +273,19 @@ tokio::task_local! {
     static PASS: PassCalls;
 }
 
-/// Runs one fetch pass, recording how many Postgres statements and Redis calls it made.
-pub async fn count_pass<T>(pass: impl std::future::Future<Output = T>) -> T {
+/// Runs one fetch pass, recording how many Postgres statements and Redis calls it made (in
+/// `stats` and in the per-pass histograms).
+pub async fn count_pass<T>(stats: &Stats, pass: impl std::future::Future<Output = T>) -> T {
     PASS.scope(PassCalls::default(), async move {
         let out = pass.await;
         let _ = PASS.try_with(|calls| {
-            metrics::histogram!(FETCH_POSTGRES_STATEMENTS).record(calls.postgres.get() as f64);
-            metrics::histogram!(FETCH_REDIS_CALLS).record(calls.redis.get() as f64);
+            let (postgres, redis) = (calls.postgres.get(), calls.redis.get());
+            stats
+                .fetch_postgres_statements
+                .fetch_add(postgres, Ordering::Relaxed);
+            stats.fetch_redis_calls.fetch_add(redis, Ordering::Relaxed);
+            metrics::histogram!(FETCH_POSTGRES_STATEMENTS).record(postgres as f64);
+            metrics::histogram!(FETCH_REDIS_CALLS).record(redis as f64);
         });
         out
     })
@@ -291,6 +297,8 @@ pub async fn count_pass<T>(pass: impl std::future::Future<Output = T>) -> T {
 pub struct Stats {
     postgres_statements: AtomicU64,
     redis_calls: AtomicU64,
+    fetch_postgres_statements: AtomicU64,
+    fetch_redis_calls: AtomicU64,
     fetches: AtomicU64,
     shared: AtomicU64,
     stalls: AtomicU64,
@@ -308,6 +316,11 @@ pub struct StatsSnapshot {
     pub postgres_statements: u64,
     /// Redis calls made.
     pub redis_calls: u64,
+    /// Postgres statements made by fetch passes themselves (not by the background work that
+    /// shares these counters, such as the resource queues' catch-ups or a hint's walk).
+    pub fetch_postgres_statements: u64,
+    /// Redis calls made by fetch passes themselves.
+    pub fetch_redis_calls: u64,
     /// FetchTask passes run.
     pub fetches: u64,
     /// Tasks passes handed to other waiting calls than their own.
@@ -408,6 +421,8 @@ impl Stats {
         StatsSnapshot {
             postgres_statements: self.postgres_statements.load(Ordering::Relaxed),
             redis_calls: self.redis_calls.load(Ordering::Relaxed),
+            fetch_postgres_statements: self.fetch_postgres_statements.load(Ordering::Relaxed),
+            fetch_redis_calls: self.fetch_redis_calls.load(Ordering::Relaxed),
             fetches: self.fetches.load(Ordering::Relaxed),
             shared: self.shared.load(Ordering::Relaxed),
             stalls: self.stalls.load(Ordering::Relaxed),
@@ -426,6 +441,9 @@ impl std::ops::Sub for StatsSnapshot {
         StatsSnapshot {
             postgres_statements: self.postgres_statements - earlier.postgres_statements,
             redis_calls: self.redis_calls - earlier.redis_calls,
+            fetch_postgres_statements: self.fetch_postgres_statements
+                - earlier.fetch_postgres_statements,
+            fetch_redis_calls: self.fetch_redis_calls - earlier.fetch_redis_calls,
             fetches: self.fetches - earlier.fetches,
             shared: self.shared - earlier.shared,
             stalls: self.stalls - earlier.stalls,
