@@ -81,6 +81,24 @@ async fn incident(blocked: usize) -> Vec<StatsSnapshot> {
         );
     }
     assert!(others.is_empty());
+    // For a failure's message: the sessions with a transaction open a second or longer (an open
+    // writer of core_task keeps the resource queues' knowledge from moving), and the queues' size.
+    let open: String = env
+        .db
+        .query_one(
+            "SELECT coalesce(string_agg(state || ' since ' || (now() - xact_start)::text \
+                 || ': ' || left(query, 60), '; '), 'none') \
+             FROM pg_stat_activity \
+             WHERE xact_start < now() - interval '1 second' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    println!(
+        "{blocked} blocked: transactions open 1 s or longer: {open}; resource queues hold {:?} tasks",
+        env.broker().resource_queues.task_count()
+    );
     assert!(
         env.fetch(&leases[0]).await.is_none(),
         "R0's queue stays blocked while its head runs"
