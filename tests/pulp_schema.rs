@@ -95,6 +95,85 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     );
 }
 
+/// Up to where the resource queues know every task is read from the open writers of core_task
+/// (queue_known.sql). A writer that ends while that is read is no writer: it must not make the
+/// answer "cannot tell" (which left the queues' first load knowing nothing, and so catching up
+/// with nothing, for a minute, whenever a claim was in flight at that instant). Writers here
+/// are short UPDATEs in a loop, as claims are.
+#[tokio::test]
+async fn a_writer_that_ends_while_the_known_position_is_read_does_not_make_it_unknown() {
+    let (url, db) = pulp_database_client().await;
+    let task = pulp_task(&db, &["prn:file.repository:A"]).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for _ in 0..2 {
+        let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let stop = Arc::clone(&stop);
+        writers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                writer
+                    .execute(
+                        "UPDATE core_task SET pulp_last_updated = now() WHERE pulp_id = $1",
+                        &[&task],
+                    )
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+            n
+        }));
+    }
+    let mut unknown = 0;
+    let reads = 1_500;
+    for _ in 0..reads {
+        if tasks.queue_known().await.unwrap().is_none() {
+            unknown += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut updates = 0;
+    for w in writers {
+        updates += w.await.unwrap();
+    }
+    println!("{unknown} of {reads} reads could not tell, beside {updates} updates");
+    assert!(updates > 100, "the writers ran: {updates} updates");
+    assert_eq!(unknown, 0, "{unknown} of {reads} reads could not tell");
+}
+
+/// The broker relies on Pulp's insert trigger stamping pulp_created (no task can appear older
+/// than one already handed out): with the trigger disabled it names what is missing and how to
+/// enable it (and so refuses to start), and with it enabled again it finds everything.
+#[tokio::test]
+async fn a_pulp_database_without_its_stamping_trigger_is_refused() {
+    let (url, db) = pulp_database_client().await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    db.batch_execute("ALTER TABLE core_task DISABLE TRIGGER on_insert_timestamp_task_trigger")
+        .await
+        .unwrap();
+    let missing = tasks.missing_schema().await.unwrap();
+    assert_eq!(missing.len(), 1, "{missing:?}");
+    assert!(
+        missing[0].contains("ENABLE TRIGGER on_insert_timestamp_task_trigger"),
+        "{missing:?}"
+    );
+    let refused = tasks.prepare().await.expect_err("refuses to start");
+    assert!(refused.to_string().contains("pulp_created"), "{refused}");
+    db.batch_execute("ALTER TABLE core_task ENABLE TRIGGER on_insert_timestamp_task_trigger")
+        .await
+        .unwrap();
+    assert_eq!(tasks.missing_schema().await.unwrap(), Vec::<String>::new());
+    tasks.prepare().await.unwrap();
+}
+
 async fn lanes_index_def(db: &tokio_postgres::Client) -> Vec<String> {
     db.query(
         "SELECT indexdef FROM pg_indexes WHERE indexname = 'dispatch_lanes_idx'",

@@ -126,6 +126,13 @@ impl Queues {
                         let took = started.elapsed();
                         tracing::debug!(tasks = n, ?took, "resource queues loaded");
                         next_load = Instant::now() + RELOAD_AFTER.max(took * 30);
+                        if self.read(ResourceQueues::known).flatten().is_none() {
+                            // Nothing known: catch-ups cannot go on from it, and passes read
+                            // from the head. Sooner than usual, but not back to back.
+                            let again = (took * 10).clamp(CATCH_UP_EVERY, RELOAD_AFTER);
+                            tracing::warn!(?again, "the resource queues' load cannot tell up to where it saw every task: a writer of core_task has a start this role may not read (a prepared transaction, or another role's session without pg_read_all_stats); loading again");
+                            next_load = Instant::now() + again;
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "loading the resource queues failed; passes without a scan hint read from the head until a load succeeds");

@@ -57,6 +57,17 @@ pub fn missing(present: &[String]) -> Vec<String> {
     if !present.iter().any(|p| p == "extension:hstore") {
         missing.push("the hstore extension".to_owned());
     }
+    if present.iter().any(|p| p == "core_task.pulp_created")
+        && !present.iter().any(|p| p == "stamp-trigger")
+    {
+        missing.push(
+            "an enabled insert trigger that stamps core_task.pulp_created (Pulp's \
+             on_insert_timestamp_task_trigger: without it a task could appear older than one \
+             already handed out; if it was disabled, `ALTER TABLE core_task ENABLE TRIGGER \
+             on_insert_timestamp_task_trigger`)"
+                .to_owned(),
+        );
+    }
     missing
 }
 
@@ -145,12 +156,17 @@ mod tests {
         let mut present: Vec<String> = REQUIRED_COLUMNS.iter().map(|c| c.to_string()).collect();
         present.push("index:pulp_task_resources_index".into());
         present.push("extension:hstore".into());
+        present.push("stamp-trigger".into());
         assert!(missing(&present).is_empty());
         present.retain(|p| p != "core_task.app_lock_id" && !p.starts_with("index:"));
         let m = missing(&present);
         assert_eq!(m.len(), 2, "{m:?}");
         assert!(m[0].contains("core_task.app_lock_id"));
         assert!(m[1].contains("GIN"));
+        present.retain(|p| p != "stamp-trigger");
+        let m = missing(&present);
+        assert_eq!(m.len(), 3, "{m:?}");
+        assert!(m[2].contains("on_insert_timestamp_task_trigger"));
     }
 
     #[test]

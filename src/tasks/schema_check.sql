@@ -2,7 +2,9 @@
 -- Returns: one row per present column as 'table.column', plus 'index:<name>' for a GIN index on
 -- core_task(reserved_resources_record), 'extension:hstore', and 'lanes-index' when the optional
 -- dispatch_lanes_idx exists and is valid (a failed concurrent build leaves an invalid one), and
--- 'gin-fastupdate-off' when every such GIN index has its pending list turned off.
+-- 'gin-fastupdate-off' when every such GIN index has its pending list turned off, and
+-- 'stamp-trigger' when an enabled insert trigger on core_task stamps pulp_created (Pulp's
+-- on_insert_timestamp_task, or the broker's own dispatch_task_stamp_created from migrate.sql).
 SELECT table_name || '.' || column_name AS item
 FROM information_schema.columns
 WHERE table_schema = current_schema() AND table_name IN ('core_task', 'core_appstatus')
@@ -26,3 +28,10 @@ WHERE EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = current_schema() AND t
     WHERE x.schemaname = current_schema() AND x.tablename = 'core_task'
       AND x.indexdef ILIKE '%USING gin (reserved_resources_record)%'
       AND NOT coalesce('fastupdate=off' = ANY (c.reloptions), false))
+UNION ALL
+SELECT 'stamp-trigger'
+WHERE EXISTS (
+    SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+    WHERE t.tgrelid = to_regclass('core_task')
+      AND t.tgenabled IN ('O', 'A')
+      AND p.proname IN ('on_insert_timestamp_task', 'dispatch_task_stamp_created'))

@@ -14,4 +14,16 @@ writers AS (
       AND l.relation = 'core_task'::regclass
       AND l.mode = 'RowExclusiveLock'
       AND l.pid IS DISTINCT FROM pg_backend_pid()
+      -- A session pg_stat_activity shows outside a transaction (no xact_start, though its state
+      -- is readable: idle, or just ending a statement) or no longer shows is no writer: either
+      -- it ended the transaction pg_locks saw, so what it committed is visible to a read that
+      -- starts after this statement, or it began one after this statement began, so it stamps
+      -- its tasks later than the statement's start. (Counted as a start that cannot be read,
+      -- such sessions made about one read in three beside a stream of claims answer "cannot
+      -- tell", and a resource queues' load that met one knew nothing for a minute.) A session
+      -- whose state this role may not read (NULL) still counts. candidates.sql reads in the same
+      -- statement, not after: such a writer is one that commits while its page is read (see the
+      -- note on its tail).
+      AND NOT (l.pid IS NOT NULL
+               AND (a.pid IS NULL OR (a.state IS NOT NULL AND a.xact_start IS NULL)))
 )

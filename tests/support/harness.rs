@@ -85,6 +85,13 @@ impl Env {
 
     /// A world on an existing database and Redis.
     pub async fn on(db_url: String, redis: Redis, tweak: impl FnOnce(&mut ServeArgs)) -> Env {
+        // TEST_LOG=<filter> (e.g. dispatch_broker=debug): the brokers' logs, in each test's output.
+        if let Ok(filter) = std::env::var("TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_test_writer()
+                .try_init();
+        }
         let mut args = default_args(&db_url, &redis.url());
         tweak(&mut args);
         let broker = server::start(&args).await.expect("start broker");
