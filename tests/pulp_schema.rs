@@ -147,6 +147,44 @@ async fn a_writer_that_ends_while_the_known_position_is_read_does_not_make_it_un
     assert_eq!(unknown, 0, "{unknown} of {reads} reads could not tell");
 }
 
+/// A writer left open by a session whose activity is not tracked (track_activities off: no
+/// transaction start to read) still keeps the known position from passing it: queue_known.sql
+/// answers "cannot tell" until it ends, then a position again.
+#[tokio::test]
+async fn an_open_writer_whose_activity_is_not_tracked_still_counts() {
+    let (url, db) = pulp_database_client().await;
+    let task = pulp_task(&db, &["prn:file.repository:A"]).await;
+    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap();
+    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    writer
+        .batch_execute("SET track_activities = off")
+        .await
+        .unwrap();
+    writer.execute("BEGIN", &[]).await.unwrap();
+    writer
+        .execute(
+            "UPDATE core_task SET pulp_last_updated = now() WHERE pulp_id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        tasks.queue_known().await.unwrap(),
+        None,
+        "an untracked open writer"
+    );
+    writer.execute("COMMIT", &[]).await.unwrap();
+    assert!(
+        tasks.queue_known().await.unwrap().is_some(),
+        "the writer ended"
+    );
+}
+
 /// The broker relies on Pulp's insert trigger stamping pulp_created (no task can appear older
 /// than one already handed out): with the trigger disabled it names what is missing and how to
 /// enable it (and so refuses to start), and with it enabled again it finds everything.
@@ -684,9 +722,11 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; \
          PREPARE claimed_since(double precision) AS {}; \
-         PREPARE finish_orphan_cancels AS {};",
+         PREPARE finish_orphan_cancels AS {}; \
+         PREPARE held AS {} SELECT count(*) FROM held;",
         dispatch_broker::tasks::sql::CLAIMED_SINCE,
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
+        include_str!("../src/tasks/held.sql"),
     ))
     .await
     .unwrap();
@@ -701,6 +741,7 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
                 "finish_orphan_cancels.sql",
                 buffers(&db, "EXECUTE finish_orphan_cancels").await,
             ),
+            ("held.sql", buffers(&db, "EXECUTE held").await),
         ];
     }
     reads

@@ -31,6 +31,11 @@ use crate::tasks::{self, Tasks, QUEUE_PAGE_ROWS};
 const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
 /// Loads from the head are at least this far apart, and thirty loads' time.
 const RELOAD_AFTER: Duration = Duration::from_secs(60);
+/// After a load that could not tell up to where it saw every task, the next is at least this far
+/// away (and ten loads' time).
+const RELOAD_SOON: Duration = Duration::from_secs(10);
+/// How often a load asks where the queues' knowledge ends before it gives up on knowing.
+const KNOWN_TRIES: usize = 3;
 /// A pass with a scan hint asks for a start only when at least half of this many tasks after the
 /// hint are blocked (tasks that arrived after the hint was taken, e.g. a burst for a busy
 /// repository): otherwise a start's check costs more than reading them.
@@ -129,8 +134,8 @@ impl Queues {
                         if self.read(ResourceQueues::known).flatten().is_none() {
                             // Nothing known: catch-ups cannot go on from it, and passes read
                             // from the head. Sooner than usual, but not back to back.
-                            let again = (took * 10).clamp(CATCH_UP_EVERY, RELOAD_AFTER);
-                            tracing::warn!(?again, "the resource queues' load cannot tell up to where it saw every task: a writer of core_task has a start this role may not read (a prepared transaction, or another role's session without pg_read_all_stats); loading again");
+                            let again = (took * 10).clamp(RELOAD_SOON, RELOAD_AFTER);
+                            tracing::warn!(?again, "the resource queues' load cannot tell up to where it saw every task: a writer of core_task has a start this role may not read (a prepared transaction, another role's session without pg_read_all_stats, or track_activities off); loading again");
                             next_load = Instant::now() + again;
                         }
                     }
@@ -175,7 +180,18 @@ impl Queues {
             return Ok(0);
         };
         let _reading = self.reading.lock().await;
-        let known = tasks.queue_known().await?;
+        // A writer whose start cannot be read is usually gone a moment later: asked again
+        // rather than loading queues that know nothing.
+        let mut known = None;
+        for attempt in 0..KNOWN_TRIES {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            known = tasks.queue_known().await?;
+            if known.is_some() {
+                break;
+            }
+        }
         let mut queues = ResourceQueues::default();
         let mut after: Option<Key> = None;
         loop {

@@ -32,6 +32,6 @@ UNION ALL
 SELECT 'stamp-trigger'
 WHERE EXISTS (
     SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-    WHERE t.tgrelid = to_regclass('core_task')
+    WHERE t.tgrelid = to_regclass(quote_ident(current_schema()) || '.core_task')
       AND t.tgenabled IN ('O', 'A')
       AND p.proname IN ('on_insert_timestamp_task', 'dispatch_task_stamp_created'))

@@ -21,9 +21,16 @@ writers AS (
       -- its tasks later than the statement's start. (Counted as a start that cannot be read,
       -- such sessions made about one read in three beside a stream of claims answer "cannot
       -- tell", and a resource queues' load that met one knew nothing for a minute.) A session
-      -- whose state this role may not read (NULL) still counts. candidates.sql reads in the same
-      -- statement, not after: such a writer is one that commits while its page is read (see the
-      -- note on its tail).
+      -- whose state this role may not read (NULL) still counts, as does every session when
+      -- activity is not tracked (track_activities off: state 'disabled', xact_start always
+      -- NULL), and every session when the server allows prepared transactions (PREPARE
+      -- TRANSACTION hands the locks to a dummy entry, then clears xact_start: a session seen
+      -- between the two may commit much later). candidates.sql reads in the same statement,
+      -- not after: an excluded writer is one that commits while its page is read (see the note
+      -- on its tail). pg_stat_activity is read once per transaction: a statement with this CTE
+      -- must be its transaction's first read of it.
       AND NOT (l.pid IS NOT NULL
-               AND (a.pid IS NULL OR (a.state IS NOT NULL AND a.xact_start IS NULL)))
+               AND current_setting('max_prepared_transactions')::int = 0
+               AND (a.pid IS NULL
+                    OR (a.state IS NOT NULL AND a.state <> 'disabled' AND a.xact_start IS NULL)))
 )
