@@ -23,6 +23,13 @@ use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
+    /// The planner settings the resource queues read queue_page.sql under (in its transaction):
+    /// with statistics from before a burst of tasks, its generic plan otherwise bitmapped Pulp's
+    /// state index and sorted every task after the position for each page. Without bitmaps and
+    /// full sorts, each branch walks its range of the (state, pulp_created) index in order and
+    /// stops after a page.
+    pub const QUEUE_PAGE_SETTINGS: &str =
+        "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off;";
     pub const CANDIDATES: &str = concat!(
         include_str!("tasks/held.sql"),
         ",\n",
@@ -1085,7 +1092,17 @@ impl Tasks {
     pub async fn queue_page(&self, after: Option<Key>) -> Result<Vec<(Key, Vec<String>)>, Error> {
         let after = after.map(key_bound);
         let (created, id) = (after.map(|a| a.0), after.map(|a| a.1));
-        let rows = self.query_read(sql::QUEUE_PAGE, &[&created, &id]).await?;
+        // In a read-only transaction of its own, under QUEUE_PAGE_SETTINGS (which the generic
+        // plan is built with at its first execution on each connection, and kept).
+        let mut client = self.client().await?;
+        let prepared = client.prepare_cached(sql::QUEUE_PAGE).await?;
+        let tx = self
+            .timed(client.build_transaction().read_only(true).start())
+            .await?;
+        self.timed(tx.batch_execute(sql::QUEUE_PAGE_SETTINGS))
+            .await?;
+        let rows = self.timed(tx.query(&prepared, &[&created, &id])).await?;
+        self.timed(tx.commit()).await?;
         rows.iter()
             .map(|row| {
                 let (key, record) = lane_row(row)?;
