@@ -32,11 +32,24 @@ fn pulp_database() -> String {
 /// A fresh Pulp database and a client on it.
 async fn pulp_database_client() -> (String, tokio_postgres::Client) {
     let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+    let db = connect(&url).await;
+    (url, db)
+}
+
+/// A client on `url` (its connection driven in the background).
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
-    (url, db)
+    db
+}
+
+/// The broker's task store on `url`, one connection.
+async fn task_store(url: &str) -> Tasks {
+    Tasks::connect(url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
+        .await
+        .unwrap()
 }
 
 async fn schema_fingerprint(db: &tokio_postgres::Client) -> Vec<String> {
@@ -77,9 +90,7 @@ async fn pulp_task(db: &tokio_postgres::Client, record: &[&str]) -> Uuid {
 async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = task_store(&url).await;
     let outcome = tasks.migrate(false, false, false).await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
@@ -104,16 +115,11 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
 async fn a_writer_that_ends_while_the_known_position_is_read_does_not_make_it_unknown() {
     let (url, db) = pulp_database_client().await;
     let task = pulp_task(&db, &["prn:file.repository:A"]).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = task_store(&url).await;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut writers = Vec::new();
     for _ in 0..2 {
-        let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
+        let writer = connect(&url).await;
         let stop = Arc::clone(&stop);
         writers.push(tokio::spawn(async move {
             let mut n = 0u64;
@@ -154,13 +160,8 @@ async fn a_writer_that_ends_while_the_known_position_is_read_does_not_make_it_un
 async fn an_open_writer_whose_activity_is_not_tracked_still_counts() {
     let (url, db) = pulp_database_client().await;
     let task = pulp_task(&db, &["prn:file.repository:A"]).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
-    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let tasks = task_store(&url).await;
+    let writer = connect(&url).await;
     writer
         .batch_execute("SET track_activities = off")
         .await
@@ -191,9 +192,7 @@ async fn an_open_writer_whose_activity_is_not_tracked_still_counts() {
 #[tokio::test]
 async fn a_pulp_database_without_its_stamping_trigger_is_refused() {
     let (url, db) = pulp_database_client().await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = task_store(&url).await;
     db.batch_execute("ALTER TABLE core_task DISABLE TRIGGER on_insert_timestamp_task_trigger")
         .await
         .unwrap();
@@ -236,9 +235,7 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     )
     .await
     .unwrap();
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = task_store(&url).await;
     let first = tasks.migrate(true, false, false).await.unwrap();
     assert!(first.lanes_index_created && !first.created);
     assert!(first.missing.is_empty());
@@ -260,10 +257,7 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     let fresh_url = tokio::task::spawn_blocking(support::fresh_database)
         .await
         .unwrap();
-    let (fresh, conn) = tokio_postgres::connect(&fresh_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let fresh = connect(&fresh_url).await;
     assert_eq!(lanes_index_def(&db).await, lanes_index_def(&fresh).await);
     assert_eq!(lanes_index_def(&db).await.len(), 1);
 }
@@ -272,9 +266,7 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
 async fn migrate_gin_fastupdate_off_changes_only_the_index_storage_parameter() {
     let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
-    let tasks = Tasks::connect(&url, 1, Duration::from_secs(5), Arc::new(Stats::default()))
-        .await
-        .unwrap();
+    let tasks = task_store(&url).await;
     let first = tasks.migrate(false, false, true).await.unwrap();
     assert!(first.gin_fastupdate_changed && !first.created);
     assert!(
@@ -355,10 +347,7 @@ async fn the_broker_runs_unchanged_on_a_pulp_database() {
 #[tokio::test]
 async fn the_readiness_lookup_uses_pulps_gin_index() {
     let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let db = connect(&url).await;
     pulp_task(
         &db,
         &["prn:python.repository:R0", "shared:prn:core.domain:D1"],
