@@ -638,10 +638,17 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
     drop(pg);
 }
 
-/// Pages candidates.sql read in each of four fetches after R0's head finished, `blocked` tasks
-/// on R0 behind it and five tasks of another domain after them: the first hands out R0's next
-/// task, the others the other domain's.
-async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
+/// A measured broker (no background walk) with R0's head running, `blocked` tasks on R0 behind
+/// it and five tasks of another domain after them, the resource queues caught up; the head's
+/// lease and task.
+async fn head_then_five_others(
+    blocked: usize,
+) -> (
+    dispatch_broker::testkit::Postgres,
+    Env,
+    String,
+    dispatch_broker::proto::Task,
+) {
     let (pg, mut env) = measured(|args| {
         args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
     })
@@ -649,6 +656,14 @@ async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
     let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
     other_domain_tasks(&env, 5).await;
     env.settle_queues().await;
+    (pg, env, busy, running)
+}
+
+/// Pages candidates.sql read in each of four fetches after R0's head finished, `blocked` tasks
+/// on R0 behind it and five tasks of another domain after them: the first hands out R0's next
+/// task, the others the other domain's.
+async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
+    let (pg, mut env, busy, running) = head_then_five_others(blocked).await;
     let worker = env.open("w").await;
     env.fetch(&worker).await.expect("F0");
     env.broker().passes.idle().await;
@@ -764,13 +779,7 @@ async fn the_waiting_calls_served_after_the_head_finishes_do_not_read_the_blocke
 /// their `skip_task_ids`, as for a worker that cannot run it) once R0's head finished, with
 /// `blocked` tasks on R0 behind it and five tasks of another domain after them.
 async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
-    let (pg, mut env) = measured(|args| {
-        args.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-    })
-    .await;
-    let (busy, running) = blocked_behind_a_running_head(&mut env, blocked).await;
-    other_domain_tasks(&env, 5).await;
-    env.settle_queues().await;
+    let (pg, mut env, busy, running) = head_then_five_others(blocked).await;
     env.finish(&busy, &running, "completed").await;
     let next: Uuid = env
         .db
