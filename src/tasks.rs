@@ -23,13 +23,8 @@ use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
-    /// The planner settings the resource queues read queue_page.sql under (in its transaction):
-    /// with statistics from before a burst of tasks, its generic plan otherwise bitmapped Pulp's
-    /// state index and sorted every task after the position for each page. Without bitmaps and
-    /// full sorts, each branch walks its range of the (state, pulp_created) index in order and
-    /// stops after a page.
-    pub const QUEUE_PAGE_SETTINGS: &str =
-        "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off;";
+    /// The planner settings queue_page.sql is read under (see the file).
+    pub const QUEUE_PAGE_SETTINGS: &str = include_str!("tasks/queue_page_settings.sql");
     pub const CANDIDATES: &str = concat!(
         include_str!("tasks/held.sql"),
         ",\n",
@@ -1092,8 +1087,7 @@ impl Tasks {
     pub async fn queue_page(&self, after: Option<Key>) -> Result<Vec<(Key, Vec<String>)>, Error> {
         let after = after.map(key_bound);
         let (created, id) = (after.map(|a| a.0), after.map(|a| a.1));
-        // In a read-only transaction of its own, under QUEUE_PAGE_SETTINGS (which the generic
-        // plan is built with at its first execution on each connection, and kept).
+        // In a read-only transaction of its own, under queue_page_settings.sql.
         let mut client = self.client().await?;
         let prepared = client.prepare_cached(sql::QUEUE_PAGE).await?;
         let tx = self

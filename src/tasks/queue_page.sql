@@ -11,7 +11,7 @@
 -- pulp_created) index from the position, so a page reads about as many rows as it returns,
 -- whatever lies before the position (a single `state NOT IN (...)` range reads every task after
 -- it, completed ones included, or sorts them; tests/pulp_schema.rs checks the pages it reads).
--- Read under tasks::sql::QUEUE_PAGE_SETTINGS (no bitmaps, no full sorts): with statistics from
+-- Read under queue_page_settings.sql (no bitmaps, no full sorts): with statistics from
 -- before a burst the generic plan otherwise bitmapped the state index and sorted every task after
 -- the position, for every page (a_queue_page_reads_a_page_not_the_backlog).
 -- Written out per state (as candidates.sql's look-up near the head is): one branch joined
