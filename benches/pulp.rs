@@ -10,7 +10,8 @@
 //! wake-up notification); every 5th round 2 waiting R0 tasks are canceled through pulpcore's
 //! `cancel_task()`. The broker runs with its defaults (lane gauge every 15 s, GIN pending list
 //! merged every second); the GIN index's pending list is on (a fresh Pulp database), then off
-//! (`migrate --gin-fastupdate-off`). pulpcore's side runs in a Python helper process
+//! (`migrate --gin-fastupdate-off`). A last cell (pending list off, finish) lets R0's queue
+//! move: its head finishes first, so each round hands out R0's next task too (broker only). pulpcore's side runs in a Python helper process
 //! (`benches/pulp/helper.py`) on the same database and Redis, timed there.
 //!
 //! The backlog itself is inserted in one statement with Pulp's insert trigger off: through the
@@ -21,7 +22,9 @@
 //!
 //! Postgres statements and buffers (8 kB pages) per fetch come from `pg_stat_statements`,
 //! counting every statement of the broker's role during the broker's rounds (background work
-//! included).
+//! included), but not the transaction control some reads are wrapped in (`BEGIN READ ONLY` with
+//! their planner settings, and `COMMIT`, sent with the read in one round trip): those are counted
+//! apart.
 //!
 //! pulpcore's workers and the broker share the database here, as they never do in a deployment:
 //! when pulpcore's cell outlasts the broker's claim grace (14 s, at 1,000,000 blocked), the
@@ -175,6 +178,8 @@ fn summary(mut ms: Vec<f64>) -> (f64, f64) {
 #[derive(Debug, Default)]
 struct Costs {
     statements: f64,
+    /// BEGIN, the planner settings (`*_settings.sql`) and COMMIT around a read.
+    control: f64,
     buffers: f64,
     /// The lane gauge's statements (lanes*.sql) during the rounds: calls and total ms.
     lane_calls: i64,
@@ -210,6 +215,13 @@ async fn broker_costs(db: &tokio_postgres::Client) -> Costs {
             let mean: f64 = row.get(2);
             costs.lane_calls += calls;
             costs.lane_ms += mean * calls as f64;
+        }
+        if first_line.starts_with("BEGIN")
+            || first_line.starts_with("COMMIT")
+            || first_line.contains("_settings.sql")
+        {
+            costs.control += calls as f64;
+            continue;
         }
         costs.statements += calls as f64;
         costs.buffers += per_call * calls as f64;
@@ -504,6 +516,32 @@ async fn run_size(
             rows.push(row);
         }
     }
+    // R0's queue moves: its head finishes, and each round hands out R0's next task beside the
+    // other domain's. Broker only: pulpcore's side still holds R0's lock in its own Redis
+    // locks (baseline_setup), so its fetch_task would not see the same queue.
+    let moving = match head.finish(FinalState::Completed, None).await {
+        Ok(_) => "finish, R0 moving",
+        Err(e) => {
+            // Its lease lapsed during the run: the sweeper failed it, and R0's queue moves
+            // already.
+            eprintln!("  the head task's lease lapsed during the run: {e}");
+            "finish, R0 moving (head lapsed)"
+        }
+    };
+    let broker_cell = broker_rounds(&fleet, &mut helper, &db, false).await;
+    let row = Row {
+        blocked,
+        pending: "off",
+        mode: moving,
+        pulpcore: Cell {
+            fetch_ms: Vec::new(),
+            fetched: 0,
+            costs: None,
+        },
+        broker: broker_cell,
+    };
+    print_row(&row);
+    rows.push(row);
     // One full pass of the lane gauge over this backlog, as the broker makes it (a
     // maintained pass in between reads only what changed).
     let started = Instant::now();
@@ -519,11 +557,6 @@ async fn run_size(
     }
     for worker in &fleet {
         worker.close().await.unwrap();
-    }
-    if let Err(e) = head.finish(FinalState::Completed, None).await {
-        // Its lease lapsed during the run: the sweeper failed it, and R0's next task became
-        // its head.
-        eprintln!("  the head task's lease lapsed during the run: {e}");
     }
     holder.close().await.unwrap();
     helper.stop().await;
@@ -559,9 +592,11 @@ fn print_row(row: &Row) {
     );
     if let Some(c) = costs {
         eprintln!(
-            "    broker role: {:.1} statements and {:.0} buffers per fetch",
+            "    broker role: {:.1} statements and {:.0} buffers per fetch \
+             (and {:.1} BEGIN / settings / COMMIT sent with reads)",
             c.statements / calls,
-            c.buffers / calls
+            c.buffers / calls,
+            c.control / calls
         );
         eprintln!(
             "    lane gauge during the rounds: {} statements, {:.1} ms in all",

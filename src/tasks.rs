@@ -25,6 +25,8 @@ use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
 pub mod sql {
     /// The planner settings queue_page.sql is read under (see the file).
     pub const QUEUE_PAGE_SETTINGS: &str = include_str!("tasks/queue_page_settings.sql");
+    /// The planner settings candidates.sql is read under (see the file).
+    pub const CANDIDATES_SETTINGS: &str = include_str!("tasks/candidates_settings.sql");
     pub const CANDIDATES: &str = concat!(
         include_str!("tasks/held.sql"),
         ",\n",
@@ -499,6 +501,43 @@ impl Tasks {
         }
     }
 
+    /// [`Tasks::query_read`] in a read-only transaction of its own under planner `settings`
+    /// (`SET LOCAL` lines), for a statement whose generic plan must not depend on how fresh the
+    /// statistics are. One round trip: the transaction's start with the settings, the statement
+    /// and the commit are sent together (an error in the statement makes the commit a rollback),
+    /// and count as one statement.
+    async fn query_read_under(
+        &self,
+        settings: &str,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error> {
+        let begin = format!("BEGIN READ ONLY;\n{settings}");
+        let mut tries = 1;
+        loop {
+            let read = async {
+                let client = self.client().await?;
+                let prepared = client.prepare_cached(statement).await?;
+                // (Each request is sent when its future is first polled: all three go out
+                // together, in this order, before any answer is read.)
+                let (_, rows, _) = self
+                    .timed(async {
+                        tokio::try_join!(
+                            client.batch_execute(&begin),
+                            client.query(&prepared, params),
+                            client.batch_execute("COMMIT"),
+                        )
+                    })
+                    .await?;
+                Ok(rows)
+            };
+            match read.await {
+                Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
+                other => return other,
+            }
+        }
+    }
+
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
     /// overlap `excluded` or the conflict keys of claimed and running tasks (candidates.sql).
     /// Tasks up to `near` (the end of the queue's head, from the resource queues) are looked up
@@ -514,7 +553,8 @@ impl Tasks {
         let (near_created, near_id) = (near.map(|a| a.0), near.map(|a| a.1));
         let statement = candidates_sql(limit);
         let mut rows = self
-            .query_read(
+            .query_read_under(
+                sql::CANDIDATES_SETTINGS,
                 &statement,
                 &[
                     &excluded,
@@ -1087,16 +1127,9 @@ impl Tasks {
     pub async fn queue_page(&self, after: Option<Key>) -> Result<Vec<(Key, Vec<String>)>, Error> {
         let after = after.map(key_bound);
         let (created, id) = (after.map(|a| a.0), after.map(|a| a.1));
-        // In a read-only transaction of its own, under queue_page_settings.sql.
-        let mut client = self.client().await?;
-        let prepared = client.prepare_cached(sql::QUEUE_PAGE).await?;
-        let tx = self
-            .timed(client.build_transaction().read_only(true).start())
+        let rows = self
+            .query_read_under(sql::QUEUE_PAGE_SETTINGS, sql::QUEUE_PAGE, &[&created, &id])
             .await?;
-        self.timed(tx.batch_execute(sql::QUEUE_PAGE_SETTINGS))
-            .await?;
-        let rows = self.timed(tx.query(&prepared, &[&created, &id])).await?;
-        self.timed(tx.commit()).await?;
         rows.iter()
             .map(|row| {
                 let (key, record) = lane_row(row)?;

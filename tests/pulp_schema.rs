@@ -537,6 +537,11 @@ async fn incident_database(blocked: usize) -> (tokio_postgres::Client, String, S
     (db, row.get(0), row.get(1))
 }
 
+/// The planner settings the broker reads candidates.sql under, for a whole session.
+fn candidates_settings() -> String {
+    dispatch_broker::tasks::sql::CANDIDATES_SETTINGS.replace("SET LOCAL", "SET")
+}
+
 /// Shared buffers (8 kB pages) one execution of a prepared statement reads, as the broker's
 /// sessions run it: generic plan, sequential scans off.
 async fn buffers(db: &tokio_postgres::Client, execute: &str) -> u64 {
@@ -569,12 +574,13 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
     }
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
-         SET max_parallel_workers_per_gather = 0; \
+         SET max_parallel_workers_per_gather = 0; {} \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
          PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
+        candidates_settings(),
         dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
@@ -836,10 +842,11 @@ async fn next_head_reads(blocked: usize) -> (u64, u64) {
     let (db, _, _) = incident_database(blocked).await;
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
-         SET max_parallel_workers_per_gather = 0; \
+         SET max_parallel_workers_per_gather = 0; {} \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
          UPDATE core_task SET state = 'completed' WHERE state = 'running' \
          AND reserved_resources_record @> ARRAY['prn:python.repository:R0'];",
+        candidates_settings(),
         dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
     ))
     .await
@@ -913,5 +920,157 @@ async fn the_broker_keeps_the_gin_pending_list_merged() {
         } else {
             assert!(pending > 0, "nothing was pending: the test proves nothing");
         }
+    }
+}
+
+/// A Pulp database on a Postgres of its own that keeps pg_stat_statements, and a broker on it.
+async fn measured_pulp(
+    tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
+) -> (dispatch_broker::testkit::Postgres, Env) {
+    let (pg, url, redis) = tokio::task::spawn_blocking(|| {
+        let mut pg = dispatch_broker::testkit::Postgres::start().expect("start own postgres");
+        pg.psql(
+            "postgres",
+            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+        )
+        .expect("preload pg_stat_statements");
+        pg.restart().expect("restart postgres");
+        let url = pg.create_database("pulp").expect("create database");
+        pg.psql("pulp", PULP_SCHEMA).expect("load pulp schema");
+        pg.psql("pulp", "CREATE EXTENSION pg_stat_statements")
+            .expect("create extension");
+        let redis = dispatch_broker::testkit::Redis::start().expect("start redis");
+        (pg, url, redis)
+    })
+    .await
+    .unwrap();
+    (pg, Env::on(url, redis, tweak).await)
+}
+
+/// Pages (8 kB buffers) candidates.sql read since the last call, once every pass has ended.
+async fn candidate_pages(env: &Env) -> i64 {
+    env.broker().passes.idle().await;
+    let pages: i64 = env
+        .db
+        .query_one(
+            "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
+             FROM pg_stat_statements WHERE query LIKE '%candidates.sql:%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    env.db
+        .execute("SELECT pg_stat_statements_reset()", &[])
+        .await
+        .unwrap();
+    pages
+}
+
+const R0: &str = "prn:file.repository:R0";
+
+/// Tasks of another domain (repositories F<i> for i in `range`), inserted as pulpcore's dispatch
+/// does.
+async fn other_domain_tasks(db: &tokio_postgres::Client, range: std::ops::Range<usize>) {
+    for i in range {
+        pulp_task(
+            db,
+            &[
+                &format!("prn:file.repository:F{i}"),
+                "shared:prn:core.domain:D2",
+            ],
+        )
+        .await;
+    }
+}
+
+/// Pages candidates.sql read in each fetch while R0's queue moves on Pulp's schema: R0's head
+/// runs, `blocked` tasks wait behind it (inserted in one statement), 20 tasks of another domain
+/// after them; the head finishes; then rounds as the Pulp bench's: 5 leases each fetch a task,
+/// then all finish theirs (one of them R0's next task), and 5 new tasks of the other domain
+/// arrive. `fresh`: the statistics are gathered after the backlog arrived; else they are those
+/// from before it (as until autovacuum's next ANALYZE).
+async fn pages_while_the_queue_moves(blocked: usize, fresh: bool) -> Vec<i64> {
+    let (_pg, mut env) = measured_pulp(|args| {
+        args.fetch.hint_max_age = Duration::from_secs(3600);
+    })
+    .await;
+    pulp_task(&env.db, &[R0, "shared:prn:core.domain:D1"]).await;
+    let busy = env.open("busy").await;
+    let head = env.fetch(&busy).await.expect("the head task");
+    env.start(&busy, &head).await;
+    env.db.batch_execute("ANALYZE core_task").await.unwrap();
+    env.db
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL session_replication_role = replica; \
+             INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+                 logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+                 deferred, pulp_api_version) \
+             SELECT gen_random_uuid(), clock_timestamp(), now(), 'waiting', 'sync', 'cid', \
+                    ARRAY['{R0}', 'shared:prn:core.domain:D1'], d.pulp_id, \
+                    hstore('core', '3.123.1'), false, true, 'v3' \
+             FROM core_domain d, generate_series(1, {blocked}) WHERE d.name = 'default'; \
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
+    // Merged into the GIN index, as the broker does every second (the rounds would otherwise
+    // read the backlog's pending entries in every readiness look-up).
+    env.db
+        .query(dispatch_broker::tasks::sql::GIN_CLEAN, &[])
+        .await
+        .unwrap();
+    if fresh {
+        env.db.batch_execute("ANALYZE core_task").await.unwrap();
+    }
+    other_domain_tasks(&env.db, 0..20).await;
+    env.settle_queues().await;
+    env.finish(&busy, &head, "completed").await;
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        leases.push(env.open(&format!("w{i}")).await);
+    }
+    candidate_pages(&env).await;
+    let mut pages = Vec::new();
+    for round in 0..4 {
+        let mut fetched = Vec::new();
+        for lease in &leases {
+            let task = env.fetch(lease).await.expect("a ready task");
+            pages.push(candidate_pages(&env).await);
+            fetched.push((lease.clone(), task));
+        }
+        for (lease, task) in fetched {
+            env.start(&lease, &task).await;
+            env.finish(&lease, &task, "completed").await;
+        }
+        other_domain_tasks(&env.db, 20 + round * 5..25 + round * 5).await;
+    }
+    env.shutdown().await;
+    pages
+}
+
+/// The guard for a queue that moves: once R0's head finished, each round hands out R0's next
+/// task and the other domain's, and no fetch reads R0's queue, whatever statistics the generic
+/// plans were made with.
+#[tokio::test]
+async fn no_fetch_reads_a_moving_queue() {
+    for fresh in [false, true] {
+        let small = pages_while_the_queue_moves(1_000, fresh).await;
+        let large = pages_while_the_queue_moves(20_000, fresh).await;
+        let statistics = if fresh {
+            "fresh"
+        } else {
+            "from before the backlog"
+        };
+        println!(
+            "candidates.sql pages per fetch, statistics {statistics}: {small:?} at 1,000, \
+             {large:?} at 20,000"
+        );
+        let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
+        assert!(
+            most_large <= most_small * 3 / 2 + 8,
+            "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 (statistics \
+             {statistics})"
+        );
     }
 }

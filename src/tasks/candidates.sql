@@ -79,22 +79,26 @@ CROSS JOIN LATERAL (
         -- Near the head: the incomplete tasks older than it, one range of Pulp's (state,
         -- pulp_created) index per incomplete state, each fenced (OFFSET 0) so that the overlap
         -- is checked on what they return and no plan reads the users of the task's resources
-        -- instead. Incomplete here is Pulp's three incomplete states, the same set as NOT IN
-        -- the final ones for every state Pulp's models allow; a row in a state Pulp does not
-        -- know would be counted by the form below only.
+        -- instead. Each in queue order: under candidates_settings.sql (no full sorts) only that
+        -- index serves it, where statistics from before a burst made Pulp's index on state
+        -- alone look as cheap, and it read every waiting task for each row of the page (R0's
+        -- next task, once its head finished: no_fetch_reads_a_moving_queue). Incomplete here is
+        -- Pulp's three incomplete states, the same set as NOT IN the final ones for every state
+        -- Pulp's models allow; a row in a state Pulp does not know would be counted by the form
+        -- below only.
         SELECT count(*)
         FROM (
             (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
              FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
-             OFFSET 0)
+             ORDER BY u.pulp_created OFFSET 0)
             UNION ALL
             (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
              FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
-             OFFSET 0)
+             ORDER BY u.pulp_created OFFSET 0)
             UNION ALL
             (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
              FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
-             OFFSET 0)
+             ORDER BY u.pulp_created OFFSET 0)
         ) AS o
         WHERE o.record && k.keys
           AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))

@@ -1,0 +1,13 @@
+-- candidates_settings.sql: the planner settings candidates.sql is read under, in a read-only
+-- transaction of its own (one round trip: BEGIN with these, the page, COMMIT, sent together).
+-- Its page wants the first tasks after a position in queue order: with statistics from before a
+-- burst of tasks (until autovacuum's next ANALYZE) the generic plan otherwise took a bitmap of
+-- Pulp's (state, pulp_created) index for every waiting task after the position and sorted them,
+-- for every fetch: a moving queue's whole backlog each time (no_fetch_reads_a_moving_queue).
+-- Without full sorts the page walks that index in order and stops after a page. Bitmaps stay on:
+-- the readiness look-ups need them for the GIN index. Nothing else in the statement needs a full
+-- sort but its final ordering of the page's few rows, which every plan has. The generic plan is
+-- built under these at its first execution on each connection (and again after an ANALYZE),
+-- always inside such a transaction.
+-- Never writes; changes nothing after the transaction ends (SET LOCAL).
+SET LOCAL enable_sort = off;
