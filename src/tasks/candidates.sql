@@ -82,7 +82,7 @@ CROSS JOIN LATERAL (
         -- instead. Each in queue order: under candidates_settings.sql (no full sorts) only that
         -- index serves it, where statistics from before a burst made Pulp's index on state
         -- alone look as cheap, and it read every waiting task for each row of the page (R0's
-        -- next task, once its head finished: no_fetch_reads_a_moving_queue). Incomplete here is
+        -- next task, once its head finished: no_fetch_reads_the_queue_behind_its_head). Incomplete here is
         -- Pulp's three incomplete states, the same set as NOT IN the final ones for every state
         -- Pulp's models allow; a row in a state Pulp does not know would be counted by the form
         -- below only.

@@ -3,7 +3,7 @@
 -- Its page wants the first tasks after a position in queue order: with statistics from before a
 -- burst of tasks (until autovacuum's next ANALYZE) the generic plan otherwise took a bitmap of
 -- Pulp's (state, pulp_created) index for every waiting task after the position and sorted them,
--- for every fetch: a moving queue's whole backlog each time (no_fetch_reads_a_moving_queue).
+-- for every fetch: a moving queue's whole backlog each time (no_fetch_reads_the_queue_behind_its_head).
 -- Without full sorts the page walks that index in order and stops after a page. Bitmaps stay on:
 -- the readiness look-ups need them for the GIN index. Nothing else in the statement needs a full
 -- sort but its final ordering of the page's few rows, which every plan has. The generic plan is
