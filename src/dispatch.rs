@@ -819,13 +819,16 @@ impl Dispatch {
         }
     }
 
-    /// Where the queue's head ends, for the exact look-ups of the tasks in it (candidates.sql),
-    /// when the resource queues are used and loaded.
-    fn head_end(&self) -> Option<(DateTime<Utc>, Uuid)> {
+    /// Where the queue's head ends and which resources have long queues, for the exact
+    /// look-ups of candidates.sql, when the resource queues are used and loaded.
+    fn near(&self) -> crate::tasks::Near {
         if !self.uses_resource_queues() {
-            return None;
+            return crate::tasks::Near::default();
         }
-        self.queues.head_end().map(crate::tasks::key_bound)
+        crate::tasks::Near {
+            head_end: self.queues.head_end().map(crate::tasks::key_bound),
+            long_queues: self.queues.long_queues(),
+        }
     }
 
     /// The passes running in their own tasks (shutdown waits for them).
@@ -960,7 +963,7 @@ impl Dispatch {
         // repository): start where the resource queues say the first waiting lane is, if that is
         // later, and reserve what the waiting holders before it need (a change to one of their
         // resources then drops the hint this pass leaves).
-        let near = self.head_end();
+        let near = self.near();
         // The held holders' entries count among the held entries the pass skipped by, so that
         // their release drops the hint it leaves, also when it comes before the page is read.
         let mut skipped_held: HashSet<String> = HashSet::new();
@@ -1031,7 +1034,7 @@ impl Dispatch {
         } else {
             let (mut rows, found) = tokio::try_join!(
                 self.tasks.returned(&returned),
-                self.tasks.candidates(&excluded, after, near, page),
+                self.tasks.candidates(&excluded, after, &near, page),
             )?;
             // Only those up to the hint's position: the page reaches the others in order.
             rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
@@ -1055,7 +1058,7 @@ impl Dispatch {
                 Some(found) => (first_read_at, found),
                 None => (
                     Instant::now(),
-                    self.tasks.candidates(&excluded, after, near, page).await?,
+                    self.tasks.candidates(&excluded, after, &near, page).await?,
                 ),
             };
             held_seen.extend(found.held.iter().cloned());

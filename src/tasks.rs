@@ -298,6 +298,18 @@ fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
     Ok(((created.timestamp_micros(), id), record.unwrap_or_default()))
 }
 
+/// What the resource queues tell candidates.sql's exact look-ups (see the file): a task up to
+/// the end of the queue's head is looked up against the incomplete tasks older than it, and so is
+/// a task that needs a resource with a long queue, as long as those older tasks are no more than
+/// that queue's users; every other task against its resources' users.
+#[derive(Debug, Clone, Default)]
+pub struct Near {
+    /// The end of the queue's head (None: not known).
+    pub head_end: Option<(DateTime<Utc>, Uuid)>,
+    /// The resources with a long queue, each with its number of users.
+    pub long_queues: Vec<(String, usize)>,
+}
+
 /// Handle on the task store.
 #[derive(Clone)]
 pub struct Tasks {
@@ -540,17 +552,24 @@ impl Tasks {
 
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
     /// overlap `excluded` or the conflict keys of claimed and running tasks (candidates.sql).
-    /// Tasks up to `near` (the end of the queue's head, from the resource queues) are looked up
-    /// against the tasks older than them rather than against their resources' users.
+    /// `near` says which tasks are looked up against the tasks older than them rather than
+    /// against their resources' users.
     pub async fn candidates(
         &self,
         excluded: &[String],
         after: Option<(DateTime<Utc>, Uuid)>,
-        near: Option<(DateTime<Utc>, Uuid)>,
+        near: &Near,
         limit: i64,
     ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
-        let (near_created, near_id) = (near.map(|a| a.0), near.map(|a| a.1));
+        let head_end = near.head_end;
+        let (near_created, near_id) = (head_end.map(|a| a.0), head_end.map(|a| a.1));
+        let long_names: Vec<&str> = near.long_queues.iter().map(|(n, _)| n.as_str()).collect();
+        let long_users: Vec<i32> = near
+            .long_queues
+            .iter()
+            .map(|(_, users)| i32::try_from(*users).unwrap_or(i32::MAX))
+            .collect();
         let statement = candidates_sql(limit);
         let mut rows = self
             .query_read_under(
@@ -562,6 +581,8 @@ impl Tasks {
                     &after_id,
                     &near_created,
                     &near_id,
+                    &long_names,
+                    &long_users,
                 ],
             )
             .await?;
@@ -1352,7 +1373,7 @@ impl Page {
 /// candidates.sql with its page size written in as a number (see the file's header): one
 /// prepared statement per page size, each planned once per connection.
 fn candidates_sql(limit: i64) -> String {
-    sql::CANDIDATES.replace("$6", &limit.max(1).to_string())
+    sql::CANDIDATES.replace("$page_size", &limit.max(1).to_string())
 }
 
 #[cfg(test)]

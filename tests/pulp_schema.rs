@@ -369,15 +369,15 @@ async fn the_readiness_lookup_uses_pulps_gin_index() {
     )
     .await
     .unwrap();
-    let sql = dispatch_broker::tasks::sql::CANDIDATES;
+    let sql = dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "32");
     db.batch_execute(&format!(
-        "PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, bigint) AS {sql}"
+        "PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {sql}"
     ))
     .await
     .unwrap();
     let plan: String = db
         .query(
-            "EXPLAIN EXECUTE candidates('{}', NULL, NULL, NULL, NULL, 32)",
+            "EXPLAIN EXECUTE candidates('{}', NULL, NULL, NULL, NULL, '{}', '{}')",
             &[],
         )
         .await
@@ -575,13 +575,13 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; {} \
-         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
+         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
          PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
         candidates_settings(),
-        dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
         dispatch_broker::tasks::sql::TASK_SEEN,
@@ -606,7 +606,7 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
                 "candidates.sql from the hint",
                 buffers(
                     &db,
-                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL)"),
+                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL, '{{}}', '{{}}')"),
                 )
                 .await,
             ),
@@ -843,11 +843,11 @@ async fn next_head_reads(blocked: usize) -> (u64, u64) {
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; {} \
-         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid) AS {}; \
+         PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
          UPDATE core_task SET state = 'completed' WHERE state = 'running' \
          AND reserved_resources_record @> ARRAY['prn:python.repository:R0'];",
         candidates_settings(),
-        dispatch_broker::tasks::sql::CANDIDATES.replace("$6", "8"),
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
     ))
     .await
     .unwrap();
@@ -866,10 +866,14 @@ async fn next_head_reads(blocked: usize) -> (u64, u64) {
     for _ in 0..2 {
         with_end = buffers(
             &db,
-            &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}')"),
+            &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}', '{{}}', '{{}}')"),
         )
         .await;
-        without = buffers(&db, "EXECUTE candidates('{}', NULL, NULL, NULL, NULL)").await;
+        without = buffers(
+            &db,
+            "EXECUTE candidates('{}', NULL, NULL, NULL, NULL, '{}', '{}')",
+        )
+        .await;
     }
     (with_end, without)
 }
@@ -993,11 +997,33 @@ async fn other_domain_tasks(db: &tokio_postgres::Client, range: std::ops::Range<
 /// put their claims back (R0's next task among them, checked first by the next pass), and 5 new
 /// tasks of the other domain arrive. `fresh`: the statistics are gathered after the backlog
 /// arrived; else they are those from before it (as until autovacuum's next ANALYZE).
-async fn pages_after_the_head(blocked: usize, fresh: bool, put_back: bool) -> Vec<i64> {
+/// `older_running`: that many tasks of a third domain run from before R0's head on (so R0's
+/// next task lies past the end of the queue's head).
+async fn pages_after_the_head(
+    blocked: usize,
+    fresh: bool,
+    put_back: bool,
+    older_running: usize,
+) -> Vec<i64> {
     let (_pg, mut env) = measured_pulp(|args| {
         args.fetch.hint_max_age = Duration::from_secs(3600);
     })
     .await;
+    env.db
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL session_replication_role = replica; \
+             INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+                 logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+                 deferred, pulp_api_version) \
+             SELECT gen_random_uuid(), clock_timestamp(), now(), 'running', 'sync', 'cid', \
+                    ARRAY['prn:file.repository:O' || i, 'shared:prn:core.domain:D3'], \
+                    d.pulp_id, hstore('core', '3.123.1'), true, false, 'v3' \
+             FROM core_domain d, generate_series(1, {older_running}) AS i \
+             WHERE d.name = 'default'; \
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
     pulp_task(&env.db, &[R0, "shared:prn:core.domain:D1"]).await;
     let busy = env.open("busy").await;
     let head = env.fetch(&busy).await.expect("the head task");
@@ -1064,17 +1090,22 @@ async fn pages_after_the_head(blocked: usize, fresh: bool, put_back: bool) -> Ve
 /// put back (R0's next task is then checked first by the next pass).
 #[tokio::test]
 async fn no_fetch_reads_the_queue_behind_its_head() {
-    for (fresh, put_back) in [(false, false), (true, false), (false, true)] {
-        let small = pages_after_the_head(1_000, fresh, put_back).await;
-        let large = pages_after_the_head(20_000, fresh, put_back).await;
+    for (fresh, put_back, older_running) in [
+        (false, false, 0),
+        (true, false, 0),
+        (false, true, 0),
+        (false, false, 300),
+    ] {
+        let small = pages_after_the_head(1_000, fresh, put_back, older_running).await;
+        let large = pages_after_the_head(20_000, fresh, put_back, older_running).await;
+        let statistics = if fresh {
+            "fresh"
+        } else {
+            "from before the backlog"
+        };
+        let claims = if put_back { "put back" } else { "finished" };
         let case = format!(
-            "statistics {}, claims {}",
-            if fresh {
-                "fresh"
-            } else {
-                "from before the backlog"
-            },
-            if put_back { "put back" } else { "finished" }
+            "statistics {statistics}, claims {claims}, {older_running} older tasks running"
         );
         println!("fetch pages per fetch, {case}: {small:?} at 1,000, {large:?} at 20,000");
         let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());

@@ -359,6 +359,12 @@ impl Queues {
         .flatten()
     }
 
+    /// The resources with a long queue and how many incomplete tasks use each (see
+    /// `ResourceQueues::long_queues`); empty before the first load.
+    pub(super) fn long_queues(&self) -> Vec<(String, usize)> {
+        self.read(|queues| queues.long_queues()).unwrap_or_default()
+    }
+
     /// Splits held record entries by what the queues can tell at `position` (see
     /// `ResourceQueues::hides`): the names that hide a waiting task older than it go into
     /// `hiding`, and the entries they cannot tell about are returned, for hiding.sql. A name that

@@ -91,7 +91,7 @@ impl Dispatch {
         let mut after = None;
         let mut held_seen: HashSet<String> = HashSet::new();
         let mut page = self.policy.first_page;
-        let near = self.head_end();
+        let near = self.near();
         // With the resource queues, the walk starts where they say, as a pass without a hint
         // does: their check of the holders is what makes a change made outside the broker seen
         // (a holder that ended), and the blocked queue is not read every walk.
@@ -115,7 +115,7 @@ impl Dispatch {
             if self.shutdown.is_fired() {
                 return Ok(());
             }
-            let found = self.tasks.candidates(&excluded, after, near, page).await?;
+            let found = self.tasks.candidates(&excluded, after, &near, page).await?;
             held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();

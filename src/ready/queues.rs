@@ -26,6 +26,11 @@ use super::{Key, Resources};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// A resource with at least this many users (incomplete tasks that need it) has a *long queue*:
+/// looking up the users of its resources reads at least that many tasks, so the exact look-up of
+/// a task that needs it first tries the tasks older than it (see [`ResourceQueues::long_queues`]).
+pub const LONG_QUEUE: usize = 256;
+
 /// One resource's queue.
 #[derive(Debug, Default)]
 struct Queue {
@@ -78,6 +83,8 @@ pub struct ResourceQueues {
     /// Tasks that hold a place (first user or first exclusive user) of some resource, with how
     /// many places each holds.
     holders: BTreeMap<Key, u32>,
+    /// The resources with at least [`LONG_QUEUE`] users.
+    long: std::collections::HashSet<u32, foldhash::fast::RandomState>,
     /// Every incomplete task up to this position is in the queues (None: nothing is known).
     known: Option<Key>,
     /// How many tasks were removed so far.
@@ -144,6 +151,18 @@ impl ResourceQueues {
             && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
     }
 
+    /// The resources with a long queue (at least [`LONG_QUEUE`] users), each with its number of
+    /// users.
+    pub fn long_queues(&self) -> Vec<(String, usize)> {
+        self.long
+            .iter()
+            .filter_map(|name| {
+                let users = self.queues.get(name)?.users.len();
+                Some((self.spelled[*name as usize].clone(), users))
+            })
+            .collect()
+    }
+
     /// The position of the `n`th task in queue order (1-based), if there are that many.
     pub fn nth(&self, n: usize) -> Option<Key> {
         self.order.iter().nth(n.checked_sub(1)?).copied()
@@ -180,6 +199,9 @@ impl ResourceQueues {
             let queue = self.queues.entry(name).or_default();
             let before = queue.places();
             queue.users.insert(key);
+            if queue.users.len() == LONG_QUEUE {
+                self.long.insert(name);
+            }
             if exclusive {
                 queue.exclusive.insert(key);
             }
@@ -235,6 +257,9 @@ impl ResourceQueues {
             };
             let before = queue.places();
             queue.users.remove(&key);
+            if queue.users.len() < LONG_QUEUE {
+                self.long.remove(&name);
+            }
             queue.removed_at = self.removals;
             if exclusive {
                 queue.exclusive.remove(&key);

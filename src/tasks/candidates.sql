@@ -10,9 +10,13 @@
 -- $5 uuid         incomplete tasks before them (the resource queues know), so their exact
 --                 look-up reads those instead of every user of their resources (R0's next task,
 --                 once its head finished, would read R0's whole queue)
--- $6 (the LIMIT)  the page size, written into the text as a number by tasks.rs (one prepared
---                 statement per page size): the broker's sessions use generic plans, and a
---                 generic plan with a parameter LIMIT guesses a tenth of the table and sorts it
+-- $6 text[]       the resources with a long queue (the resource queues know) and, at the same
+-- $7 int[]        index, how many users each has: a task that needs one is looked up against
+--                 the incomplete tasks older than it as long as they are no more than that
+-- $page_size      the page size (the LIMIT), written into the text as a number by tasks.rs
+--                 (one prepared statement per page size): the broker's sessions use generic
+--                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
+--                 and sorts it
 -- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
 --          text), immediate, older_conflicts), then one closing row whose pulp_id is NULL and
 --          which holds the held entries this page skipped by (held_entries) and, when the page is
@@ -57,7 +61,7 @@ page AS (
       AND (t.pulp_created, t.pulp_id) > (coalesce($2::timestamptz, '-infinity'),
                                          coalesce($3::uuid, '00000000-0000-0000-0000-000000000000'))
     ORDER BY t.pulp_created, t.pulp_id
-    LIMIT $6
+    LIMIT $page_size
 )
 SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
@@ -73,39 +77,57 @@ CROSS JOIN LATERAL (
     ) AS keys
 ) k
 CROSS JOIN LATERAL (
+    -- How many older tasks the look-up against them may read: all of them for a task up to the
+    -- end of the queue's head (NULL), as many as the longest queue among its resources has
+    -- users for a task that needs a resource with a long queue, none otherwise (-1).
     SELECT CASE
     WHEN $4::timestamptz IS NOT NULL
-         AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN (
-        -- Near the head: the incomplete tasks older than it, one range of Pulp's (state,
-        -- pulp_created) index per incomplete state, each fenced (OFFSET 0) so that the overlap
-        -- is checked on what they return and no plan reads the users of the task's resources
-        -- instead. Each in queue order: under candidates_settings.sql (no full sorts) only that
-        -- index serves it, where statistics from before a burst made Pulp's index on state
-        -- alone look as cheap, and it read every waiting task for each row of the page (R0's
-        -- next task, once its head finished: no_fetch_reads_the_queue_behind_its_head). Incomplete here is
-        -- Pulp's three incomplete states, the same set as NOT IN the final ones for every state
-        -- Pulp's models allow; a row in a state Pulp does not know would be counted by the form
-        -- below only.
-        SELECT count(*)
-        FROM (
-            (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
-             FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
-             ORDER BY u.pulp_created OFFSET 0)
-            UNION ALL
-            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
-             FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
-             ORDER BY u.pulp_created OFFSET 0)
-            UNION ALL
-            (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
-             FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
-             ORDER BY u.pulp_created OFFSET 0)
-        ) AS o
-        WHERE o.record && k.keys
-          AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))
-    ELSE (
-        -- One positive look-up in the partial GIN index, fenced from the time comparison
-        -- (OFFSET 0): a generic plan would AND it with Pulp's plain pulp_created index and read
-        -- every older task (tests/pulp_schema.rs checks the pages it reads).
+         AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN NULL::bigint
+    ELSE coalesce((SELECT max(l.users) FROM unnest($6::text[], $7::int[]) AS l(name, users)
+                   WHERE l.name = ANY (k.keys)), -1)
+    END AS bound
+) b
+CROSS JOIN LATERAL (
+    SELECT coalesce(
+        CASE WHEN b.bound IS DISTINCT FROM -1 THEN (
+            -- Against the older tasks: the incomplete tasks older than it, one range of Pulp's
+            -- (state, pulp_created) index per incomplete state, each fenced (OFFSET 0) so that
+            -- the overlap is checked on what they return and no plan reads the users of the
+            -- task's resources instead. Each in queue order: under candidates_settings.sql (no
+            -- full sorts) only that index serves it, where statistics from before a burst made
+            -- Pulp's index on state alone look as cheap, and it read every waiting task for each
+            -- row of the page (R0's next task, once its head finished:
+            -- no_fetch_reads_the_queue_behind_its_head). Read up to the bound plus one: when
+            -- there are more, the answer is NULL and the look-up against the users below
+            -- decides, so it never reads more than twice what that one reads. For R0's next task
+            -- past the end of the queue's head, that one would read R0's whole queue. Incomplete
+            -- here is Pulp's three incomplete states, the same set as NOT IN the final ones for
+            -- every state Pulp's models allow; a row in a state Pulp does not know would be
+            -- counted by the form below only.
+            SELECT CASE WHEN b.bound IS NULL OR count(*) <= b.bound THEN
+                count(*) FILTER (WHERE o.record && k.keys
+                                   AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))
+            END
+            FROM (
+                (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
+                 FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
+                 ORDER BY u.pulp_created OFFSET 0)
+                UNION ALL
+                (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+                 FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
+                 ORDER BY u.pulp_created OFFSET 0)
+                UNION ALL
+                (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
+                 FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
+                 ORDER BY u.pulp_created OFFSET 0)
+                LIMIT b.bound + 1
+            ) AS o)
+        END,
+        (
+        -- Against its resources' users: one positive look-up in the partial GIN index, fenced
+        -- from the time comparison (OFFSET 0): a generic plan would AND it with Pulp's plain
+        -- pulp_created index and read every older task (tests/pulp_schema.rs checks the pages
+        -- it reads).
         SELECT count(*)
         FROM (
             SELECT u.pulp_created, u.pulp_id
@@ -115,7 +137,7 @@ CROSS JOIN LATERAL (
             OFFSET 0
         ) AS m
         WHERE (m.pulp_created, m.pulp_id) < (p.pulp_created, p.pulp_id))
-    END AS older_conflicts
+    ) AS older_conflicts
 ) c
 UNION ALL
 -- The closing row. The tail is one step of the (state, pulp_created) index, from its end.
@@ -125,7 +147,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        -- start of any open writer of core_task when this row is computed (writers.sql); none
        -- when a writer's start cannot be read. A writer that commits while the page is read is
        -- missed: its task waits for the next walk at most.
-       CASE WHEN (SELECT count(*) FROM page) < $6 THEN (
+       CASE WHEN (SELECT count(*) FROM page) < $page_size THEN (
            SELECT CASE WHEN bool_or(w.xact_start IS NULL) THEN NULL
                        ELSE least((SELECT max(t.pulp_created) FROM core_task t
                                    WHERE t.state = 'waiting'),

@@ -246,3 +246,25 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_resource_with_long_queue_users_is_named_until_its_queue_is_short_again() {
+    let mut q = ResourceQueues::default();
+    let wide = |n: usize| (n as i64, Uuid::from_u128(n as u128 + 1));
+    for n in 0..LONG_QUEUE - 1 {
+        q.insert(wide(n), &record(&["R0", "shared:D"]));
+    }
+    assert!(q.long_queues().is_empty());
+    q.insert(wide(LONG_QUEUE), &record(&["R0", "shared:D"]));
+    let mut long = q.long_queues();
+    long.sort();
+    assert_eq!(
+        long,
+        vec![("D".to_owned(), LONG_QUEUE), ("R0".to_owned(), LONG_QUEUE)]
+    );
+    // Also when its users are inserted again (left as they are), and until one leaves.
+    q.insert(wide(0), &record(&["R0", "shared:D"]));
+    assert_eq!(q.long_queues().len(), 2);
+    q.remove(&wide(0).1);
+    assert!(q.long_queues().is_empty());
+}
