@@ -300,13 +300,13 @@ fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
 
 /// What the resource queues tell candidates.sql's exact look-ups (see the file): a task up to
 /// the end of the queue's head is looked up against the incomplete tasks older than it, and so is
-/// a task that needs a resource with a long queue, as long as those older tasks are no more than
-/// that queue's users; every other task against its resources' users.
+/// a task whose conflict keys include entries of long queues, as long as those older tasks are no
+/// more than the tasks that carry those entries; every other task against its resources' users.
 #[derive(Debug, Clone, Default)]
 pub struct Near {
     /// The end of the queue's head (None: not known).
     pub head_end: Option<(DateTime<Utc>, Uuid)>,
-    /// The resources with a long queue, each with its number of users.
+    /// The record entries of long queues, each with how many tasks carry it.
     pub long_queues: Vec<(String, usize)>,
 }
 

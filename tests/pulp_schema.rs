@@ -975,36 +975,43 @@ async fn fetch_pages(env: &Env) -> i64 {
 
 const R0: &str = "prn:file.repository:R0";
 
-/// Tasks of another domain (repositories F<i> for i in `range`), inserted as pulpcore's dispatch
-/// does.
-async fn other_domain_tasks(db: &tokio_postgres::Client, range: std::ops::Range<usize>) {
+/// Tasks of other repositories (F<i> for i in `range`) in `domain` (their shared entry),
+/// inserted as pulpcore's dispatch does.
+async fn other_tasks(db: &tokio_postgres::Client, domain: &str, range: std::ops::Range<usize>) {
     for i in range {
-        pulp_task(
-            db,
-            &[
-                &format!("prn:file.repository:F{i}"),
-                "shared:prn:core.domain:D2",
-            ],
-        )
-        .await;
+        pulp_task(db, &[&format!("prn:file.repository:F{i}"), domain]).await;
     }
 }
 
-/// Pages the fetch path read in each fetch once R0's head finished, on Pulp's schema: R0's head
-/// runs, `blocked` tasks wait behind it (inserted in one statement), 20 tasks of another domain
-/// after them; the head finishes; then rounds as the Pulp bench's: 5 leases each fetch a task,
-/// then all finish theirs (one of them R0's next task: the queue moves) or, with `put_back`,
-/// put their claims back (R0's next task among them, checked first by the next pass), and 5 new
-/// tasks of the other domain arrive. `fresh`: the statistics are gathered after the backlog
-/// arrived; else they are those from before it (as until autovacuum's next ANALYZE).
-/// `older_running`: that many tasks of a third domain run from before R0's head on (so R0's
-/// next task lies past the end of the queue's head).
-async fn pages_after_the_head(
-    blocked: usize,
+/// How the queue after R0's head is set up and moved (see [`pages_after_the_head`]).
+#[derive(Clone, Copy, Debug)]
+struct AfterTheHead {
+    /// The statistics are gathered after the backlog arrived; else they are those from before
+    /// it (as until autovacuum's next ANALYZE).
     fresh: bool,
+    /// The leases put their claims back instead of finishing their tasks.
     put_back: bool,
+    /// That many tasks of a third domain run from before R0's head on (so R0's next task lies
+    /// past the end of the queue's head).
     older_running: usize,
-) -> Vec<i64> {
+    /// The shared entry of the other repositories' tasks: another domain's, or R0's own (one
+    /// Pulp domain for all, as in the Pulp bench).
+    others_domain: &'static str,
+}
+
+/// Pages the fetch path read in each fetch once R0's head finished, on Pulp's schema: R0's head
+/// runs, `blocked` tasks wait behind it (inserted in one statement), 20 tasks of other
+/// repositories after them; the head finishes; then rounds as the Pulp bench's: 5 leases each
+/// fetch a task, then all finish theirs (one of them R0's next task: the queue moves) or put
+/// their claims back (R0's next task among them, checked first by the next pass), and 5 new
+/// tasks of other repositories arrive.
+async fn pages_after_the_head(blocked: usize, case: AfterTheHead) -> Vec<i64> {
+    let AfterTheHead {
+        fresh,
+        put_back,
+        older_running,
+        others_domain,
+    } = case;
     let (_pg, mut env) = measured_pulp(|args| {
         args.fetch.hint_max_age = Duration::from_secs(3600);
     })
@@ -1052,7 +1059,7 @@ async fn pages_after_the_head(
     if fresh {
         env.db.batch_execute("ANALYZE core_task").await.unwrap();
     }
-    other_domain_tasks(&env.db, 0..20).await;
+    other_tasks(&env.db, others_domain, 0..20).await;
     env.settle_queues().await;
     env.finish(&busy, &head, "completed").await;
     let mut leases = Vec::new();
@@ -1078,40 +1085,41 @@ async fn pages_after_the_head(
                 env.finish(&lease, &task, "completed").await;
             }
         }
-        other_domain_tasks(&env.db, 20 + round * 5..25 + round * 5).await;
+        other_tasks(&env.db, others_domain, 20 + round * 5..25 + round * 5).await;
     }
     env.shutdown().await;
     pages
 }
 
 /// The guard for the queue after its head: once R0's head finished, each round hands out R0's
-/// next task and the other domain's, and no fetch reads R0's queue, whatever statistics the
+/// next task and other repositories', and no fetch reads R0's queue, whatever statistics the
 /// generic plans were made with, whether the tasks finish (the queue moves) or their claims are
-/// put back (R0's next task is then checked first by the next pass).
+/// put back (R0's next task is then checked first by the next pass), whether R0's next task lies
+/// within the end of the queue's head or past it, and whether the other repositories share R0's
+/// domain (a resource then every task uses, shared).
 #[tokio::test]
 async fn no_fetch_reads_the_queue_behind_its_head() {
-    for (fresh, put_back, older_running) in [
-        (false, false, 0),
-        (true, false, 0),
-        (false, true, 0),
-        (false, false, 300),
+    let (d1, d2) = ("shared:prn:core.domain:D1", "shared:prn:core.domain:D2");
+    let case = |fresh, put_back, older_running, others_domain| AfterTheHead {
+        fresh,
+        put_back,
+        older_running,
+        others_domain,
+    };
+    for case in [
+        case(false, false, 0, d2),
+        case(true, false, 0, d2),
+        case(false, true, 0, d2),
+        case(false, false, 300, d2),
+        case(false, false, 300, d1),
     ] {
-        let small = pages_after_the_head(1_000, fresh, put_back, older_running).await;
-        let large = pages_after_the_head(20_000, fresh, put_back, older_running).await;
-        let statistics = if fresh {
-            "fresh"
-        } else {
-            "from before the backlog"
-        };
-        let claims = if put_back { "put back" } else { "finished" };
-        let case = format!(
-            "statistics {statistics}, claims {claims}, {older_running} older tasks running"
-        );
-        println!("fetch pages per fetch, {case}: {small:?} at 1,000, {large:?} at 20,000");
+        let small = pages_after_the_head(1_000, case).await;
+        let large = pages_after_the_head(20_000, case).await;
+        println!("fetch pages per fetch, {case:?}: {small:?} at 1,000, {large:?} at 20,000");
         let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
         assert!(
             most_large <= most_small * 3 / 2 + 8,
-            "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case})"
+            "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case:?})"
         );
     }
 }

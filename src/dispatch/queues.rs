@@ -359,7 +359,7 @@ impl Queues {
         .flatten()
     }
 
-    /// The resources with a long queue and how many incomplete tasks use each (see
+    /// The record entries of long queues and how many incomplete tasks carry each (see
     /// `ResourceQueues::long_queues`); empty before the first load.
     pub(super) fn long_queues(&self) -> Vec<(String, usize)> {
         self.read(|queues| queues.long_queues()).unwrap_or_default()

@@ -26,9 +26,10 @@ use super::{Key, Resources};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// A resource with at least this many users (incomplete tasks that need it) has a *long queue*:
-/// looking up the users of its resources reads at least that many tasks, so the exact look-up of
-/// a task that needs it first tries the tasks older than it (see [`ResourceQueues::long_queues`]).
+/// A resource has a *long queue* when at least this many incomplete tasks need it in one mode
+/// (exclusively, or shared): a record entry (`NAME` or `shared:NAME`) that many tasks carry makes
+/// a look-up through it read that many tasks, so the exact look-up of a task whose conflict keys
+/// include it first tries the tasks older than it (see [`ResourceQueues::long_queues`]).
 pub const LONG_QUEUE: usize = 256;
 
 /// One resource's queue.
@@ -83,8 +84,8 @@ pub struct ResourceQueues {
     /// Tasks that hold a place (first user or first exclusive user) of some resource, with how
     /// many places each holds.
     holders: BTreeMap<Key, u32>,
-    /// The resources with at least [`LONG_QUEUE`] users.
-    long: std::collections::HashSet<u32, foldhash::fast::RandomState>,
+    /// The resources with a long queue, by mode (true: exclusive).
+    long: std::collections::HashSet<(u32, bool), foldhash::fast::RandomState>,
     /// Every incomplete task up to this position is in the queues (None: nothing is known).
     known: Option<Key>,
     /// How many tasks were removed so far.
@@ -151,14 +152,22 @@ impl ResourceQueues {
             && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
     }
 
-    /// The resources with a long queue (at least [`LONG_QUEUE`] users), each with its number of
-    /// users.
+    /// The resources with a long queue, as the record entries that many tasks carry (`NAME` for
+    /// the exclusive users, `shared:NAME` for the shared ones), each with how many tasks carry it.
     pub fn long_queues(&self) -> Vec<(String, usize)> {
         self.long
             .iter()
-            .filter_map(|name| {
-                let users = self.queues.get(name)?.users.len();
-                Some((self.spelled[*name as usize].clone(), users))
+            .filter_map(|&(name, exclusive)| {
+                let queue = self.queues.get(&name)?;
+                let spelled = &self.spelled[name as usize];
+                Some(if exclusive {
+                    (spelled.clone(), queue.exclusive.len())
+                } else {
+                    (
+                        format!("{}{spelled}", super::SHARED_PREFIX),
+                        queue.users.len() - queue.exclusive.len(),
+                    )
+                })
             })
             .collect()
     }
@@ -199,12 +208,10 @@ impl ResourceQueues {
             let queue = self.queues.entry(name).or_default();
             let before = queue.places();
             queue.users.insert(key);
-            if queue.users.len() == LONG_QUEUE {
-                self.long.insert(name);
-            }
             if exclusive {
                 queue.exclusive.insert(key);
             }
+            mark_long(&mut self.long, name, queue);
             let after = queue.places();
             // Newer tasks whose place may be lost to this one: a task older than others can only
             // take places from them.
@@ -257,9 +264,6 @@ impl ResourceQueues {
             };
             let before = queue.places();
             queue.users.remove(&key);
-            if queue.users.len() < LONG_QUEUE {
-                self.long.remove(&name);
-            }
             queue.removed_at = self.removals;
             if exclusive {
                 queue.exclusive.remove(&key);
@@ -274,6 +278,7 @@ impl ResourceQueues {
                 judge.push(*e);
             }
             let after = queue.places();
+            mark_long(&mut self.long, name, queue);
             if queue.users.is_empty() {
                 self.queues.remove(&name);
             }
@@ -464,6 +469,22 @@ impl ResourceQueues {
                 }
             })
             .collect()
+    }
+}
+
+/// Notes whether a resource's queue is long in each mode, after a change to it.
+fn mark_long(
+    long: &mut std::collections::HashSet<(u32, bool), foldhash::fast::RandomState>,
+    name: u32,
+    queue: &Queue,
+) {
+    let exclusive = queue.exclusive.len();
+    for (mode, users) in [(true, exclusive), (false, queue.users.len() - exclusive)] {
+        if users >= LONG_QUEUE {
+            long.insert((name, mode));
+        } else {
+            long.remove(&(name, mode));
+        }
     }
 }
 

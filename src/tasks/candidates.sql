@@ -10,9 +10,11 @@
 -- $5 uuid         incomplete tasks before them (the resource queues know), so their exact
 --                 look-up reads those instead of every user of their resources (R0's next task,
 --                 once its head finished, would read R0's whole queue)
--- $6 text[]       the resources with a long queue (the resource queues know) and, at the same
--- $7 int[]        index, how many users each has: a task that needs one is looked up against
---                 the incomplete tasks older than it as long as they are no more than that
+-- $6 text[]       the record entries of long queues (the resource queues know: `NAME` for
+-- $7 int[]        exclusive users, `shared:NAME` for shared ones) and, at the same index, how
+--                 many tasks carry each: a task whose conflict keys include some is looked up
+--                 against the incomplete tasks older than it as long as they are no more than
+--                 that many
 -- $page_size      the page size (the LIMIT), written into the text as a number by tasks.rs
 --                 (one prepared statement per page size): the broker's sessions use generic
 --                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
@@ -78,13 +80,14 @@ CROSS JOIN LATERAL (
 ) k
 CROSS JOIN LATERAL (
     -- How many older tasks the look-up against them may read: all of them for a task up to the
-    -- end of the queue's head (NULL), as many as the longest queue among its resources has
-    -- users for a task that needs a resource with a long queue, none otherwise (-1).
+    -- end of the queue's head (NULL); for a task whose conflict keys include entries of long
+    -- queues, as many as carry those entries (at least what the look-up against the users
+    -- would read); none otherwise (-1).
     SELECT CASE
     WHEN $4::timestamptz IS NOT NULL
          AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN NULL::bigint
-    ELSE coalesce((SELECT max(l.users) FROM unnest($6::text[], $7::int[]) AS l(name, users)
-                   WHERE l.name = ANY (k.keys)), -1)
+    ELSE coalesce((SELECT sum(l.users) FROM unnest($6::text[], $7::int[]) AS l(entry, users)
+                   WHERE l.entry = ANY (k.keys)), -1)
     END AS bound
 ) b
 CROSS JOIN LATERAL (

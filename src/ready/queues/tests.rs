@@ -248,7 +248,7 @@ proptest! {
 }
 
 #[test]
-fn a_resource_with_long_queue_users_is_named_until_its_queue_is_short_again() {
+fn a_resource_with_a_long_queue_is_named_by_mode_until_it_is_short_again() {
     let mut q = ResourceQueues::default();
     let wide = |n: usize| (n as i64, Uuid::from_u128(n as u128 + 1));
     for n in 0..LONG_QUEUE - 1 {
@@ -258,11 +258,18 @@ fn a_resource_with_long_queue_users_is_named_until_its_queue_is_short_again() {
     q.insert(wide(LONG_QUEUE), &record(&["R0", "shared:D"]));
     let mut long = q.long_queues();
     long.sort();
+    // R0 by its exclusive users, D by its shared ones: the entries the tasks carry.
     assert_eq!(
         long,
-        vec![("D".to_owned(), LONG_QUEUE), ("R0".to_owned(), LONG_QUEUE)]
+        vec![
+            ("R0".to_owned(), LONG_QUEUE),
+            ("shared:D".to_owned(), LONG_QUEUE)
+        ]
     );
-    // Also when its users are inserted again (left as they are), and until one leaves.
+    // One exclusive user of D is not a long queue of D's exclusive users.
+    q.insert(wide(LONG_QUEUE + 1), &record(&["D"]));
+    assert_eq!(q.long_queues().len(), 2);
+    // A task inserted again is left as it is; one that leaves makes both queues short again.
     q.insert(wide(0), &record(&["R0", "shared:D"]));
     assert_eq!(q.long_queues().len(), 2);
     q.remove(&wide(0).1);
