@@ -530,18 +530,29 @@ impl Tasks {
             let read = async {
                 let client = self.client().await?;
                 let prepared = client.prepare_cached(statement).await?;
-                // (Each request is sent when its future is first polled: all three go out
-                // together, in this order, before any answer is read.)
-                let (_, rows, _) = self
+                // Each request is sent when its future is first polled: all three go out
+                // together, in this order (biased), before any answer is read.
+                let sent = self
                     .timed(async {
                         tokio::try_join!(
+                            biased;
                             client.batch_execute(&begin),
                             client.query(&prepared, params),
                             client.batch_execute("COMMIT"),
                         )
                     })
-                    .await?;
-                Ok(rows)
+                    .await;
+                match sent {
+                    Ok((_, rows, _)) => Ok(rows),
+                    Err(e) => {
+                        // The transaction may still be open (a statement that failed before it
+                        // was sent, e.g. a parameter that does not encode, ends the join before
+                        // the commit is sent): the connection is closed, not handed back to the
+                        // pool, where the next statement would run inside it.
+                        drop(deadpool_postgres::Object::take(client));
+                        Err(e)
+                    }
+                }
             };
             match read.await {
                 Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
@@ -1386,6 +1397,51 @@ mod tests {
         assert!(
             sql::LANES_PAGE.contains(&format!("LIMIT {LANE_PAGE_ROWS}\n")),
             "lanes_page.sql's LIMIT differs from LANE_PAGE_ROWS"
+        );
+    }
+
+    /// A read under planner settings that fails before its statement is sent (a parameter that
+    /// does not encode) leaves no transaction open on a pooled connection: the next statement
+    /// runs outside it, with the settings as they were.
+    #[tokio::test]
+    async fn a_read_under_settings_that_fails_leaves_no_transaction_behind() {
+        let pg = tokio::task::spawn_blocking(crate::testkit::Postgres::start)
+            .await
+            .unwrap()
+            .expect("start postgres");
+        let tasks = Tasks::connect(
+            &pg.url("postgres"),
+            1,
+            Duration::from_secs(5),
+            Arc::new(Stats::default()),
+        )
+        .await
+        .unwrap();
+        let failed = tasks
+            .query_read_under(
+                sql::CANDIDATES_SETTINGS,
+                "SELECT $1::int",
+                &[&"not a number"],
+            )
+            .await;
+        assert!(
+            failed.is_err(),
+            "the parameter encoded: the test proves nothing"
+        );
+        // (One connection in the pool: this runs where the failed read ran, or on its
+        // replacement.)
+        let rows = tasks
+            .query(
+                "SELECT current_setting('transaction_read_only'), current_setting('enable_sort')",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (read_only, sort): (String, String) = (rows[0].get(0), rows[0].get(1));
+        assert_eq!(
+            (read_only.as_str(), sort.as_str()),
+            ("off", "on"),
+            "the next statement ran inside the failed read's transaction"
         );
     }
 }

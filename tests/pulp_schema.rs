@@ -537,9 +537,21 @@ async fn incident_database(blocked: usize) -> (tokio_postgres::Client, String, S
     (db, row.get(0), row.get(1))
 }
 
-/// The planner settings the broker reads candidates.sql under, for a whole session.
+/// The planner settings the broker reads candidates.sql under, for a whole session (one where
+/// only candidates.sql runs).
 fn candidates_settings() -> String {
     dispatch_broker::tasks::sql::CANDIDATES_SETTINGS.replace("SET LOCAL", "SET")
+}
+
+/// [`buffers`] in a transaction under planner `settings` (`SET LOCAL` lines), as the broker
+/// runs the statement (the generic plan is built at the first execution, under them).
+async fn buffers_under(db: &tokio_postgres::Client, settings: &str, execute: &str) -> u64 {
+    db.batch_execute(&format!("BEGIN READ ONLY; {settings}"))
+        .await
+        .unwrap();
+    let pages = buffers(db, execute).await;
+    db.batch_execute("COMMIT").await.unwrap();
+    pages
 }
 
 /// Shared buffers (8 kB pages) one execution of a prepared statement reads, as the broker's
@@ -574,13 +586,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
     }
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
-         SET max_parallel_workers_per_gather = 0; {} \
+         SET max_parallel_workers_per_gather = 0; \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
          PREPARE task(uuid[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
-        candidates_settings(),
         dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
         dispatch_broker::tasks::sql::TASK,
         dispatch_broker::tasks::sql::HIDING,
@@ -604,9 +615,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
         reads = vec![
             (
                 "candidates.sql from the hint",
-                buffers(
+                buffers_under(
                     &db,
-                    &format!("EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL, '{{}}', '{{}}')"),
+                    dispatch_broker::tasks::sql::CANDIDATES_SETTINGS,
+                    &format!(
+                        "EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL, '{{}}', '{{}}')"
+                    ),
                 )
                 .await,
             ),
@@ -635,7 +649,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
             ),
             (
                 "queue_page.sql catching up from the hint",
-                buffers(&db, &format!("EXECUTE queue_page('{created}', '{id}')")).await,
+                buffers_under(
+                    &db,
+                    dispatch_broker::tasks::sql::QUEUE_PAGE_SETTINGS,
+                    &format!("EXECUTE queue_page('{created}', '{id}')"),
+                )
+                .await,
             ),
         ];
     }
@@ -960,7 +979,7 @@ async fn fetch_pages(env: &Env) -> i64 {
         .query_one(
             "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
              FROM pg_stat_statements WHERE query LIKE '%candidates.sql:%' \
-             OR query LIKE '-- task.sql:%' OR query LIKE '-- hiding.sql:%'",
+             OR query LIKE '%task.sql:%' OR query LIKE '%hiding.sql:%'",
             &[],
         )
         .await
@@ -1075,6 +1094,27 @@ async fn pages_after_the_head(blocked: usize, case: AfterTheHead) -> Vec<i64> {
             pages.push(fetch_pages(&env).await);
             fetched.push((lease.clone(), task));
         }
+        // What was handed out: R0's oldest incomplete task, and no other R0 task.
+        let ids: Vec<Uuid> = fetched.iter().map(|(_, t)| id(t)).collect();
+        let (r0_handed_out, older_r0): (i64, i64) = env
+            .db
+            .query_one(
+                "SELECT count(*), coalesce(sum((SELECT count(*) FROM core_task u \
+                     WHERE u.reserved_resources_record @> ARRAY[$2] \
+                       AND u.state IN ('waiting', 'running', 'canceling') \
+                       AND (u.pulp_created, u.pulp_id) < (t.pulp_created, t.pulp_id))), 0)::bigint \
+                 FROM core_task t \
+                 WHERE t.pulp_id = ANY ($1) AND t.reserved_resources_record @> ARRAY[$2]",
+                &[&ids, &R0],
+            )
+            .await
+            .map(|row| (row.get(0), row.get(1)))
+            .unwrap();
+        assert_eq!(
+            (r0_handed_out, older_r0),
+            (1, 0),
+            "round {round}: R0's tasks handed out, and incomplete R0 tasks older than them"
+        );
         for (lease, task) in fetched {
             if put_back {
                 env.release(&lease, &task)
@@ -1092,7 +1132,8 @@ async fn pages_after_the_head(blocked: usize, case: AfterTheHead) -> Vec<i64> {
 }
 
 /// The guard for the queue after its head: once R0's head finished, each round hands out R0's
-/// next task and other repositories', and no fetch reads R0's queue, whatever statistics the
+/// next task (exactly one R0 task, with no incomplete R0 task older than it) and other
+/// repositories', and no fetch reads R0's queue, whatever statistics the
 /// generic plans were made with, whether the tasks finish (the queue moves) or their claims are
 /// put back (R0's next task is then checked first by the next pass), whether R0's next task lies
 /// within the end of the queue's head or past it, and whether the other repositories share R0's
@@ -1121,5 +1162,92 @@ async fn no_fetch_reads_the_queue_behind_its_head() {
             most_large <= most_small * 3 / 2 + 8,
             "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case:?})"
         );
+    }
+}
+
+/// candidates.sql's exact look-up gives the same count whichever way it reads: through the GIN
+/// index, against the older tasks near the queue's head, and against the older tasks up to a
+/// long queue's bound (within it, and past it, where it falls back to the GIN index).
+#[tokio::test]
+async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
+    let (_url, db) = pulp_database_client().await;
+    // A mixed queue of 240 tasks over five repositories in both modes and a shared domain, in
+    // every state (a few without a record), none running (a running task's names are held, and
+    // the page skips what they hide).
+    db.batch_execute(
+        "SET session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+             logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+             deferred, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), now(), \
+                (ARRAY['waiting', 'waiting', 'waiting', 'canceling', 'completed', 'failed', \
+                       'canceled', 'skipped'])[1 + i % 8], 't', 'c', \
+                CASE WHEN i % 37 = 0 THEN NULL \
+                     WHEN i % 3 = 0 THEN ARRAY['shared:R' || (i % 5), 'shared:D'] \
+                     ELSE ARRAY['R' || (i % 5), 'shared:D'] END, \
+                d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+         FROM core_domain d, generate_series(1, 240) AS i WHERE d.name = 'default'; \
+         SET session_replication_role = origin; \
+         SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off;",
+    )
+    .await
+    .unwrap();
+    db.batch_execute(&format!(
+        "PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}",
+        dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "1000")
+    ))
+    .await
+    .unwrap();
+    let entries = "ARRAY['R0','R1','R2','R3','R4','shared:R0','shared:R1','shared:R2',\
+                   'shared:R3','shared:R4','D','shared:D']";
+    let counts = |users: i32| format!("array_fill({users}, ARRAY[12])");
+    let ways = [
+        ("through the GIN index", "NULL, NULL, '{}', '{}'".to_owned()),
+        (
+            "near the head",
+            "'infinity', 'ffffffff-ffff-ffff-ffff-ffffffffffff', '{}', '{}'".to_owned(),
+        ),
+        (
+            "within a long queue's bound",
+            format!("NULL, NULL, {entries}, {}", counts(1_000_000)),
+        ),
+        (
+            "past a long queue's bound",
+            format!("NULL, NULL, {entries}, {}", counts(0)),
+        ),
+        (
+            "within and past a long queue's bound",
+            format!("NULL, NULL, {entries}, {}", counts(3)),
+        ),
+    ];
+    let mut answers = Vec::new();
+    // Twice each way: the first executions of a prepared statement may be custom plans.
+    for (way, params) in ways.iter().chain(ways.iter()) {
+        db.batch_execute(&format!(
+            "BEGIN READ ONLY; {}",
+            dispatch_broker::tasks::sql::CANDIDATES_SETTINGS
+        ))
+        .await
+        .unwrap();
+        let rows = db
+            .query(
+                &format!("EXECUTE candidates('{{}}', NULL, NULL, {params})"),
+                &[],
+            )
+            .await
+            .unwrap();
+        db.batch_execute("COMMIT").await.unwrap();
+        let counts: Vec<(Option<Uuid>, Option<i64>)> =
+            rows.iter().map(|r| (r.get(0), r.get(6))).collect();
+        answers.push((way, counts));
+    }
+    let (_, reference) = &answers[0];
+    let older: Vec<i64> = reference.iter().filter_map(|(_, c)| *c).collect();
+    assert!(
+        older.len() >= 60 && older.contains(&0) && older.iter().any(|c| *c > 3),
+        "the page does not mix ready tasks and tasks behind more than three: {older:?}"
+    );
+    for (way, counts) in &answers {
+        assert_eq!(counts, reference, "the look-up {way} counts otherwise");
     }
 }
