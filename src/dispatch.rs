@@ -825,10 +825,10 @@ impl Dispatch {
         if !self.uses_resource_queues() {
             return crate::tasks::Near::default();
         }
-        crate::tasks::Near {
-            head_end: self.queues.head_end().map(crate::tasks::key_bound),
-            long_queues: self.queues.long_queues(),
-        }
+        crate::tasks::Near::new(
+            self.queues.head_end().map(crate::tasks::key_bound),
+            self.queues.long_queues(),
+        )
     }
 
     /// The passes running in their own tasks (shutdown waits for them).

@@ -306,8 +306,25 @@ fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
 pub struct Near {
     /// The end of the queue's head (None: not known).
     pub head_end: Option<(DateTime<Utc>, Uuid)>,
-    /// The record entries of long queues, each with how many tasks carry it.
-    pub long_queues: Vec<(String, usize)>,
+    /// The record entries of long queues, and at the same index how many tasks carry each
+    /// (candidates.sql's $6 and $7).
+    pub long_entries: Vec<String>,
+    pub long_users: Vec<i32>,
+}
+
+impl Near {
+    /// `head_end`, and the long queues as `ResourceQueues::long_queues` lists them.
+    pub fn new(head_end: Option<(DateTime<Utc>, Uuid)>, long: Vec<(String, usize)>) -> Near {
+        let (long_entries, long_users) = long
+            .into_iter()
+            .map(|(entry, users)| (entry, i32::try_from(users).unwrap_or(i32::MAX)))
+            .unzip();
+        Near {
+            head_end,
+            long_entries,
+            long_users,
+        }
+    }
 }
 
 /// Handle on the task store.
@@ -502,15 +519,7 @@ impl Tasks {
         statement: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, Error> {
-        // Each closed connection is discarded when it is handed back, so every try gets
-        // another; a session terminated by an operator (or a restart) may leave several.
-        let mut tries = 1;
-        loop {
-            match self.query(statement, params).await {
-                Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
-                other => return other,
-            }
-        }
+        retry_closed(|| self.query(statement, params)).await
     }
 
     /// [`Tasks::query_read`] in a read-only transaction of its own under planner `settings`
@@ -525,40 +534,34 @@ impl Tasks {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, Error> {
         let begin = format!("BEGIN READ ONLY;\n{settings}");
-        let mut tries = 1;
-        loop {
-            let read = async {
-                let client = self.client().await?;
-                let prepared = client.prepare_cached(statement).await?;
-                // Each request is sent when its future is first polled: all three go out
-                // together, in this order (biased), before any answer is read.
-                let sent = self
-                    .timed(async {
-                        tokio::try_join!(
-                            biased;
-                            client.batch_execute(&begin),
-                            client.query(&prepared, params),
-                            client.batch_execute("COMMIT"),
-                        )
-                    })
-                    .await;
-                match sent {
-                    Ok((_, rows, _)) => Ok(rows),
-                    Err(e) => {
-                        // The transaction may still be open (a statement that failed before it
-                        // was sent, e.g. a parameter that does not encode, ends the join before
-                        // the commit is sent): the connection is closed, not handed back to the
-                        // pool, where the next statement would run inside it.
-                        drop(deadpool_postgres::Object::take(client));
-                        Err(e)
-                    }
+        retry_closed(|| async {
+            let client = self.client().await?;
+            let prepared = client.prepare_cached(statement).await?;
+            // Each request is sent when its future is first polled: all three go out together,
+            // in this order (biased), before any answer is read.
+            let sent = self
+                .timed(async {
+                    tokio::try_join!(
+                        biased;
+                        client.batch_execute(&begin),
+                        client.query(&prepared, params),
+                        client.batch_execute("COMMIT"),
+                    )
+                })
+                .await;
+            match sent {
+                Ok((_, rows, _)) => Ok(rows),
+                Err(e) => {
+                    // The transaction may still be open (a statement that failed before it was
+                    // sent, e.g. a parameter that does not encode, ends the join before the
+                    // commit is sent): the connection is closed, not handed back to the pool,
+                    // where the next statement would run inside it.
+                    drop(deadpool_postgres::Object::take(client));
+                    Err(e)
                 }
-            };
-            match read.await {
-                Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
-                other => return other,
             }
-        }
+        })
+        .await
     }
 
     /// One page of waiting, unclaimed tasks after `after` in queue order, skipping tasks that
@@ -575,12 +578,6 @@ impl Tasks {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
         let head_end = near.head_end;
         let (near_created, near_id) = (head_end.map(|a| a.0), head_end.map(|a| a.1));
-        let long_names: Vec<&str> = near.long_queues.iter().map(|(n, _)| n.as_str()).collect();
-        let long_users: Vec<i32> = near
-            .long_queues
-            .iter()
-            .map(|(_, users)| i32::try_from(*users).unwrap_or(i32::MAX))
-            .collect();
         let statement = candidates_sql(limit);
         let mut rows = self
             .query_read_under(
@@ -592,8 +589,8 @@ impl Tasks {
                     &after_id,
                     &near_created,
                     &near_id,
-                    &long_names,
-                    &long_users,
+                    &near.long_entries,
+                    &near.long_users,
                 ],
             )
             .await?;
@@ -1378,6 +1375,25 @@ impl Page {
             return None;
         }
         self.tail.map(|tail| (tail, Uuid::max()))
+    }
+}
+
+/// Runs a read, and again on another connection (up to [`READ_TRIES`] in all) while it fails
+/// because its pooled connection had been closed by the server while it sat idle (a restart, a
+/// terminated session) before the pool noticed: a read changes nothing, so repeating it is safe.
+/// Each closed connection is discarded when it is handed back, so every try gets another; a
+/// session terminated by an operator (or a restart) may leave several.
+async fn retry_closed<F, Fut>(read: F) -> Result<Vec<Row>, Error>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<Row>, Error>>,
+{
+    let mut tries = 1;
+    loop {
+        match read().await {
+            Err(Error::Db(e)) if e.is_closed() && tries < READ_TRIES => tries += 1,
+            other => return other,
+        }
     }
 }
 

@@ -164,12 +164,7 @@ async fn measured(
 ) -> (dispatch_broker::testkit::Postgres, Env) {
     let (pg, url, redis) = tokio::task::spawn_blocking(|| {
         let (mut pg, url) = support::own_postgres();
-        pg.psql(
-            "postgres",
-            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
-        )
-        .expect("preload pg_stat_statements");
-        pg.restart().expect("restart postgres");
+        support::preload_pg_stat_statements(&mut pg);
         pg.psql("own", "CREATE EXTENSION pg_stat_statements")
             .expect("create extension");
         let redis = dispatch_broker::testkit::Redis::start().expect("start redis");
@@ -186,32 +181,9 @@ async fn pages_when_idle(env: &Env) -> i64 {
     candidate_pages(&env.db).await
 }
 
-/// Fails when a fetch read clearly more candidates.sql pages at 20,000 blocked (`large`) than
-/// any fetch at 1,000 (`small`).
-fn no_fetch_reads_more_at_20_000(case: &str, small: &[i64], large: &[i64]) {
-    println!("candidates.sql pages per fetch {case}: {small:?} at 1,000, {large:?} at 20,000");
-    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
-    assert!(
-        most_large <= most_small * 3 / 2 + 8,
-        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000"
-    );
-}
-
 /// Pages (8 kB buffers) candidates.sql read since the last call, all calls together.
 async fn candidate_pages(db: &tokio_postgres::Client) -> i64 {
-    let pages: i64 = db
-        .query_one(
-            "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
-             FROM pg_stat_statements WHERE query LIKE '%candidates.sql:%'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    db.execute("SELECT pg_stat_statements_reset()", &[])
-        .await
-        .unwrap();
-    pages
+    support::statement_pages(db, &["%candidates.sql:%"]).await
 }
 
 /// Pages (8 kB buffers) candidates.sql read in each of `fetches` fetches with `wait` 0 after the
@@ -691,7 +663,11 @@ async fn pages_after_the_head_finished(blocked: usize) -> Vec<i64> {
 async fn after_the_head_finishes_no_fetch_reads_the_blocked_queue() {
     let small = pages_after_the_head_finished(1_000).await;
     let large = pages_after_the_head_finished(20_000).await;
-    no_fetch_reads_more_at_20_000("after the head finished", &small, &large);
+    support::no_fetch_reads_more_at_20_000(
+        "of candidates.sql after the head finished",
+        &small,
+        &large,
+    );
 }
 
 /// Pages candidates.sql read while three waiting calls were served after R0's head finished: R0's
@@ -818,5 +794,9 @@ async fn pages_passing_the_next_task_over(blocked: usize) -> Vec<i64> {
 async fn a_fetch_that_passes_the_next_task_over_does_not_read_the_blocked_queue() {
     let small = pages_passing_the_next_task_over(1_000).await;
     let large = pages_passing_the_next_task_over(20_000).await;
-    no_fetch_reads_more_at_20_000("passing R0's next task over", &small, &large);
+    support::no_fetch_reads_more_at_20_000(
+        "of candidates.sql passing R0's next task over",
+        &small,
+        &large,
+    );
 }

@@ -86,6 +86,16 @@ async fn pulp_task(db: &tokio_postgres::Client, record: &[&str]) -> Uuid {
     id
 }
 
+/// Writes to a task (as a claim does, briefly holding a write lock on core_task).
+async fn touch(db: &tokio_postgres::Client, task: Uuid) {
+    db.execute(
+        "UPDATE core_task SET pulp_last_updated = now() WHERE pulp_id = $1",
+        &[&task],
+    )
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let (url, db) = pulp_database_client().await;
@@ -124,13 +134,7 @@ async fn a_writer_that_ends_while_the_known_position_is_read_does_not_make_it_un
         writers.push(tokio::spawn(async move {
             let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                writer
-                    .execute(
-                        "UPDATE core_task SET pulp_last_updated = now() WHERE pulp_id = $1",
-                        &[&task],
-                    )
-                    .await
-                    .unwrap();
+                touch(&writer, task).await;
                 n += 1;
             }
             n
@@ -167,13 +171,7 @@ async fn an_open_writer_whose_activity_is_not_tracked_still_counts() {
         .await
         .unwrap();
     writer.execute("BEGIN", &[]).await.unwrap();
-    writer
-        .execute(
-            "UPDATE core_task SET pulp_last_updated = now() WHERE pulp_id = $1",
-            &[&task],
-        )
-        .await
-        .unwrap();
+    touch(&writer, task).await;
     assert_eq!(
         tasks.queue_known().await.unwrap(),
         None,
@@ -952,12 +950,7 @@ async fn measured_pulp(
 ) -> (dispatch_broker::testkit::Postgres, Env) {
     let (pg, url, redis) = tokio::task::spawn_blocking(|| {
         let mut pg = dispatch_broker::testkit::Postgres::start().expect("start own postgres");
-        pg.psql(
-            "postgres",
-            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
-        )
-        .expect("preload pg_stat_statements");
-        pg.restart().expect("restart postgres");
+        support::preload_pg_stat_statements(&mut pg);
         let url = pg.create_database("pulp").expect("create database");
         pg.psql("pulp", PULP_SCHEMA).expect("load pulp schema");
         pg.psql("pulp", "CREATE EXTENSION pg_stat_statements")
@@ -974,25 +967,32 @@ async fn measured_pulp(
 /// back, hiding.sql) took since the last call, once every pass has ended.
 async fn fetch_pages(env: &Env) -> i64 {
     env.broker().passes.idle().await;
-    let pages: i64 = env
-        .db
-        .query_one(
-            "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
-             FROM pg_stat_statements WHERE query LIKE '%candidates.sql:%' \
-             OR query LIKE '%task.sql:%' OR query LIKE '%hiding.sql:%'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    env.db
-        .execute("SELECT pg_stat_statements_reset()", &[])
-        .await
-        .unwrap();
-    pages
+    support::statement_pages(
+        &env.db,
+        &["%candidates.sql:%", "%task.sql:%", "%hiding.sql:%"],
+    )
+    .await
 }
 
 const R0: &str = "prn:file.repository:R0";
+
+/// Inserts `n` tasks in one statement with Pulp's insert trigger off (a backlog that arrived at
+/// once), every NOT NULL column filled as pulpcore's dispatch does: `state` and `record` are SQL
+/// expressions over `i` (1 to `n`).
+async fn pulp_tasks_bulk(db: &tokio_postgres::Client, n: usize, state: &str, record: &str) {
+    db.batch_execute(&format!(
+        "BEGIN; SET LOCAL session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+             logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+             deferred, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), now(), {state}, 'sync', 'cid', {record}, \
+                d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+         FROM core_domain d, generate_series(1, {n}) AS i WHERE d.name = 'default'; \
+         COMMIT;"
+    ))
+    .await
+    .expect("insert pulp tasks");
+}
 
 /// Tasks of other repositories (F<i> for i in `range`) in `domain` (their shared entry),
 /// inserted as pulpcore's dispatch does.
@@ -1035,40 +1035,25 @@ async fn pages_after_the_head(blocked: usize, case: AfterTheHead) -> Vec<i64> {
         args.fetch.hint_max_age = Duration::from_secs(3600);
     })
     .await;
-    env.db
-        .batch_execute(&format!(
-            "BEGIN; SET LOCAL session_replication_role = replica; \
-             INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
-                 logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
-                 deferred, pulp_api_version) \
-             SELECT gen_random_uuid(), clock_timestamp(), now(), 'running', 'sync', 'cid', \
-                    ARRAY['prn:file.repository:O' || i, 'shared:prn:core.domain:D3'], \
-                    d.pulp_id, hstore('core', '3.123.1'), true, false, 'v3' \
-             FROM core_domain d, generate_series(1, {older_running}) AS i \
-             WHERE d.name = 'default'; \
-             COMMIT;"
-        ))
-        .await
-        .unwrap();
+    pulp_tasks_bulk(
+        &env.db,
+        older_running,
+        "'running'",
+        "ARRAY['prn:file.repository:O' || i, 'shared:prn:core.domain:D3']",
+    )
+    .await;
     pulp_task(&env.db, &[R0, "shared:prn:core.domain:D1"]).await;
     let busy = env.open("busy").await;
     let head = env.fetch(&busy).await.expect("the head task");
     env.start(&busy, &head).await;
     env.db.batch_execute("ANALYZE core_task").await.unwrap();
-    env.db
-        .batch_execute(&format!(
-            "BEGIN; SET LOCAL session_replication_role = replica; \
-             INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
-                 logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
-                 deferred, pulp_api_version) \
-             SELECT gen_random_uuid(), clock_timestamp(), now(), 'waiting', 'sync', 'cid', \
-                    ARRAY['{R0}', 'shared:prn:core.domain:D1'], d.pulp_id, \
-                    hstore('core', '3.123.1'), false, true, 'v3' \
-             FROM core_domain d, generate_series(1, {blocked}) WHERE d.name = 'default'; \
-             COMMIT;"
-        ))
-        .await
-        .unwrap();
+    pulp_tasks_bulk(
+        &env.db,
+        blocked,
+        "'waiting'",
+        &format!("ARRAY['{R0}', 'shared:prn:core.domain:D1']"),
+    )
+    .await;
     // Merged into the GIN index, as the broker does every second (the rounds would otherwise
     // read the backlog's pending entries in every readiness look-up).
     env.db
@@ -1156,11 +1141,10 @@ async fn no_fetch_reads_the_queue_behind_its_head() {
     ] {
         let small = pages_after_the_head(1_000, case).await;
         let large = pages_after_the_head(20_000, case).await;
-        println!("fetch pages per fetch, {case:?}: {small:?} at 1,000, {large:?} at 20,000");
-        let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
-        assert!(
-            most_large <= most_small * 3 / 2 + 8,
-            "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case:?})"
+        support::no_fetch_reads_more_at_20_000(
+            &format!("of the fetch path, {case:?}"),
+            &small,
+            &large,
         );
     }
 }
@@ -1174,21 +1158,18 @@ async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
     // A mixed queue of 240 tasks over five repositories in both modes and a shared domain, in
     // every state (a few without a record), none running (a running task's names are held, and
     // the page skips what they hide).
+    pulp_tasks_bulk(
+        &db,
+        240,
+        "(ARRAY['waiting', 'waiting', 'waiting', 'canceling', 'completed', 'failed', 'canceled', \
+                'skipped'])[1 + i % 8]",
+        "CASE WHEN i % 37 = 0 THEN NULL \
+              WHEN i % 3 = 0 THEN ARRAY['shared:R' || (i % 5), 'shared:D'] \
+              ELSE ARRAY['R' || (i % 5), 'shared:D'] END",
+    )
+    .await;
     db.batch_execute(
-        "SET session_replication_role = replica; \
-         INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
-             logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
-             deferred, pulp_api_version) \
-         SELECT gen_random_uuid(), clock_timestamp(), now(), \
-                (ARRAY['waiting', 'waiting', 'waiting', 'canceling', 'completed', 'failed', \
-                       'canceled', 'skipped'])[1 + i % 8], 't', 'c', \
-                CASE WHEN i % 37 = 0 THEN NULL \
-                     WHEN i % 3 = 0 THEN ARRAY['shared:R' || (i % 5), 'shared:D'] \
-                     ELSE ARRAY['R' || (i % 5), 'shared:D'] END, \
-                d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
-         FROM core_domain d, generate_series(1, 240) AS i WHERE d.name = 'default'; \
-         SET session_replication_role = origin; \
-         SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off;",
+        "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off;",
     )
     .await
     .unwrap();

@@ -509,3 +509,43 @@ pub fn fetch_request(lease_id: impl Into<String>) -> FetchTaskRequest {
 pub fn id(task: &Task) -> Uuid {
     task.task_id.parse().unwrap()
 }
+
+/// Has this cluster load pg_stat_statements (a restart): a database whose statements are counted
+/// then needs `CREATE EXTENSION pg_stat_statements`.
+pub fn preload_pg_stat_statements(pg: &mut Postgres) {
+    pg.psql(
+        "postgres",
+        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+    )
+    .expect("preload pg_stat_statements");
+    pg.restart().expect("restart postgres");
+}
+
+/// Shared buffers (8 kB pages) read since the last call by the statements whose text matches any
+/// of the LIKE `patterns`, all calls together; the counts start afresh.
+pub async fn statement_pages(db: &tokio_postgres::Client, patterns: &[&str]) -> i64 {
+    let pages: i64 = db
+        .query_one(
+            "SELECT coalesce(sum(shared_blks_hit + shared_blks_read), 0)::bigint \
+             FROM pg_stat_statements WHERE query LIKE ANY ($1)",
+            &[&patterns],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.execute("SELECT pg_stat_statements_reset()", &[])
+        .await
+        .unwrap();
+    pages
+}
+
+/// Fails when a fetch read clearly more pages at 20,000 blocked (`large`, per fetch) than any
+/// fetch at 1,000 (`small`): more than half as many again, and 8.
+pub fn no_fetch_reads_more_at_20_000(case: &str, small: &[i64], large: &[i64]) {
+    println!("pages per fetch {case}: {small:?} at 1,000, {large:?} at 20,000");
+    let (most_small, most_large) = (*small.iter().max().unwrap(), *large.iter().max().unwrap());
+    assert!(
+        most_large <= most_small * 3 / 2 + 8,
+        "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case})"
+    );
+}
