@@ -14,6 +14,10 @@
 //! move: its head finishes first, so each round hands out R0's next task too (broker only). pulpcore's side runs in a Python helper process
 //! (`benches/pulp/helper.py`) on the same database and Redis, timed there.
 //!
+//! The cluster is durable, as a deployment's is: fsync and full_page_writes on (the test clusters
+//! run without fsync), so every commit, the broker's claims and pulpcore's alike, waits for its
+//! WAL to reach the disk.
+//!
 //! The backlog itself is inserted in one statement with Pulp's insert trigger off: through the
 //! trigger, each insert on R0 reads every incomplete R0 task (its clock check), so a backlog of
 //! 100,000 would take hours to build. Everything that arrives during the run goes through
@@ -639,7 +643,19 @@ async fn main() {
         "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
     )
     .unwrap();
+    // Durable, as a deployment's database is (the test clusters run without fsync): every
+    // commit, the broker's claims and pulpcore's alike, waits for its WAL to reach the disk.
+    for setting in ["fsync", "full_page_writes"] {
+        pg.psql("postgres", &format!("ALTER SYSTEM SET {setting} = on"))
+            .unwrap();
+    }
     pg.restart().unwrap();
+    let durable: String = pg.psql("postgres", "SHOW fsync").unwrap();
+    assert_eq!(
+        durable.trim(),
+        "on",
+        "the benchmark's cluster runs with fsync on"
+    );
     pg.psql(
         "postgres",
         &format!("CREATE ROLE {BROKER_ROLE} LOGIN SUPERUSER"),

@@ -179,6 +179,19 @@ impl Postgres {
         if !out.status.success() {
             bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
         }
+        // fsync=off: fast, and still survives the server being killed (WAL reaches the OS at
+        // every commit); only an OS crash would lose data, which tests never cause. In the
+        // cluster's configuration file rather than on the command line, so that a benchmark can
+        // make the cluster durable as a deployment's is (`ALTER SYSTEM SET fsync = on`, then a
+        // restart).
+        {
+            use std::io::Write as _;
+            let mut conf = std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("postgresql.conf"))
+                .context("opening postgresql.conf")?;
+            conf.write_all(b"\nfsync = off\nfull_page_writes = off\n")?;
+        }
         let mut pg = Postgres {
             dir,
             port: free_port()?,
@@ -196,8 +209,6 @@ impl Postgres {
         if let Some((uid, gid)) = self.identity {
             std::os::unix::fs::chown(self.dir.path().join("postgres.log"), Some(uid), Some(gid))?;
         }
-        // fsync=off: fast, and still survives the server being killed (WAL reaches the OS at
-        // every commit); only an OS crash would lose data, which tests never cause.
         let mut cmd = Command::new(postgres);
         cmd.arg("-D")
             .arg(&data)
@@ -208,10 +219,6 @@ impl Postgres {
             .args([
                 "-c",
                 "listen_addresses=127.0.0.1",
-                "-c",
-                "fsync=off",
-                "-c",
-                "full_page_writes=off",
                 "-c",
                 "max_connections=300",
                 "-c",
