@@ -282,8 +282,10 @@ impl Admin {
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
         let task = if facts_row.state == "waiting" && facts_row.app_lock_id.is_none() {
+            // Through the GIN index (no resource queues here): an operator's question, not on
+            // the fetch path.
             self.tasks
-                .task(task_id)
+                .task(task_id, &crate::tasks::Near::default())
                 .await?
                 .ok_or(Error::TaskNotFound(task_id))?
         } else {

@@ -1033,7 +1033,7 @@ impl Dispatch {
             (Vec::new(), None)
         } else {
             let (mut rows, found) = tokio::try_join!(
-                self.tasks.returned(&returned),
+                self.tasks.returned(&returned, &near),
                 self.tasks.candidates(&excluded, after, &near, page),
             )?;
             // Only those up to the hint's position: the page reaches the others in order.
@@ -1538,7 +1538,7 @@ impl Dispatch {
         let lease = self.live_lease(lease_id).await?;
         let task = self
             .tasks
-            .task(task_id)
+            .task(task_id, &self.near())
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
         // Unclaimed, or marked with the lease's own row: Pulp's dispatch() marks an immediate

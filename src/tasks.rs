@@ -27,13 +27,42 @@ pub mod sql {
     pub const QUEUE_PAGE_SETTINGS: &str = include_str!("tasks/queue_page_settings.sql");
     /// The planner settings candidates.sql is read under (see the file).
     pub const CANDIDATES_SETTINGS: &str = include_str!("tasks/candidates_settings.sql");
-    pub const CANDIDATES: &str = concat!(
-        include_str!("tasks/held.sql"),
-        ",\n",
-        include_str!("tasks/writers.sql"),
-        include_str!("tasks/candidates.sql")
-    );
-    pub const TASK: &str = include_str!("tasks/task.sql");
+    /// candidates.sql as it runs (with held.sql's and writers.sql's CTEs in front and the
+    /// readiness look-up written in), but for its page size (`$page_size`, see
+    /// `candidates_sql`).
+    pub static CANDIDATES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        with_readiness_lookup(
+            concat!(
+                include_str!("tasks/held.sql"),
+                ",\n",
+                include_str!("tasks/writers.sql"),
+                include_str!("tasks/candidates.sql")
+            ),
+            ["$4", "$5", "$6", "$7"],
+        )
+    });
+    /// task.sql as it runs, with the readiness look-up written in.
+    pub static TASK: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        with_readiness_lookup(include_str!("tasks/task.sql"), ["$2", "$3", "$4", "$5"])
+    });
+    /// The exact readiness look-up candidates.sql and task.sql share (see the file).
+    const READINESS_LOOKUP: &str = include_str!("tasks/readiness_lookup.sql");
+
+    /// `statement` with readiness_lookup.sql in place of its `-- $readiness_lookup` line, its
+    /// parameters named as `params` (the end of the queue's head, then the long queues).
+    fn with_readiness_lookup(statement: &str, params: [&str; 4]) -> String {
+        let [near_created, near_id, long_entries, long_users] = params;
+        let lookup = READINESS_LOOKUP
+            .replace("$near_created", near_created)
+            .replace("$near_id", near_id)
+            .replace("$long_entries", long_entries)
+            .replace("$long_users", long_users);
+        assert!(
+            statement.contains("\n-- $readiness_lookup\n"),
+            "no place for the readiness look-up"
+        );
+        statement.replace("-- $readiness_lookup\n", &lookup)
+    }
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
     pub const UNCLAIM: &str = include_str!("tasks/unclaim.sql");
     pub const START: &str = include_str!("tasks/start.sql");
@@ -91,8 +120,9 @@ pub mod sql {
     /// Set before lanes_users.sql, the one look-up by name (a bitmap of the GIN index, sorted).
     pub const LOOKUP_BY_NAME: &str = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on";
 
-    /// The statements the broker runs (prepared at start-up).
-    pub const ALL: [&str; 34] = [
+    /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
+    /// [`TASK`], which are put together at run time.
+    pub const ALL: [&str; 32] = [
         QUEUE_PAGE,
         QUEUE_KNOWN,
         TASK_SEEN,
@@ -113,8 +143,6 @@ pub mod sql {
         ANY_INCOMPLETE,
         END_TASKS,
         CLAIMED_TASKS,
-        CANDIDATES,
-        TASK,
         CLAIM,
         UNCLAIM,
         START,
@@ -440,13 +468,11 @@ impl Tasks {
             return Err(Error::Schema(missing.join(", ")));
         }
         let client = self.client().await?;
+        // candidates.sql in the form that runs: with its page size written in.
+        client.prepare_cached(&candidates_sql(1)).await?;
+        client.prepare_cached(&sql::TASK).await?;
         for statement in sql::ALL {
-            if statement == sql::CANDIDATES {
-                // The form that runs: with its page size written in (`candidates_sql`).
-                client.prepare_cached(&candidates_sql(1)).await?;
-            } else {
-                client.prepare_cached(statement).await?;
-            }
+            client.prepare_cached(statement).await?;
         }
         Ok(())
     }
@@ -614,9 +640,9 @@ impl Tasks {
 
     /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first: the
     /// claims put back that a scan hint checks first (task.sql).
-    pub async fn returned(&self, ids: &[Uuid]) -> Result<Vec<TaskRow>, Error> {
+    pub async fn returned(&self, ids: &[Uuid], near: &Near) -> Result<Vec<TaskRow>, Error> {
         let mut rows: Vec<TaskRow> = self
-            .tasks_by(sql::TASK, ids)
+            .tasks_looked_up(ids, near)
             .await?
             .into_iter()
             .filter(|t| t.state == "waiting" && t.app_lock_id.is_none())
@@ -627,8 +653,33 @@ impl Tasks {
     }
 
     /// One task with its state and readiness facts; `None` for an unknown task.
-    pub async fn task(&self, id: Uuid) -> Result<Option<TaskWithState>, Error> {
-        Ok(self.tasks_by(sql::TASK, &[id]).await?.into_iter().next())
+    pub async fn task(&self, id: Uuid, near: &Near) -> Result<Option<TaskWithState>, Error> {
+        Ok(self.tasks_looked_up(&[id], near).await?.into_iter().next())
+    }
+
+    /// task.sql: tasks by id with the readiness look-up, which reads as `near` says (as
+    /// candidates.sql's does), under candidates.sql's planner settings.
+    async fn tasks_looked_up(
+        &self,
+        ids: &[Uuid],
+        near: &Near,
+    ) -> Result<Vec<TaskWithState>, Error> {
+        let head_end = near.head_end;
+        let (near_created, near_id) = (head_end.map(|a| a.0), head_end.map(|a| a.1));
+        let rows = self
+            .query_read_under(
+                sql::CANDIDATES_SETTINGS,
+                &sql::TASK,
+                &[
+                    &ids,
+                    &near_created,
+                    &near_id,
+                    &near.long_entries,
+                    &near.long_users,
+                ],
+            )
+            .await?;
+        rows.iter().map(task_with_state).collect()
     }
 
     /// [`Tasks::task`] without the readiness look-up (`older_conflicts` is 0): for a task that
@@ -643,15 +694,7 @@ impl Tasks {
 
     async fn tasks_by(&self, statement: &str, ids: &[Uuid]) -> Result<Vec<TaskWithState>, Error> {
         let rows = self.query_read(statement, &[&ids]).await?;
-        rows.iter()
-            .map(|row| {
-                Ok(TaskWithState {
-                    row: task_row(row)?,
-                    state: row.try_get(7)?,
-                    app_lock_id: row.try_get(8)?,
-                })
-            })
-            .collect()
+        rows.iter().map(task_with_state).collect()
     }
 
     /// Claims a waiting, unclaimed task for a worker row, and with `start` starts it too;
@@ -1395,6 +1438,15 @@ where
             other => return other,
         }
     }
+}
+
+/// A row of task.sql or task_facts.sql.
+fn task_with_state(row: &Row) -> Result<TaskWithState, Error> {
+    Ok(TaskWithState {
+        row: task_row(row)?,
+        state: row.try_get(7)?,
+        app_lock_id: row.try_get(8)?,
+    })
 }
 
 /// candidates.sql with its page size written in as a number (see the file's header): one

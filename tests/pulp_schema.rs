@@ -586,12 +586,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
-         PREPARE task(uuid[]) AS {}; \
+         PREPARE task(uuid[], timestamptz, uuid, text[], int[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
         dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
-        dispatch_broker::tasks::sql::TASK,
+        dispatch_broker::tasks::sql::TASK.as_str(),
         dispatch_broker::tasks::sql::HIDING,
         dispatch_broker::tasks::sql::TASK_SEEN,
         dispatch_broker::tasks::sql::QUEUE_PAGE,
@@ -624,7 +624,12 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
             ),
             (
                 "task.sql behind the backlog",
-                buffers(&db, &format!("EXECUTE task(ARRAY['{other}']::uuid[])")).await,
+                buffers_under(
+                    &db,
+                    dispatch_broker::tasks::sql::CANDIDATES_SETTINGS,
+                    &format!("EXECUTE task(ARRAY['{other}']::uuid[], NULL, NULL, '{{}}', '{{}}')"),
+                )
+                .await,
             ),
             (
                 "hiding.sql for a running task's names",
@@ -852,22 +857,35 @@ async fn pending_pages(db: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
-/// Pages candidates.sql reads for the first page from the queue's head once R0's head finished
-/// (R0's next tasks come first, and `blocked` tasks use R0): with the end of the queue's head
-/// passed (the 256th incomplete task, as the resource queues say), and without.
-async fn next_head_reads(blocked: usize) -> (u64, u64) {
+/// Pages read once R0's head finished (R0's next tasks come first, and `blocked` tasks use R0),
+/// with the end of the queue's head passed (the 256th incomplete task, as the resource queues
+/// say) and without: by candidates.sql for the first page from the queue's head, and by task.sql
+/// for R0's next task (a claim of it put back, or ClaimTask).
+async fn next_head_reads(blocked: usize) -> NextHeadReads {
     let (db, _, _) = incident_database(blocked).await;
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; {} \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
+         PREPARE task(uuid[], timestamptz, uuid, text[], int[]) AS {}; \
          UPDATE core_task SET state = 'completed' WHERE state = 'running' \
          AND reserved_resources_record @> ARRAY['prn:python.repository:R0'];",
         candidates_settings(),
         dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
+        dispatch_broker::tasks::sql::TASK.as_str(),
     ))
     .await
     .unwrap();
+    let next: String = db
+        .query_one(
+            "SELECT pulp_id::text FROM core_task WHERE state = 'waiting' \
+             AND reserved_resources_record @> ARRAY['prn:python.repository:R0'] \
+             ORDER BY pulp_created, pulp_id LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let near = db
         .query_one(
             "SELECT pulp_created::text, pulp_id::text FROM core_task \
@@ -878,43 +896,77 @@ async fn next_head_reads(blocked: usize) -> (u64, u64) {
         .await
         .unwrap();
     let (created, id): (String, String) = (near.get(0), near.get(1));
-    let (mut with_end, mut without) = (0, 0);
+    let mut reads = NextHeadReads::default();
     // Twice each: the first execution of a prepared statement may still be a custom plan.
     for _ in 0..2 {
-        with_end = buffers(
+        reads.page = buffers(
             &db,
             &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}', '{{}}', '{{}}')"),
         )
         .await;
-        without = buffers(
+        reads.page_by_name = buffers(
             &db,
             "EXECUTE candidates('{}', NULL, NULL, NULL, NULL, '{}', '{}')",
         )
         .await;
+        reads.task = buffers(
+            &db,
+            &format!("EXECUTE task(ARRAY['{next}']::uuid[], '{created}', '{id}', '{{}}', '{{}}')"),
+        )
+        .await;
+        reads.task_by_name = buffers(
+            &db,
+            &format!("EXECUTE task(ARRAY['{next}']::uuid[], NULL, NULL, '{{}}', '{{}}')"),
+        )
+        .await;
     }
-    (with_end, without)
+    reads
+}
+
+/// What [`next_head_reads`] measures, in pages.
+#[derive(Debug, Default)]
+struct NextHeadReads {
+    page: u64,
+    page_by_name: u64,
+    task: u64,
+    task_by_name: u64,
 }
 
 /// Once R0's head finished, the exact look-up of R0's next tasks reads the few tasks older than
-/// them, not R0's queue: flat from 1,000 to 20,000 blocked, where the look-up by R0's name
-/// (what a task deeper in the queue gets) grows with the queue.
+/// them, not R0's queue, in the page (candidates.sql) and when R0's next task is looked up by id
+/// (task.sql: a claim of it put back, ClaimTask): flat from 1,000 to 20,000 blocked, where the
+/// look-up by R0's name (what a task deeper in the queue gets) grows with the queue.
 #[tokio::test]
 async fn the_next_task_of_a_long_queue_is_looked_up_against_the_older_tasks() {
-    let (small, small_by_name) = next_head_reads(1_000).await;
-    let (large, large_by_name) = next_head_reads(20_000).await;
-    println!(
-        "candidates.sql pages at R0's next task: {small} / {large} at 1,000 / 20,000 blocked \
-         ({small_by_name} / {large_by_name} looked up by name)"
-    );
-    assert!(
-        large <= small * 3 / 2 + 8,
-        "{large} pages at 20,000 blocked, {small} at 1,000"
-    );
-    assert!(
-        large_by_name > 5 * small_by_name.max(1) && large_by_name > 5 * large,
-        "the look-up by name does not grow: the test proves nothing \
-         ({small_by_name} / {large_by_name})"
-    );
+    let small = next_head_reads(1_000).await;
+    let large = next_head_reads(20_000).await;
+    println!("pages at R0's next task, 1,000 blocked: {small:?}; 20,000 blocked: {large:?}");
+    for (statement, small, large, small_by_name, large_by_name) in [
+        (
+            "candidates.sql",
+            small.page,
+            large.page,
+            small.page_by_name,
+            large.page_by_name,
+        ),
+        (
+            "task.sql",
+            small.task,
+            large.task,
+            small.task_by_name,
+            large.task_by_name,
+        ),
+    ] {
+        assert!(
+            large <= small * 3 / 2 + 8,
+            "{statement}: {large} pages at 20,000 blocked, {small} at 1,000"
+        );
+        assert!(
+            large_by_name > 5 * small_by_name.max(1) && large_by_name > 5 * large,
+            "{statement}: the look-up by name does not grow: the test proves nothing \
+             ({small_by_name} / {large_by_name})"
+        );
+    }
 }
 
 /// With Pulp's pending list on (a fresh Pulp database), the broker merges it every
@@ -1151,7 +1203,8 @@ async fn no_fetch_reads_the_queue_behind_its_head() {
 
 /// candidates.sql's exact look-up gives the same count whichever way it reads: through the GIN
 /// index, against the older tasks near the queue's head, and against the older tasks up to a
-/// long queue's bound (within it, and past it, where it falls back to the GIN index).
+/// long queue's bound (within it, and past it, where it falls back to the GIN index); and
+/// task.sql's, the same look-up by task id, gives the page's counts.
 #[tokio::test]
 async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
     let (_url, db) = pulp_database_client().await;
@@ -1230,5 +1283,45 @@ async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
     );
     for (way, counts) in &answers {
         assert_eq!(counts, reference, "the look-up {way} counts otherwise");
+    }
+    // task.sql, which makes the same look-up for tasks by id (ClaimTask, claims put back),
+    // counts as the page does, every way.
+    db.batch_execute(&format!(
+        "PREPARE task(uuid[], timestamptz, uuid, text[], int[]) AS {}",
+        dispatch_broker::tasks::sql::TASK.as_str()
+    ))
+    .await
+    .unwrap();
+    let ids: Vec<Uuid> = reference.iter().filter_map(|(id, _)| *id).collect();
+    let expected: std::collections::BTreeMap<Uuid, i64> = reference
+        .iter()
+        .filter_map(|(id, c)| Some(((*id)?, (*c)?)))
+        .collect();
+    let id_list = ids
+        .iter()
+        .map(|id| format!("'{id}'"))
+        .collect::<Vec<_>>()
+        .join(",");
+    for (way, params) in ways.iter().chain(ways.iter()) {
+        db.batch_execute(&format!(
+            "BEGIN READ ONLY; {}",
+            dispatch_broker::tasks::sql::CANDIDATES_SETTINGS
+        ))
+        .await
+        .unwrap();
+        let rows = db
+            .query(
+                &format!("EXECUTE task(ARRAY[{id_list}]::uuid[], {params})"),
+                &[],
+            )
+            .await
+            .unwrap();
+        db.batch_execute("COMMIT").await.unwrap();
+        let counts: std::collections::BTreeMap<Uuid, i64> =
+            rows.iter().map(|r| (r.get(0), r.get(6))).collect();
+        assert_eq!(
+            counts, expected,
+            "task.sql's look-up {way} counts otherwise"
+        );
     }
 }

@@ -1,5 +1,6 @@
 -- candidates.sql: one page of waiting, unclaimed tasks in queue order, each with the exact
--- readiness look-up against older incomplete tasks.
+-- readiness look-up against older incomplete tasks (readiness_lookup.sql, which tasks.rs writes
+-- in at `-- $readiness_lookup`).
 --
 -- $1 text[]       extra record entries whose tasks are known not to be ready in this fetch (the
 --                 conflict keys of tasks already found unready or blocked); tasks overlapping them
@@ -71,77 +72,7 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        c.older_conflicts,
        NULL::text[] AS held_entries, NULL::timestamptz AS tail
 FROM page p
-CROSS JOIN LATERAL (
-    SELECT ARRAY(
-        SELECT CASE WHEN e LIKE 'shared:%' THEN substr(e, 8) ELSE e END FROM unnest(p.record) AS e
-        UNION
-        SELECT 'shared:' || e FROM unnest(p.record) AS e WHERE e NOT LIKE 'shared:%'
-    ) AS keys
-) k
-CROSS JOIN LATERAL (
-    -- How many older tasks the look-up against them may read: all of them for a task up to the
-    -- end of the queue's head (NULL); for a task whose conflict keys include entries of long
-    -- queues, as many as carry those entries (at least what the look-up against the users
-    -- would read); none otherwise (-1).
-    SELECT CASE
-    WHEN $4::timestamptz IS NOT NULL
-         AND (p.pulp_created, p.pulp_id) <= ($4::timestamptz, $5::uuid) THEN NULL::bigint
-    ELSE coalesce((SELECT sum(l.users) FROM unnest($6::text[], $7::int[]) AS l(entry, users)
-                   WHERE l.entry = ANY (k.keys)), -1)
-    END AS bound
-) b
-CROSS JOIN LATERAL (
-    SELECT coalesce(
-        CASE WHEN b.bound IS DISTINCT FROM -1 THEN (
-            -- Against the older tasks: the incomplete tasks older than it, one range of Pulp's
-            -- (state, pulp_created) index per incomplete state, each fenced (OFFSET 0) so that
-            -- the overlap is checked on what they return and no plan reads the users of the
-            -- task's resources instead. Each in queue order: under candidates_settings.sql (no
-            -- full sorts) only that index serves it, where statistics from before a burst made
-            -- Pulp's index on state alone look as cheap, and it read every waiting task for each
-            -- row of the page (R0's next task, once its head finished:
-            -- no_fetch_reads_the_queue_behind_its_head). Read up to the bound plus one: when
-            -- there are more, the answer is NULL and the look-up against the users below
-            -- decides, so it never reads more than twice what that one reads. For R0's next task
-            -- past the end of the queue's head, that one would read R0's whole queue. Incomplete
-            -- here is Pulp's three incomplete states, the same set as NOT IN the final ones for
-            -- every state Pulp's models allow; a row in a state Pulp does not know would be
-            -- counted by the form below only.
-            SELECT CASE WHEN b.bound IS NULL OR count(*) <= b.bound THEN
-                count(*) FILTER (WHERE o.record && k.keys
-                                   AND (o.pulp_created, o.pulp_id) < (p.pulp_created, p.pulp_id))
-            END
-            FROM (
-                (SELECT u.reserved_resources_record AS record, u.pulp_created, u.pulp_id
-                 FROM core_task u WHERE u.state = 'waiting' AND u.pulp_created <= p.pulp_created
-                 ORDER BY u.pulp_created OFFSET 0)
-                UNION ALL
-                (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
-                 FROM core_task u WHERE u.state = 'running' AND u.pulp_created <= p.pulp_created
-                 ORDER BY u.pulp_created OFFSET 0)
-                UNION ALL
-                (SELECT u.reserved_resources_record, u.pulp_created, u.pulp_id
-                 FROM core_task u WHERE u.state = 'canceling' AND u.pulp_created <= p.pulp_created
-                 ORDER BY u.pulp_created OFFSET 0)
-                LIMIT b.bound + 1
-            ) AS o)
-        END,
-        (
-        -- Against its resources' users: one positive look-up in the partial GIN index, fenced
-        -- from the time comparison (OFFSET 0): a generic plan would AND it with Pulp's plain
-        -- pulp_created index and read every older task (tests/pulp_schema.rs checks the pages
-        -- it reads).
-        SELECT count(*)
-        FROM (
-            SELECT u.pulp_created, u.pulp_id
-            FROM core_task u
-            WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
-              AND u.reserved_resources_record && k.keys
-            OFFSET 0
-        ) AS m
-        WHERE (m.pulp_created, m.pulp_id) < (p.pulp_created, p.pulp_id))
-    ) AS older_conflicts
-) c
+-- $readiness_lookup
 UNION ALL
 -- The closing row. The tail is one step of the (state, pulp_created) index, from its end.
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
