@@ -57,11 +57,17 @@ pub mod sql {
             .replace("$near_id", near_id)
             .replace("$long_entries", long_entries)
             .replace("$long_users", long_users);
-        assert!(
-            statement.contains("\n-- $readiness_lookup\n"),
-            "no place for the readiness look-up"
+        assert_eq!(
+            statement.matches("\n-- $readiness_lookup\n").count(),
+            1,
+            "one place for the readiness look-up"
         );
-        statement.replace("-- $readiness_lookup\n", &lookup)
+        let composed = statement.replace("\n-- $readiness_lookup\n", &format!("\n{lookup}"));
+        assert!(
+            !composed.contains("$near_") && !composed.contains("$long_"),
+            "a placeholder of readiness_lookup.sql was left unnamed"
+        );
+        composed
     }
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
     pub const UNCLAIM: &str = include_str!("tasks/unclaim.sql");
