@@ -263,7 +263,7 @@ async fn broker_rounds(
     let mut fetched = 0;
     for round in 0..ROUNDS {
         let mut held: Vec<TaskGuard> = Vec::new();
-        for worker in fleet {
+        for (i, worker) in fleet.iter().enumerate() {
             let started = Instant::now();
             let task = if requeue {
                 worker.next_task(Duration::ZERO).await
@@ -274,7 +274,7 @@ async fn broker_rounds(
             let ms = started.elapsed().as_secs_f64() * 1000.0;
             if slow_ms().is_some_and(|slow| ms >= slow) {
                 eprintln!(
-                    "    slow fetch: round {round}, {ms:.2} ms, ended {}",
+                    "    slow fetch: round {round}, fetch {i} of the round, {ms:.2} ms, ended {}",
                     chrono::Utc::now().format("%H:%M:%S%.3f")
                 );
             }
@@ -593,6 +593,26 @@ fn print_row(row: &Row) {
         bp99,
         row.broker.fetched,
         pp50 / bp50
+    );
+    // The first fetch of each round comes after the round's traffic, when the machine's
+    // processes have been waiting for Python: every step of it is slower (see
+    // benches/results/pulp.md, "The first fetch of each round").
+    let split = |ms: &[f64]| {
+        let (first, rest): (Vec<(usize, f64)>, Vec<(usize, f64)>) = ms
+            .iter()
+            .copied()
+            .enumerate()
+            .partition(|(i, _)| i % WORKERS == 0);
+        (
+            summary(first.into_iter().map(|(_, m)| m).collect()),
+            summary(rest.into_iter().map(|(_, m)| m).collect()),
+        )
+    };
+    let ((fp50, fp99), (rp50, rp99)) = split(&row.broker.fetch_ms);
+    eprintln!(
+        "    broker, first fetch of each round: {fp50:.2} / {fp99:.2} ms; the other {}: \
+         {rp50:.2} / {rp99:.2} ms",
+        WORKERS - 1
     );
     if let Some(c) = costs {
         eprintln!(
