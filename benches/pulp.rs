@@ -598,15 +598,14 @@ fn print_row(row: &Row) {
     // processes have been waiting for Python: every step of it is slower (see
     // benches/results/pulp.md, "The first fetch of each round").
     let split = |ms: &[f64]| {
-        let (first, rest): (Vec<(usize, f64)>, Vec<(usize, f64)>) = ms
+        let first: Vec<f64> = ms.iter().step_by(WORKERS).copied().collect();
+        let rest: Vec<f64> = ms
             .iter()
-            .copied()
             .enumerate()
-            .partition(|(i, _)| i % WORKERS == 0);
-        (
-            summary(first.into_iter().map(|(_, m)| m).collect()),
-            summary(rest.into_iter().map(|(_, m)| m).collect()),
-        )
+            .filter(|(i, _)| i % WORKERS != 0)
+            .map(|(_, m)| *m)
+            .collect();
+        (summary(first), summary(rest))
     };
     let ((fp50, fp99), (rp50, rp99)) = split(&row.broker.fetch_ms);
     eprintln!(
