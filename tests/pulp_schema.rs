@@ -1325,3 +1325,80 @@ async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
         );
     }
 }
+
+/// Pages task.sql read when a lease claimed R0's next task by id (ClaimTask) once R0's head
+/// finished, with `blocked` tasks on R0 behind it, on Pulp's schema; with the resource queues
+/// (`queues`: the look-up reads the few tasks older than it) or without (through the GIN index:
+/// R0's whole queue).
+async fn claim_pages(blocked: usize, queues: bool) -> i64 {
+    let (_pg, mut env) = measured_pulp(|args| {
+        args.fetch.resource_queues = queues;
+    })
+    .await;
+    pulp_task(&env.db, &[R0, "shared:prn:core.domain:D1"]).await;
+    let busy = env.open("busy").await;
+    let head = env.fetch(&busy).await.expect("the head task");
+    env.start(&busy, &head).await;
+    pulp_tasks_bulk(
+        &env.db,
+        blocked,
+        "'waiting'",
+        &format!("ARRAY['{R0}', 'shared:prn:core.domain:D1']"),
+    )
+    .await;
+    env.db
+        .query(dispatch_broker::tasks::sql::GIN_CLEAN, &[])
+        .await
+        .unwrap();
+    env.db.batch_execute("ANALYZE core_task").await.unwrap();
+    env.settle_queues().await;
+    env.finish(&busy, &head, "completed").await;
+    let next: Uuid = env
+        .db
+        .query_one(
+            "SELECT pulp_id FROM core_task WHERE state = 'waiting' \
+             AND reserved_resources_record @> ARRAY[$1] ORDER BY pulp_created, pulp_id LIMIT 1",
+            &[&R0],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let lease = env.open("claimer").await;
+    support::statement_pages(&env.db, &["%task.sql:%"]).await;
+    let claimed = env
+        .claim(&lease, next)
+        .await
+        .expect("ClaimTask")
+        .expect("R0's next task is ready once its head finished");
+    assert_eq!(id(&claimed), next);
+    let pages = support::statement_pages(&env.db, &["%task.sql:%"]).await;
+    env.shutdown().await;
+    pages
+}
+
+/// ClaimTask of R0's next task, once R0's head finished, reads as many pages with 20,000 tasks
+/// on R0 as with 1,000: the broker gives task.sql where the queue's head ends. Without the
+/// resource queues (the GIN look-up) it grows, which shows what the test measures.
+#[tokio::test]
+async fn claiming_the_next_task_of_a_long_queue_reads_no_more_with_a_larger_backlog() {
+    let (small, large) = (
+        claim_pages(1_000, true).await,
+        claim_pages(20_000, true).await,
+    );
+    let (small_gin, large_gin) = (
+        claim_pages(1_000, false).await,
+        claim_pages(20_000, false).await,
+    );
+    println!(
+        "task.sql pages for ClaimTask of R0's next task: {small} / {large} at 1,000 / 20,000 \
+         blocked ({small_gin} / {large_gin} through the GIN index)"
+    );
+    assert!(
+        large <= small * 3 / 2 + 8,
+        "ClaimTask read {large} pages at 20,000 blocked, {small} at 1,000"
+    );
+    assert!(
+        large_gin > 5 * small_gin.max(1) && large_gin > 5 * large.max(1),
+        "the GIN look-up does not grow: the test proves nothing ({small_gin} / {large_gin})"
+    );
+}
