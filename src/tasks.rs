@@ -359,6 +359,11 @@ impl Near {
             long_users,
         }
     }
+
+    /// The end of the queue's head as the statements take it: its time and its id.
+    fn head_end_params(&self) -> (Option<DateTime<Utc>>, Option<Uuid>) {
+        (self.head_end.map(|a| a.0), self.head_end.map(|a| a.1))
+    }
 }
 
 /// Handle on the task store.
@@ -608,8 +613,7 @@ impl Tasks {
         limit: i64,
     ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
-        let head_end = near.head_end;
-        let (near_created, near_id) = (head_end.map(|a| a.0), head_end.map(|a| a.1));
+        let (near_created, near_id) = near.head_end_params();
         let statement = candidates_sql(limit);
         let mut rows = self
             .query_read_under(
@@ -670,8 +674,7 @@ impl Tasks {
         ids: &[Uuid],
         near: &Near,
     ) -> Result<Vec<TaskWithState>, Error> {
-        let head_end = near.head_end;
-        let (near_created, near_id) = (head_end.map(|a| a.0), head_end.map(|a| a.1));
+        let (near_created, near_id) = near.head_end_params();
         let rows = self
             .query_read_under(
                 sql::CANDIDATES_SETTINGS,

@@ -162,17 +162,7 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
 async fn measured(
     tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
 ) -> (dispatch_broker::testkit::Postgres, Env) {
-    let (pg, url, redis) = tokio::task::spawn_blocking(|| {
-        let (mut pg, url) = support::own_postgres();
-        support::preload_pg_stat_statements(&mut pg);
-        pg.psql("own", "CREATE EXTENSION pg_stat_statements")
-            .expect("create extension");
-        let redis = dispatch_broker::testkit::Redis::start().expect("start redis");
-        (pg, url, redis)
-    })
-    .await
-    .unwrap();
-    (pg, Env::on(url, redis, tweak).await)
+    support::measured_env("own", &support::BROKER_SCHEMA, tweak).await
 }
 
 /// Pages candidates.sql read since the last count, once every pass has ended.

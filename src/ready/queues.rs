@@ -25,6 +25,7 @@ use uuid::Uuid;
 use super::{Key, Resources};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type Set<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
 
 /// A resource has a *long queue* when at least this many incomplete tasks need it in one mode
 /// (exclusively, or shared): a record entry (`NAME` or `shared:NAME`) that many tasks carry makes
@@ -85,7 +86,7 @@ pub struct ResourceQueues {
     /// many places each holds.
     holders: BTreeMap<Key, u32>,
     /// The resources with a long queue, by mode (true: exclusive).
-    long: std::collections::HashSet<(u32, bool), foldhash::fast::RandomState>,
+    long: Set<(u32, bool)>,
     /// Every incomplete task up to this position is in the queues (None: nothing is known).
     known: Option<Key>,
     /// How many tasks were removed so far.
@@ -473,11 +474,7 @@ impl ResourceQueues {
 }
 
 /// Notes whether a resource's queue is long in each mode, after a change to it.
-fn mark_long(
-    long: &mut std::collections::HashSet<(u32, bool), foldhash::fast::RandomState>,
-    name: u32,
-    queue: &Queue,
-) {
+fn mark_long(long: &mut Set<(u32, bool)>, name: u32, queue: &Queue) {
     let exclusive = queue.exclusive.len();
     for (mode, users) in [(true, exclusive), (false, queue.users.len() - exclusive)] {
         if users >= LONG_QUEUE {

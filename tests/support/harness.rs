@@ -463,11 +463,41 @@ where
 pub fn own_postgres() -> (Postgres, String) {
     let pg = Postgres::start().expect("start own postgres");
     let url = pg.create_database("own").expect("create database");
-    pg.psql("own", include_str!("../../src/tasks/migrate.sql"))
-        .expect("migrate");
-    pg.psql("own", include_str!("../../src/tasks/notify_trigger.sql"))
-        .expect("notify trigger");
+    for sql in BROKER_SCHEMA {
+        pg.psql("own", sql).expect("the broker's schema");
+    }
     (pg, url)
+}
+
+/// The broker's own schema (`migrate`, with its insert trigger's notification).
+pub const BROKER_SCHEMA: [&str; 2] = [
+    include_str!("../../src/tasks/migrate.sql"),
+    include_str!("../../src/tasks/notify_trigger.sql"),
+];
+
+/// A broker (options adjusted by `tweak`) on a Postgres of the test's own that keeps statement
+/// statistics (pg_stat_statements) for database `name`, made by running `schema` in it; and that
+/// Postgres.
+pub async fn measured_env(
+    name: &'static str,
+    schema: &'static [&'static str],
+    tweak: impl FnOnce(&mut ServeArgs),
+) -> (Postgres, Env) {
+    let (pg, url, redis) = tokio::task::spawn_blocking(move || {
+        let mut pg = Postgres::start().expect("start own postgres");
+        preload_pg_stat_statements(&mut pg);
+        let url = pg.create_database(name).expect("create database");
+        for sql in schema {
+            pg.psql(name, sql).expect("load the schema");
+        }
+        pg.psql(name, "CREATE EXTENSION pg_stat_statements")
+            .expect("create extension");
+        let redis = Redis::start().expect("start redis");
+        (pg, url, redis)
+    })
+    .await
+    .unwrap();
+    (pg, Env::on(url, redis, tweak).await)
 }
 
 /// Terminates the broker's Postgres sessions that wait on a lock (the injected failure), in this
