@@ -400,6 +400,9 @@ pub struct FetchArgs {
     pub recheck: Duration,
     /// How often each replica reads Redis's change counter to wake its waiting fetches for
     /// releases made through other replicas or by the sweeper (one GET, whatever the waiters).
+    /// Also bounds how long a fetch pass uses a scan hint without reading the change log first:
+    /// two intervals since the log or the counter last showed nothing that drops it (a change
+    /// made through this replica ends that at once).
     #[arg(long = "fetch-wake-poll", env = "DISPATCH_FETCH_WAKE_POLL", default_value = "100ms", value_parser = parse_duration)]
     pub wake_poll: Duration,
     /// Waiting FetchTask calls allowed at once on one replica; more get RESOURCE_EXHAUSTED.

@@ -163,6 +163,11 @@ struct ScanHint {
     epoch: String,
     /// The change sequence the hint was taken at.
     seq: u64,
+    /// When the change log was last read for it (the read was sent then) and showed nothing
+    /// that drops it, up to `seq`: see [`Dispatch::trusted`].
+    checked_at: Instant,
+    /// [`Locks::changes_made`] before that read.
+    made: u64,
     taken: Instant,
     after: (DateTime<Utc>, Uuid),
     /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
@@ -179,6 +184,37 @@ struct ScanHint {
     /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
     returned: Vec<Uuid>,
+}
+
+/// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
+/// at `now` without reading the log first. Only while no call of this replica that may change
+/// lock state ended since the hint was read against the log (`made` is
+/// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
+/// since that read, or since the change counter (which every replica reads each interval;
+/// `seq_read` is the last read and when it was sent) was last seen not to have moved past the
+/// hint. So a change made through another replica, or by its sweeper, reaches this replica's
+/// passes as late as it reaches its waiting calls. A hint used past a change only delays a
+/// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
+fn trusted_until(
+    h: &ScanHint,
+    made: u64,
+    seq_read: Option<(u64, Instant)>,
+    window: Duration,
+    now: Instant,
+) -> Option<Instant> {
+    if window.is_zero() || h.made != made {
+        return None;
+    }
+    let clean_until = match seq_read {
+        Some((seq, at)) if at > h.checked_at => {
+            if seq > h.seq {
+                return None;
+            }
+            at
+        }
+        _ => h.checked_at,
+    };
+    (now.saturating_duration_since(clean_until) <= window).then_some(clean_until)
 }
 
 /// Splits held record entries by whether the name each locks is among `known` (names known to
@@ -214,6 +250,9 @@ fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
 /// The most claims put back that a scan hint checks on every pass.
 const MAX_RETURNED: usize = 64;
 
+/// Leases a replica keeps in memory (see `Dispatch::leases`); past this it forgets them all.
+const MAX_KNOWN_LEASES: usize = 65_536;
+
 enum Attempt {
     Granted(Grant),
     /// Its resources are held by locks; not ready, and it still reserves its resources.
@@ -248,6 +287,11 @@ pub struct Dispatch {
     /// gone). A page read after the grant that still shows the task waiting and unclaimed shows
     /// it put back in the queue (by whatever path), and it is tried as usual.
     recent: Arc<Mutex<Recent>>,
+    /// The leases this replica's fetches met (what a lease is never changes while it lives; a
+    /// lease id is never reused): a pass that trusts its hint takes the lease from here and
+    /// leaves the check that it is alive to the acquire script, or, when it hands its caller
+    /// nothing, to one look-up at its end.
+    leases: Arc<Mutex<HashMap<Uuid, Arc<LeaseRecord>>>>,
     /// The fetch passes running (see [`FetchPolicy::passes`]).
     slots: Arc<PassSlots>,
     /// Background walks that renew an old scan hint (`refresh`).
@@ -609,6 +653,7 @@ impl Dispatch {
             passes,
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
+            leases: Arc::new(Mutex::new(HashMap::new())),
             slots: Arc::new(PassSlots::default()),
             refreshes: Arc::new(refresh::Refreshes::default()),
             queues: Arc::new(queues::Queues::new(tasks.clone())),
@@ -861,12 +906,35 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let lease_id = call.lease_id;
         let held = self.hint.lock().ok().and_then(|h| h.clone());
-        let (lease, changes) = self
-            .locks
-            .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
-            .await?
-            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
-        let lease = Arc::new(lease);
+        // Read before the change log is (or an earlier read of it is trusted): a change this
+        // replica makes from here on moves it, and the hint this pass leaves is read against the
+        // change log again.
+        let made = self.locks.changes_made();
+        let trusted = held.as_ref().and_then(|h| {
+            let clean_until = self.trusted(h, made)?;
+            Some((clean_until, self.known_lease(lease_id)?, h.seq))
+        });
+        // Without a hint read against the change log just now, the lease and the changes since
+        // the hint are read together (one Redis call).
+        let (lease, changes, checked_at, lease_checked) = match trusted {
+            Some((clean_until, lease, seq)) => {
+                self.stats.hint_trusted();
+                let nothing = crate::locks::Changes {
+                    seq,
+                    changed: Some(Vec::new()),
+                };
+                (lease, nothing, clean_until, false)
+            }
+            None => {
+                let checked_at = Instant::now();
+                let found = self
+                    .locks
+                    .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
+                    .await?;
+                let (lease, changes) = self.remember_lease(lease_id, found)?;
+                (lease, changes, checked_at, true)
+            }
+        };
         if let Ok(mut out) = lease_out.lock() {
             *out = Some(Arc::clone(&lease));
         }
@@ -989,6 +1057,8 @@ impl Dispatch {
             after.map(|after| ScanHint {
                 epoch: epoch.clone(),
                 seq: changes.seq,
+                checked_at,
+                made,
                 taken: hint_taken,
                 after,
                 excluded: {
@@ -1193,6 +1263,7 @@ impl Dispatch {
                         Ok(Attempt::Lost) => Settled::Lost,
                         Ok(Attempt::LeaseGone) => {
                             claimant.state = Turn::Done;
+                            self.forget_lease(claimant.offer.lease_id);
                             let gone = Error::LeaseNotFound(claimant.offer.lease_id.to_string());
                             match claimant.recruit.take() {
                                 None => {
@@ -1326,6 +1397,11 @@ impl Dispatch {
             // Its caller, not a waiter, was answered already and hands no turn on: the waiters
             // get one, for what this pass left.
             self.waiters.wake();
+        }
+        if !lease_checked && !own_served {
+            // The lease came from memory and no acquire proved it alive: an ended lease gets
+            // NOT_FOUND, as with the check at the start.
+            self.live_lease(lease_id).await?;
         }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         if safe {
@@ -1568,10 +1644,52 @@ impl Dispatch {
     }
 
     async fn live_lease(&self, lease_id: Uuid) -> Result<LeaseRecord> {
-        self.locks
-            .lease(&lease_id.to_string())
-            .await?
-            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))
+        let found = self.locks.lease(&lease_id.to_string()).await?;
+        self.remember_lease(lease_id, found.map(|lease| (lease, ())))
+            .map(|(lease, ())| LeaseRecord::clone(&lease))
+    }
+
+    /// Keeps a lease just read alive (NOT_FOUND, and forgotten, when it was not).
+    fn remember_lease<T>(
+        &self,
+        lease_id: Uuid,
+        found: Option<(LeaseRecord, T)>,
+    ) -> Result<(Arc<LeaseRecord>, T)> {
+        let Some((lease, with)) = found else {
+            self.forget_lease(lease_id);
+            return Err(Error::LeaseNotFound(lease_id.to_string()));
+        };
+        let lease = Arc::new(lease);
+        if let Ok(mut known) = self.leases.lock() {
+            if known.len() >= MAX_KNOWN_LEASES && !known.contains_key(&lease_id) {
+                // Ended leases are not told apart here: start again rather than grow.
+                known.clear();
+            }
+            known.insert(lease_id, Arc::clone(&lease));
+        }
+        Ok((lease, with))
+    }
+
+    fn forget_lease(&self, lease_id: Uuid) {
+        if let Ok(mut known) = self.leases.lock() {
+            known.remove(&lease_id);
+        }
+    }
+
+    fn known_lease(&self, lease_id: Uuid) -> Option<Arc<LeaseRecord>> {
+        self.leases.lock().ok()?.get(&lease_id).cloned()
+    }
+
+    /// Whether a pass may use hint `h` without reading the change log first: see
+    /// [`trusted_until`].
+    fn trusted(&self, h: &ScanHint, made: u64) -> Option<Instant> {
+        trusted_until(
+            h,
+            made,
+            self.locks.seq_read(),
+            self.policy.wake_poll.saturating_mul(2),
+            Instant::now(),
+        )
     }
 
     /// Locks a ready task's resources and claims it (and with `start`, starts it). Every exit after the locks were taken
@@ -1855,5 +1973,73 @@ impl Dispatch {
             return Ok((cancel.after, false));
         }
         Ok((cancel.after, cancel.app_lock_id.is_some()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
+        ScanHint {
+            epoch: String::new(),
+            seq,
+            checked_at,
+            made,
+            taken: checked_at,
+            after: (DateTime::<Utc>::MIN_UTC, Uuid::nil()),
+            excluded: Vec::new(),
+            reserved: Reservations::default(),
+            hiding: HashSet::new(),
+            returned: Vec::new(),
+        }
+    }
+
+    const WINDOW: Duration = Duration::from_millis(200);
+
+    #[test]
+    fn a_hint_read_against_the_log_just_before_is_trusted_until_the_window_ends() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(50)), Some(t0));
+        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(200)), Some(t0));
+        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(201)), None);
+    }
+
+    #[test]
+    fn a_change_made_through_this_replica_ends_the_trust_at_once() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, 4, None, WINDOW, t0), None);
+    }
+
+    #[test]
+    fn a_counter_read_after_the_hint_extends_the_trust_unless_it_moved() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
+        let unmoved = Some((7, at(150)));
+        assert_eq!(
+            trusted_until(&h, 3, unmoved, WINDOW, at(300)),
+            Some(at(150))
+        );
+        assert_eq!(trusted_until(&h, 3, unmoved, WINDOW, at(351)), None);
+        // Moved (a change through another replica): no trust, however fresh the hint.
+        assert_eq!(trusted_until(&h, 3, Some((8, at(1))), WINDOW, at(2)), None);
+        // A read sent before the hint's own tells nothing new, moved or not.
+        let h = hint(at(100), 7, 3);
+        assert_eq!(
+            trusted_until(&h, 3, Some((5, at(50))), WINDOW, at(150)),
+            Some(at(100))
+        );
+    }
+
+    #[test]
+    fn no_window_means_no_trust() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, 3, None, Duration::ZERO, t0), None);
     }
 }

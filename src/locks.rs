@@ -151,6 +151,11 @@ struct Knowledge {
     max_token: AtomicU64,
     /// Woken when a script reports lost state, so the background loop rebuilds at once.
     lost: Notify,
+    /// Calls this replica made that may have changed lock state (releases, cancels, requeues,
+    /// ended leases...), counted when each ended: see [`Locks::changes_made`].
+    made: AtomicU64,
+    /// The change counter as last read, and when that read was sent.
+    seq_read: std::sync::Mutex<Option<(u64, std::time::Instant)>>,
 }
 
 /// deadpool-redis's manager, except that a pooled connection is checked (UNWATCH and PING) only
@@ -249,8 +254,22 @@ impl Locks {
         Ok(self.pool.get().await?)
     }
 
-    /// Runs one prepared script invocation with the timeout, counting it as one Redis call.
+    /// Runs one prepared script invocation that may change lock state, with the timeout,
+    /// counting it as one Redis call and, however it ends (it may have run although the answer
+    /// was lost), among the changes this replica made.
     async fn run<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, Error> {
+        let outcome = self.run_reading(invocation).await;
+        self.known.made.fetch_add(1, Ordering::SeqCst);
+        outcome
+    }
+
+    /// Runs one prepared script invocation that changes nothing a scan hint relies on (it
+    /// reads, takes locks, or keeps a lease alive), with the timeout, counting it as one Redis
+    /// call.
+    async fn run_reading<T: redis::FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, Error> {
@@ -258,6 +277,28 @@ impl Locks {
         let mut conn = self.conn().await?;
         let outcome = tokio::time::timeout(self.timeout, invocation.invoke_async(&mut *conn)).await;
         self.settle(conn, outcome)
+    }
+
+    /// How many calls that may have changed lock state this replica made so far. A scan hint
+    /// that was checked against the change log after this last moved still holds for every
+    /// change made through this replica.
+    pub fn changes_made(&self) -> u64 {
+        self.known.made.load(Ordering::SeqCst)
+    }
+
+    /// The change counter as last read by this replica (by [`Locks::change_seq`], which every
+    /// replica polls, or with a lease), and when that read was sent.
+    pub fn seq_read(&self) -> Option<(u64, std::time::Instant)> {
+        self.known.seq_read.lock().ok().and_then(|r| *r)
+    }
+
+    /// Notes a read of the change counter sent at `sent`, unless a later-sent read was noted.
+    fn note_seq(&self, seq: u64, sent: std::time::Instant) {
+        if let Ok(mut read) = self.known.seq_read.lock() {
+            if read.is_none_or(|(_, at)| at < sent) {
+                *read = Some((seq, sent));
+            }
+        }
     }
 
     /// Runs one plain command with the timeout, counting it.
@@ -445,7 +486,7 @@ impl Locks {
         let versions = serde_json::to_string(lease.versions).unwrap_or_else(|_| "{}".into());
         let ttl_ms = lease.ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
         let expires: i64 = self
-            .run(
+            .run_reading(
                 self.scripts
                     .open_lease
                     .key(self.keys.epoch())
@@ -507,7 +548,7 @@ impl Locks {
     /// lease is unknown or expired.
     pub async fn heartbeat(&self, lease_id: &str) -> Result<Option<(i64, String)>, Error> {
         let reply: Vec<Value> = self
-            .run(
+            .run_reading(
                 self.scripts
                     .heartbeat
                     .key(self.keys.epoch())
@@ -543,8 +584,9 @@ impl Locks {
         lease_id: &str,
         since: Option<u64>,
     ) -> Result<Option<(LeaseRecord, Changes)>, Error> {
+        let sent = std::time::Instant::now();
         let reply: Vec<Value> = self
-            .run(
+            .run_reading(
                 self.scripts
                     .lease_info
                     .key(self.keys.epoch())
@@ -570,6 +612,7 @@ impl Locks {
                     worker_name: text(reply.get(4)).unwrap_or_default(),
                 };
                 let seq = int(reply.get(5)).unwrap_or(0).max(0) as u64;
+                self.note_seq(seq, sent);
                 let changed = match text(reply.get(6)).as_deref() {
                     Some("fresh") => Some(Vec::new()),
                     Some("changed") => {
@@ -641,7 +684,7 @@ impl Locks {
         for name in resources.exclusive.iter().chain(&resources.shared) {
             invocation.arg(name);
         }
-        let reply: Value = self.run(&invocation).await?;
+        let reply: Value = self.run_reading(&invocation).await?;
         let outcome = parse_acquire(reply)?;
         match &outcome {
             Acquire::Granted { fencing_token } => {
@@ -686,7 +729,7 @@ impl Locks {
         fencing_token: u64,
     ) -> Result<std::result::Result<String, Release>, Error> {
         let (code, app_status): (i64, String) = self
-            .run(
+            .run_reading(
                 self.scripts
                     .holder
                     .key(self.keys.leases())
@@ -794,7 +837,7 @@ impl Locks {
         limit: usize,
     ) -> Result<Option<Vec<String>>, Error> {
         let reply: Vec<Value> = self
-            .run(
+            .run_reading(
                 self.scripts
                     .expired
                     .key(self.keys.sweeper())
@@ -829,7 +872,7 @@ impl Locks {
     /// The shared lane count: `(value, computed-at ms, now ms)`, value `None` when none is cached.
     pub async fn lanes_cache(&self) -> Result<(Option<u64>, i64, i64), Error> {
         let (value, at, now): (i64, i64, i64) = self
-            .run(&self.scripts.lanes_cache.key(self.keys.lanes()))
+            .run_reading(&self.scripts.lanes_cache.key(self.keys.lanes()))
             .await?;
         Ok((u64::try_from(value).ok(), at, now))
     }
@@ -852,7 +895,7 @@ impl Locks {
     /// Publishes a lane count and, when the pass took one, the survey of blocked resources
     /// (JSON); returns its stamp (ms, server time).
     pub async fn store_lanes(&self, lanes: u64, survey: Option<&str>) -> Result<i64, Error> {
-        self.run(
+        self.run_reading(
             self.scripts
                 .store_lanes
                 .key(self.keys.lanes())
@@ -877,10 +920,13 @@ impl Locks {
 
     /// The change counter: bumped by every release, cancel and requeue, through any replica.
     pub async fn change_seq(&self) -> Result<u64, Error> {
+        let sent = std::time::Instant::now();
         let seq: Option<u64> = self
             .command(redis::cmd("GET").arg(self.keys.change_seq()))
             .await?;
-        Ok(seq.unwrap_or(0))
+        let seq = seq.unwrap_or(0);
+        self.note_seq(seq, sent);
+        Ok(seq)
     }
 
     /// Live leases (not yet expired by Redis server time).

@@ -76,6 +76,10 @@ pub const FETCH_HINT_WALKS_TOTAL: &str = "dispatch_fetch_hint_walks_total";
 /// the queue's head or their scan hint.
 pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
 
+/// Fetch passes that used a scan hint read against the change log shortly before, without
+/// reading the log (or the lease) again first.
+pub const FETCH_HINTS_TRUSTED_TOTAL: &str = "dispatch_fetch_hints_trusted_total";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -102,6 +106,7 @@ pub const ALL: &[&str] = &[
     GIN_PENDING_MERGED_PAGES_TOTAL,
     FETCH_HINT_WALKS_TOTAL,
     FETCH_QUEUE_STARTS_TOTAL,
+    FETCH_HINTS_TRUSTED_TOTAL,
 ];
 
 /// Describes every metric once, at start-up.
@@ -173,6 +178,10 @@ pub fn describe() {
     describe_counter!(
         FETCH_QUEUE_STARTS_TOTAL,
         "Fetch passes that started where the resource queues put the first waiting lane, instead of at the queue's head or their scan hint."
+    );
+    describe_counter!(
+        FETCH_HINTS_TRUSTED_TOTAL,
+        "Fetch passes that used a scan hint read against the change log shortly before, without reading the log (or the lease) again first."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -307,6 +316,7 @@ pub struct Stats {
     rebuilds: AtomicU64,
     hint_walks: AtomicU64,
     queue_starts: AtomicU64,
+    hints_trusted: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -337,6 +347,8 @@ pub struct StatsSnapshot {
     pub hint_walks: u64,
     /// Passes that started where the resource queues said.
     pub queue_starts: u64,
+    /// Passes that trusted their scan hint (no change log read first).
+    pub hints_trusted: u64,
 }
 
 impl Stats {
@@ -380,6 +392,12 @@ impl Stats {
     pub fn queue_start(&self) {
         self.queue_starts.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_QUEUE_STARTS_TOTAL).increment(1);
+    }
+
+    /// Counts a fetch pass that trusted its scan hint.
+    pub fn hint_trusted(&self) {
+        self.hints_trusted.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_HINTS_TRUSTED_TOTAL).increment(1);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.
@@ -431,6 +449,7 @@ impl Stats {
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
             hint_walks: self.hint_walks.load(Ordering::Relaxed),
             queue_starts: self.queue_starts.load(Ordering::Relaxed),
+            hints_trusted: self.hints_trusted.load(Ordering::Relaxed),
         }
     }
 }
@@ -452,6 +471,7 @@ impl std::ops::Sub for StatsSnapshot {
             rebuilds: self.rebuilds - earlier.rebuilds,
             hint_walks: self.hint_walks - earlier.hint_walks,
             queue_starts: self.queue_starts - earlier.queue_starts,
+            hints_trusted: self.hints_trusted - earlier.hints_trusted,
         }
     }
 }

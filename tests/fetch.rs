@@ -380,6 +380,193 @@ async fn a_task_hidden_behind_a_held_lock_is_handed_out_once_the_lock_is_release
     env.shutdown().await;
 }
 
+/// A second replica on the same Postgres and Redis, and a client of it.
+async fn second_replica(
+    env: &Env,
+) -> (
+    dispatch_broker::server::Running,
+    dispatch_broker::proto::broker_client::BrokerClient<tonic::transport::Channel>,
+) {
+    let mut args = env.args.clone();
+    args.listen = "127.0.0.1:0".parse().unwrap();
+    args.metrics_listen = "127.0.0.1:0".parse().unwrap();
+    let other = dispatch_broker::server::start(&args).await.unwrap();
+    let client = dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
+        "http://{}",
+        other.addr
+    ))
+    .await
+    .unwrap();
+    (other, client)
+}
+
+/// A pass whose scan hint was read against the change log shortly before, with no change made
+/// through this replica since, uses it without reading the log or the lease again: a fetch then
+/// costs the acquire and the holder check only. A change made through this replica drops that
+/// trust at once, however long `--fetch-wake-poll` is: the task the release freed is handed out
+/// by the next fetch.
+#[tokio::test]
+async fn a_hint_read_just_before_is_trusted_until_this_replica_changes_something() {
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        // Two polls: far longer than the test.
+        a.fetch.wake_poll = std::time::Duration::from_secs(600);
+        a.fetch.recheck = a.fetch.wake_poll;
+    })
+    .await;
+    let a = env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("a");
+    assert_eq!(id(&running), a);
+    env.start(&holder, &running).await;
+    let b = env.task(&["x"]).await;
+    let c1 = env.task(&["y1"]).await;
+    let c2 = env.task(&["y2"]).await;
+    let w = env.open("w").await;
+    // The first fetch reads the lease and the change log, and leaves a hint.
+    assert_eq!(id(&env.fetch(&w).await.expect("c1")), c1);
+    // (Each pass answers as soon as it has its grant: its counts are complete once it ended.)
+    env.broker().passes.idle().await;
+    let before = env.broker().stats.snapshot();
+    assert_eq!(id(&env.fetch(&w).await.expect("c2")), c2);
+    env.broker().passes.idle().await;
+    let trusted = env.broker().stats.snapshot() - before;
+    assert_eq!(trusted.hints_trusted, 1, "the pass trusted its hint");
+    assert_eq!(
+        trusted.fetch_redis_calls, 2,
+        "acquire and the holder check only: {trusted:?}"
+    );
+    // Nothing else is ready: the pass trusts its hint, and looks the lease up at its end.
+    let before = env.broker().stats.snapshot();
+    assert!(env.fetch(&w).await.is_none(), "b still waits for a");
+    env.broker().passes.idle().await;
+    let empty = env.broker().stats.snapshot() - before;
+    assert_eq!(empty.hints_trusted, 1);
+    assert_eq!(empty.fetch_redis_calls, 1, "the lease look-up: {empty:?}");
+    env.finish(&holder, &running, "completed").await;
+    let before = env.broker().stats.snapshot();
+    let next = env.fetch(&w).await.expect("b, now that x is free");
+    assert_eq!(id(&next), b);
+    assert_eq!(
+        (env.broker().stats.snapshot() - before).hints_trusted,
+        0,
+        "the finish went through this replica"
+    );
+    env.shutdown().await;
+}
+
+/// A change made through another replica reaches a replica whose passes trust their hints
+/// within two `--fetch-wake-poll` intervals (each replica reads Redis's change counter every
+/// interval): the task freed there may wait for that long, never longer.
+#[tokio::test]
+async fn a_change_through_another_replica_ends_the_trust_in_a_hint_within_two_polls() {
+    let poll = std::time::Duration::from_millis(100);
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.fetch.wake_poll = poll;
+        a.fetch.recheck = poll;
+    })
+    .await;
+    let (other, mut other_client) = second_replica(&env).await;
+    let a = env.task(&["x"]).await;
+    let holder = other_client
+        .open_lease(support::lease_request("holder"))
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let running = other_client
+        .fetch_task(support::fetch_request(holder.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .unwrap();
+    assert_eq!(id(&running), a);
+    let b = env.task(&["x"]).await;
+    for i in 0..3 {
+        env.task(&[format!("y{i}").as_str()]).await;
+    }
+    let (w1, w2, w3) = (
+        env.open("w1").await,
+        env.open("w2").await,
+        env.open("w3").await,
+    );
+    // The first pass passes over b (x is held) and sets the hint after a free task.
+    let first = env.fetch(&w1).await.expect("a free task");
+    assert_ne!(id(&first), b);
+    other_client
+        .release_locks(dispatch_broker::proto::ReleaseLocksRequest {
+            lease_id: holder,
+            task_id: running.task_id.clone(),
+            fencing_token: running.fencing_token,
+        })
+        .await
+        .unwrap();
+    // a went back to the queue (it never started): the oldest again, and ready.
+    let mut handed_out = vec![id(&env.fetch(&w2).await.expect("a task"))];
+    if !handed_out.contains(&a) {
+        // Handed out past the change (the hint was trusted): after two polls it is seen.
+        tokio::time::sleep(poll * 3).await;
+        handed_out.push(id(&env.fetch(&w3).await.expect("a task")));
+    }
+    assert!(
+        handed_out.contains(&a),
+        "the task freed through the other replica was handed out within two polls: {handed_out:?}"
+    );
+    other.shutdown().await.unwrap();
+    env.shutdown().await;
+}
+
+/// A lease that ended through another replica gets NOT_FOUND from a pass that took it from
+/// memory and trusted its hint: from the acquire script when a task is ready for it, from the
+/// look-up at the pass's end when none is.
+#[tokio::test]
+async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
+    let mut env = Env::with(|a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.fetch.wake_poll = std::time::Duration::from_secs(600);
+        a.fetch.recheck = a.fetch.wake_poll;
+    })
+    .await;
+    let (other, mut other_client) = second_replica(&env).await;
+    for i in 0..3 {
+        env.task(&[format!("y{i}").as_str()]).await;
+    }
+    let (w1, w2, w3) = (
+        env.open("w1").await,
+        env.open("w2").await,
+        env.open("w3").await,
+    );
+    assert!(env.fetch(&w1).await.is_some());
+    assert!(env.fetch(&w2).await.is_some());
+    for lease in [&w1, &w2] {
+        other_client
+            .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+                lease_id: lease.clone(),
+            })
+            .await
+            .unwrap();
+    }
+    let before = env.broker().stats.snapshot();
+    // A task is ready (y2): the acquire finds the lease gone.
+    let gone = env.try_fetch(&w1, &[]).await.expect_err("w1 ended");
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+    assert_eq!(
+        (env.broker().stats.snapshot() - before).hints_trusted,
+        1,
+        "the pass trusted its hint"
+    );
+    assert!(env.fetch(&w3).await.is_some(), "y2");
+    // Nothing is ready: the look-up at the pass's end finds the lease gone.
+    let before = env.broker().stats.snapshot();
+    let gone = env.try_fetch(&w2, &[]).await.expect_err("w2 ended");
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+    assert_eq!((env.broker().stats.snapshot() - before).hints_trusted, 1);
+    other.shutdown().await.unwrap();
+    env.shutdown().await;
+}
+
 /// A change made outside the broker (a Pulp process finishing the task that blocked another, in
 /// Postgres only) is seen once the scan hint is older than `--fetch-hint-max-age`: a walk in the
 /// background renews the hint, and the freed task is handed out without anything changing

@@ -81,6 +81,8 @@ impl Dispatch {
     /// fetch pass does, and installs the hint for where it stopped, unless a newer hint was
     /// installed meanwhile.
     async fn walk_for_hint(&self, taken: Instant) -> Result<()> {
+        let made = self.locks.changes_made();
+        let checked_at = Instant::now();
         let seq = self.locks.change_seq().await?;
         // Before anything the hint relies on is read (see `queues::Queues::split_hiding`).
         let removals = self.queues.removals();
@@ -171,6 +173,8 @@ impl Dispatch {
         let hint = ScanHint {
             epoch,
             seq,
+            checked_at,
+            made,
             taken,
             after,
             excluded,

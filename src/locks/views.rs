@@ -60,7 +60,7 @@ impl Locks {
     /// Every held task lock with its holder, and Redis server time (ms).
     pub async fn lock_table(&self) -> Result<(i64, Vec<HeldLock>), Error> {
         let reply: Vec<Value> = self
-            .run(
+            .run_reading(
                 self.scripts
                     .lock_table
                     .key(self.keys.locked())
@@ -115,7 +115,7 @@ impl Locks {
         details: bool,
     ) -> Result<LeasePage, Error> {
         let reply: Vec<Value> = self
-            .run(
+            .run_reading(
                 self.scripts
                     .lease_table
                     .key(self.keys.leases())
@@ -192,7 +192,7 @@ impl Locks {
     /// computed-at ms, now ms)`.
     pub async fn blocked_survey(&self) -> Result<(Option<String>, i64, i64), Error> {
         let (survey, at, now): (String, i64, i64) = self
-            .run(&self.scripts.blocked_survey.key(self.keys.lanes()))
+            .run_reading(&self.scripts.blocked_survey.key(self.keys.lanes()))
             .await?;
         Ok(((!survey.is_empty()).then_some(survey), at, now))
     }
