@@ -37,7 +37,8 @@
 //!
 //! Run: `cargo bench --bench pulp` (N = 1,000, 17,000, 100,000, 1,000,000) or
 //! `cargo bench --bench pulp -- 1000 17000`; `PULPCORE=0` runs the broker's rounds only,
-//! `PULPCORE=first` pulpcore's in the first cell of each size only.
+//! `PULPCORE=first` pulpcore's in the first cell of each size only; `TRUST_AB=1` compares, round
+//! by round, passes that may trust their scan hint with passes that may not (see `trust_ab`).
 //! Prints Markdown tables.
 
 use std::collections::BTreeMap;
@@ -190,6 +191,11 @@ struct Costs {
     lane_ms: f64,
     /// The statements by total time: (first line, calls, mean ms, buffers per call).
     top: Vec<(String, i64, f64, f64)>,
+    /// The broker's own counts over the rounds: fetch passes, their Redis calls, and the passes
+    /// that trusted their scan hint (no Redis read of the lease and the changes first).
+    passes: u64,
+    pass_redis_calls: u64,
+    hints_trusted: u64,
 }
 
 async fn reset_statements(db: &tokio_postgres::Client) {
@@ -252,18 +258,39 @@ async fn traffic(helper: &mut Helper, round: usize) {
     }
 }
 
+/// `TRUST_AB=1`: every other round notes an unrelated change through the broker's own lock
+/// store before each fetch (untimed), so that the fetch's pass cannot trust its scan hint and
+/// reads the lease and the change log first, as every pass did before hints were trusted. The
+/// two kinds of round alternate in one process, on the same data, so the machine's drift falls
+/// on both alike.
+fn trust_ab() -> bool {
+    std::env::var_os("TRUST_AB").is_some_and(|v| v != "0")
+}
+
 async fn broker_rounds(
+    broker: &dispatch_broker::server::Running,
     fleet: &[Worker],
     helper: &mut Helper,
     db: &tokio_postgres::Client,
     requeue: bool,
 ) -> Cell {
+    let stats = &broker.stats;
     reset_statements(db).await;
+    let before = stats.snapshot();
     let mut fetch_ms = Vec::new();
+    let mut untrusted_ms = Vec::new();
     let mut fetched = 0;
     for round in 0..ROUNDS {
         let mut held: Vec<TaskGuard> = Vec::new();
+        let untrusted = trust_ab() && round % 2 == 1;
         for (i, worker) in fleet.iter().enumerate() {
+            if untrusted {
+                broker
+                    .locks
+                    .note_changes(&["bench:no-trust"])
+                    .await
+                    .expect("note a change");
+            }
             let started = Instant::now();
             let task = if requeue {
                 worker.next_task(Duration::ZERO).await
@@ -278,7 +305,11 @@ async fn broker_rounds(
                     chrono::Utc::now().format("%H:%M:%S%.3f")
                 );
             }
-            fetch_ms.push(ms);
+            if untrusted {
+                untrusted_ms.push(ms);
+            } else {
+                fetch_ms.push(ms);
+            }
             held.extend(task);
         }
         fetched += held.len();
@@ -293,10 +324,25 @@ async fn broker_rounds(
         }
         traffic(helper, round).await;
     }
+    if trust_ab() {
+        let (t50, t99) = summary(fetch_ms.clone());
+        let (u50, u99) = summary(untrusted_ms);
+        eprintln!(
+            "    TRUST_AB: rounds that may trust their hint {t50:.2} / {t99:.2} ms, rounds that \
+             may not {u50:.2} / {u99:.2} ms (median / p99), {:.3} ms ({:.1}%) saved at the median",
+            u50 - t50,
+            (u50 - t50) / u50 * 100.0
+        );
+    }
+    let counted = stats.snapshot() - before;
+    let mut costs = broker_costs(db).await;
+    costs.passes = counted.fetches;
+    costs.pass_redis_calls = counted.fetch_redis_calls;
+    costs.hints_trusted = counted.hints_trusted;
     Cell {
         fetch_ms,
         fetched,
-        costs: Some(broker_costs(db).await),
+        costs: Some(costs),
     }
 }
 
@@ -508,7 +554,7 @@ async fn run_size(
             } else {
                 pulpcore_rounds(&mut helper, requeue).await
             };
-            let broker_cell = broker_rounds(&fleet, &mut helper, &db, requeue).await;
+            let broker_cell = broker_rounds(&broker, &fleet, &mut helper, &db, requeue).await;
             let row = Row {
                 blocked,
                 pending,
@@ -532,7 +578,7 @@ async fn run_size(
             "finish, R0 moving (head lapsed)"
         }
     };
-    let broker_cell = broker_rounds(&fleet, &mut helper, &db, false).await;
+    let broker_cell = broker_rounds(&broker, &fleet, &mut helper, &db, false).await;
     let row = Row {
         blocked,
         pending: "off",
@@ -620,6 +666,13 @@ fn print_row(row: &Row) {
             c.statements / calls,
             c.buffers / calls,
             c.control / calls
+        );
+        eprintln!(
+            "    broker: {} fetch passes, {:.1} Redis calls per pass, {} passes trusted their \
+             scan hint",
+            c.passes,
+            c.pass_redis_calls as f64 / c.passes.max(1) as f64,
+            c.hints_trusted
         );
         eprintln!(
             "    lane gauge during the rounds: {} statements, {:.1} ms in all",

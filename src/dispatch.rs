@@ -187,7 +187,8 @@ struct ScanHint {
 }
 
 /// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
-/// at `now` without reading the log first. Only while no call of this replica that may change
+/// at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
+/// (another state's sequence numbers are not comparable), only while no call of this replica that may change
 /// lock state ended since the hint was read against the log (`made` is
 /// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
 /// since that read, or since the change counter (which every replica reads each interval;
@@ -197,12 +198,13 @@ struct ScanHint {
 /// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
 fn trusted_until(
     h: &ScanHint,
+    epoch: &str,
     made: u64,
     seq_read: Option<(u64, Instant)>,
     window: Duration,
     now: Instant,
 ) -> Option<Instant> {
-    if window.is_zero() || h.made != made {
+    if window.is_zero() || h.made != made || h.epoch != epoch {
         return None;
     }
     let clean_until = match seq_read {
@@ -1685,6 +1687,7 @@ impl Dispatch {
     fn trusted(&self, h: &ScanHint, made: u64) -> Option<Instant> {
         trusted_until(
             h,
+            &self.locks.epoch(),
             made,
             self.locks.seq_read(),
             self.policy.wake_poll.saturating_mul(2),
@@ -1982,7 +1985,7 @@ mod tests {
 
     fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
         ScanHint {
-            epoch: String::new(),
+            epoch: "e1".to_owned(),
             seq,
             checked_at,
             made,
@@ -2002,16 +2005,16 @@ mod tests {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
         let at = |ms| t0 + Duration::from_millis(ms);
-        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(50)), Some(t0));
-        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(200)), Some(t0));
-        assert_eq!(trusted_until(&h, 3, None, WINDOW, at(201)), None);
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(50)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(200)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(201)), None);
     }
 
     #[test]
     fn a_change_made_through_this_replica_ends_the_trust_at_once() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, 4, None, WINDOW, t0), None);
+        assert_eq!(trusted_until(&h, "e1", 4, None, WINDOW, t0), None);
     }
 
     #[test]
@@ -2022,24 +2025,34 @@ mod tests {
         // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
         let unmoved = Some((7, at(150)));
         assert_eq!(
-            trusted_until(&h, 3, unmoved, WINDOW, at(300)),
+            trusted_until(&h, "e1", 3, unmoved, WINDOW, at(300)),
             Some(at(150))
         );
-        assert_eq!(trusted_until(&h, 3, unmoved, WINDOW, at(351)), None);
+        assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
         // Moved (a change through another replica): no trust, however fresh the hint.
-        assert_eq!(trusted_until(&h, 3, Some((8, at(1))), WINDOW, at(2)), None);
+        assert_eq!(
+            trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),
+            None
+        );
         // A read sent before the hint's own tells nothing new, moved or not.
         let h = hint(at(100), 7, 3);
         assert_eq!(
-            trusted_until(&h, 3, Some((5, at(50))), WINDOW, at(150)),
+            trusted_until(&h, "e1", 3, Some((5, at(50))), WINDOW, at(150)),
             Some(at(100))
         );
+    }
+
+    #[test]
+    fn a_hint_of_another_lock_state_is_not_trusted() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, "e2", 3, None, WINDOW, t0), None);
     }
 
     #[test]
     fn no_window_means_no_trust() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, 3, None, Duration::ZERO, t0), None);
+        assert_eq!(trusted_until(&h, "e1", 3, None, Duration::ZERO, t0), None);
     }
 }
