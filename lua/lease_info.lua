@@ -3,10 +3,15 @@
 -- KEYS[1]  PREFIX:epoch           the lock state's identity
 -- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<id>      lease hash
--- ARGV     epoch, lease_id
--- Returns  {1, expiry ms, app_status_id, versions JSON, worker name}; {0} when the lease is
---          unknown or expired (judged by Redis server time); {-2} when the lock state is not the
---          expected one.
+-- KEYS[4]  PREFIX:changes         sorted set of changed names -> change sequence number
+-- KEYS[5]  PREFIX:changeseq       the change counter
+-- KEYS[6]  PREFIX:changefloor     changes at or below this sequence number were trimmed away
+-- ARGV     epoch, lease_id, the scan hint's sequence number ('' without a hint)
+-- Returns  {1, expiry ms, app_status_id, versions JSON, worker name, change counter, what
+--          changed since ARGV[3]: 'fresh' (nothing), 'changed' followed by the names, or 'stale'
+--          (no hint, the log no longer reaches back to it, or 1,000 names or more)}; {0} when the
+--          lease is unknown or expired (judged by Redis server time); {-2} when the lock state is
+--          not the expected one.
 -- Never    writes.
 
 if not epoch_ok(KEYS[1], ARGV[1]) then

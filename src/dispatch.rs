@@ -192,8 +192,8 @@ struct ScanHint {
 /// lock state ended since the hint was read against the log (`made` is
 /// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
 /// since that read, or since the change counter (which every replica reads each interval;
-/// `seq_read` is the last read and when it was sent) was last seen not to have moved past the
-/// hint. So a change made through another replica, or by its sweeper, reaches this replica's
+/// `seq_read` is the last read and when it was sent) was last seen still at the hint's
+/// sequence number. So a change made through another replica, or by its sweeper, reaches this replica's
 /// passes as late as it reaches its waiting calls. A hint used past a change only delays a
 /// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
 fn trusted_until(
@@ -209,7 +209,9 @@ fn trusted_until(
     }
     let clean_until = match seq_read {
         Some((seq, at)) if at > h.checked_at => {
-            if seq > h.seq {
+            // Moved on, or back (a failover that lost the last changes: the numbers after it
+            // come again, for other changes).
+            if seq != h.seq {
                 return None;
             }
             at
@@ -2029,6 +2031,11 @@ mod tests {
             Some(at(150))
         );
         assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
+        // Moved back (a failover lost the last changes): no trust either.
+        assert_eq!(
+            trusted_until(&h, "e1", 3, Some((6, at(1))), WINDOW, at(2)),
+            None
+        );
         // Moved (a change through another replica): no trust, however fresh the hint.
         assert_eq!(
             trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),

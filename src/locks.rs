@@ -158,6 +158,15 @@ struct Knowledge {
     seq_read: std::sync::Mutex<Option<(u64, std::time::Instant)>>,
 }
 
+/// Counts a call that may have changed lock state when dropped (see [`Locks::changes_made`]).
+struct Made<'a>(&'a AtomicU64);
+
+impl Drop for Made<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// deadpool-redis's manager, except that a pooled connection is checked (UNWATCH and PING) only
 /// after it sat idle for [`crate::tasks::VERIFY_IDLE_AFTER`]: a busy broker pays no extra round
 /// trip per call. A connection that broke in use is dropped by [`Locks::settle`], and the
@@ -261,9 +270,10 @@ impl Locks {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, Error> {
-        let outcome = self.run_reading(invocation).await;
-        self.known.made.fetch_add(1, Ordering::SeqCst);
-        outcome
+        // Counted when the call ends, also when the caller drops it half-way (a client that hung
+        // up): the script may have run all the same.
+        let _counted = Made(&self.known.made);
+        self.run_reading(invocation).await
     }
 
     /// Runs one prepared script invocation that changes nothing a scan hint relies on (it

@@ -538,8 +538,11 @@ async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
         env.open("w2").await,
         env.open("w3").await,
     );
-    assert!(env.fetch(&w1).await.is_some());
-    assert!(env.fetch(&w2).await.is_some());
+    // Started, so that closing the leases fails them rather than putting them back.
+    for lease in [&w1, &w2] {
+        let task = env.fetch(lease).await.expect("a task");
+        env.start(lease, &task).await;
+    }
     for lease in [&w1, &w2] {
         other_client
             .close_lease(dispatch_broker::proto::CloseLeaseRequest {
@@ -558,11 +561,18 @@ async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
         "the pass trusted its hint"
     );
     assert!(env.fetch(&w3).await.is_some(), "y2");
-    // Nothing is ready: the look-up at the pass's end finds the lease gone.
+    // Nothing is ready: no acquire runs, and the look-up at the pass's end finds the lease gone.
+    env.broker().passes.idle().await;
     let before = env.broker().stats.snapshot();
     let gone = env.try_fetch(&w2, &[]).await.expect_err("w2 ended");
     assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
-    assert_eq!((env.broker().stats.snapshot() - before).hints_trusted, 1);
+    env.broker().passes.idle().await;
+    let pass = env.broker().stats.snapshot() - before;
+    assert_eq!(pass.hints_trusted, 1, "{pass:?}");
+    assert_eq!(
+        pass.fetch_redis_calls, 1,
+        "the lease look-up only: {pass:?}"
+    );
     other.shutdown().await.unwrap();
     env.shutdown().await;
 }
