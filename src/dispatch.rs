@@ -689,13 +689,13 @@ impl Dispatch {
         let seen = self.waiters.generation();
         if !wait.is_zero() && call.skip.is_empty() && self.waiters.known_empty(seen) {
             // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
-            let lease = Arc::new(self.live_lease(lease_id).await?);
+            let lease = self.live_lease(lease_id).await?;
             place = Some(self.join_waiters(seen, call.offer(lease))?);
         } else if wait > self.policy.pass_stall && self.congested() {
             // Enough passes run already: one of them, or the next, serves this call with the
             // others waiting then (one scan for all) instead of this call reading the queue too.
             // With the waiter queue full it makes its own pass instead.
-            let lease = Arc::new(self.live_lease(lease_id).await?);
+            let lease = self.live_lease(lease_id).await?;
             if let Ok(joined) = self.waiters.join(seen, call.offer(lease)) {
                 place = Some(joined);
                 self.defer_to_running();
@@ -778,7 +778,7 @@ impl Dispatch {
                 let lease = lease_seen.lock().ok().and_then(|l| l.clone());
                 let lease = match lease {
                     Some(lease) => lease,
-                    None => Arc::new(self.live_lease(lease_id).await?),
+                    None => self.live_lease(lease_id).await?,
                 };
                 place = Some(self.join_waiters(seen, call.offer(lease))?);
             }
@@ -931,12 +931,19 @@ impl Dispatch {
             }
             None => {
                 let checked_at = Instant::now();
-                let found = self
+                let Some((lease, changes)) = self
                     .locks
                     .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
-                    .await?;
-                let (lease, changes) = self.remember_lease(lease_id, found)?;
-                (lease, changes, checked_at, true)
+                    .await?
+                else {
+                    return Err(self.lease_gone(lease_id));
+                };
+                (
+                    self.remember_lease(lease_id, lease),
+                    changes,
+                    checked_at,
+                    true,
+                )
             }
         };
         if let Ok(mut out) = lease_out.lock() {
@@ -1267,8 +1274,7 @@ impl Dispatch {
                         Ok(Attempt::Lost) => Settled::Lost,
                         Ok(Attempt::LeaseGone) => {
                             claimant.state = Turn::Done;
-                            self.forget_lease(claimant.offer.lease_id);
-                            let gone = Error::LeaseNotFound(claimant.offer.lease_id.to_string());
+                            let gone = self.lease_gone(claimant.offer.lease_id);
                             match claimant.recruit.take() {
                                 None => {
                                     failure = failure.or(Some(gone));
@@ -1647,22 +1653,15 @@ impl Dispatch {
         }
     }
 
-    async fn live_lease(&self, lease_id: Uuid) -> Result<LeaseRecord> {
-        let found = self.locks.lease(&lease_id.to_string()).await?;
-        self.remember_lease(lease_id, found.map(|lease| (lease, ())))
-            .map(|(lease, ())| LeaseRecord::clone(&lease))
+    async fn live_lease(&self, lease_id: Uuid) -> Result<Arc<LeaseRecord>> {
+        match self.locks.lease(&lease_id.to_string()).await? {
+            Some(lease) => Ok(self.remember_lease(lease_id, lease)),
+            None => Err(self.lease_gone(lease_id)),
+        }
     }
 
-    /// Keeps a lease just read alive (NOT_FOUND, and forgotten, when it was not).
-    fn remember_lease<T>(
-        &self,
-        lease_id: Uuid,
-        found: Option<(LeaseRecord, T)>,
-    ) -> Result<(Arc<LeaseRecord>, T)> {
-        let Some((lease, with)) = found else {
-            self.forget_lease(lease_id);
-            return Err(Error::LeaseNotFound(lease_id.to_string()));
-        };
+    /// Keeps a lease just read alive.
+    fn remember_lease(&self, lease_id: Uuid, lease: LeaseRecord) -> Arc<LeaseRecord> {
         let lease = Arc::new(lease);
         if let Ok(mut known) = self.leases.lock() {
             if known.len() >= MAX_KNOWN_LEASES && !known.contains_key(&lease_id) {
@@ -1671,13 +1670,15 @@ impl Dispatch {
             }
             known.insert(lease_id, Arc::clone(&lease));
         }
-        Ok((lease, with))
+        lease
     }
 
-    fn forget_lease(&self, lease_id: Uuid) {
+    /// Forgets a lease found ended; the error its caller gets.
+    fn lease_gone(&self, lease_id: Uuid) -> Error {
         if let Ok(mut known) = self.leases.lock() {
             known.remove(&lease_id);
         }
+        Error::LeaseNotFound(lease_id.to_string())
     }
 
     fn known_lease(&self, lease_id: Uuid) -> Option<Arc<LeaseRecord>> {

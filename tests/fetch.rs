@@ -380,24 +380,16 @@ async fn a_task_hidden_behind_a_held_lock_is_handed_out_once_the_lock_is_release
     env.shutdown().await;
 }
 
-/// A second replica on the same Postgres and Redis, and a client of it.
-async fn second_replica(
-    env: &Env,
-) -> (
-    dispatch_broker::server::Running,
-    dispatch_broker::proto::broker_client::BrokerClient<tonic::transport::Channel>,
-) {
-    let mut args = env.args.clone();
-    args.listen = "127.0.0.1:0".parse().unwrap();
-    args.metrics_listen = "127.0.0.1:0".parse().unwrap();
-    let other = dispatch_broker::server::start(&args).await.unwrap();
-    let client = dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
-        "http://{}",
-        other.addr
-    ))
-    .await
-    .unwrap();
-    (other, client)
+/// Options under which a pass may trust its scan hint for two `wake_poll` intervals, and hints
+/// are never renewed by a walk meanwhile.
+fn trusting(
+    wake_poll: std::time::Duration,
+) -> impl FnOnce(&mut dispatch_broker::config::ServeArgs) {
+    move |a| {
+        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
+        a.fetch.wake_poll = wake_poll;
+        a.fetch.recheck = wake_poll;
+    }
 }
 
 /// A pass whose scan hint was read against the change log shortly before, with no change made
@@ -407,13 +399,8 @@ async fn second_replica(
 /// by the next fetch.
 #[tokio::test]
 async fn a_hint_read_just_before_is_trusted_until_this_replica_changes_something() {
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        // Two polls: far longer than the test.
-        a.fetch.wake_poll = std::time::Duration::from_secs(600);
-        a.fetch.recheck = a.fetch.wake_poll;
-    })
-    .await;
+    // Two polls: far longer than the test.
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
     let a = env.task(&["x"]).await;
     let holder = env.open("holder").await;
     let running = env.fetch(&holder).await.expect("a");
@@ -461,13 +448,8 @@ async fn a_hint_read_just_before_is_trusted_until_this_replica_changes_something
 #[tokio::test]
 async fn a_change_through_another_replica_ends_the_trust_in_a_hint_within_two_polls() {
     let poll = std::time::Duration::from_millis(100);
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        a.fetch.wake_poll = poll;
-        a.fetch.recheck = poll;
-    })
-    .await;
-    let (other, mut other_client) = second_replica(&env).await;
+    let mut env = Env::with(trusting(poll)).await;
+    let (other, mut other_client) = env.second_replica().await;
     let a = env.task(&["x"]).await;
     let holder = other_client
         .open_lease(support::lease_request("holder"))
@@ -523,13 +505,8 @@ async fn a_change_through_another_replica_ends_the_trust_in_a_hint_within_two_po
 /// look-up at the pass's end when none is.
 #[tokio::test]
 async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
-    let mut env = Env::with(|a| {
-        a.fetch.hint_max_age = std::time::Duration::from_secs(3600);
-        a.fetch.wake_poll = std::time::Duration::from_secs(600);
-        a.fetch.recheck = a.fetch.wake_poll;
-    })
-    .await;
-    let (other, mut other_client) = second_replica(&env).await;
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let (other, mut other_client) = env.second_replica().await;
     for i in 0..3 {
         env.task(&[format!("y{i}").as_str()]).await;
     }

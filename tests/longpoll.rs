@@ -148,16 +148,7 @@ async fn a_release_through_another_replica_wakes_the_waiter() {
         a.fetch.wake_poll = Duration::from_millis(50);
     })
     .await;
-    let mut other_args = env.args.clone();
-    other_args.listen = "127.0.0.1:0".parse().unwrap();
-    other_args.metrics_listen = "127.0.0.1:0".parse().unwrap();
-    let other = dispatch_broker::server::start(&other_args).await.unwrap();
-    let mut other_client = dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
-        "http://{}",
-        other.addr
-    ))
-    .await
-    .unwrap();
+    let (other, mut other_client) = env.second_replica().await;
     let first = env.task(&["a"]).await;
     let second = env.task(&["a"]).await;
     let holder = other_client

@@ -116,6 +116,19 @@ impl Env {
         self.broker.as_ref().expect("broker running")
     }
 
+    /// A second replica with this one's options, on the same Postgres and Redis, and a client
+    /// of it.
+    pub async fn second_replica(&self) -> (Running, BrokerClient<Channel>) {
+        let mut args = self.args.clone();
+        args.listen = "127.0.0.1:0".parse().unwrap();
+        args.metrics_listen = "127.0.0.1:0".parse().unwrap();
+        let other = server::start(&args).await.expect("start a second replica");
+        let client = BrokerClient::connect(format!("http://{}", other.addr))
+            .await
+            .expect("connect to the second replica");
+        (other, client)
+    }
+
     /// Waits until the broker's resource queues hold every task queued so far (they catch up
     /// once a second on their own, so a fast test may otherwise run before they know of any).
     pub async fn settle_queues(&self) {
