@@ -196,6 +196,7 @@ struct Costs {
     passes: u64,
     pass_redis_calls: u64,
     hints_trusted: u64,
+    pages_carried: u64,
 }
 
 async fn reset_statements(db: &tokio_postgres::Client) {
@@ -339,6 +340,7 @@ async fn broker_rounds(
     costs.passes = counted.fetches;
     costs.pass_redis_calls = counted.fetch_redis_calls;
     costs.hints_trusted = counted.hints_trusted;
+    costs.pages_carried = counted.pages_carried;
     Cell {
         fetch_ms,
         fetched,
@@ -669,10 +671,11 @@ fn print_row(row: &Row) {
         );
         eprintln!(
             "    broker: {} fetch passes, {:.1} Redis calls per pass, {} passes trusted their \
-             scan hint",
+             scan hint, {} judged a carried page",
             c.passes,
             c.pass_redis_calls as f64 / c.passes.max(1) as f64,
-            c.hints_trusted
+            c.hints_trusted,
+            c.pages_carried
         );
         eprintln!(
             "    lane gauge during the rounds: {} statements, {:.1} ms in all",

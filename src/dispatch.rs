@@ -184,6 +184,61 @@ struct ScanHint {
     /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
     returned: Vec<Uuid>,
+    /// The rest of the page the pass that left the hint read, for the next pass that trusts
+    /// the hint (see [`Carried`]).
+    carried: Option<Arc<Carried>>,
+}
+
+/// The rest of a page: the tasks after a scan hint's position that the pass which read the page
+/// did not reach (it had served everyone before). The next pass that trusts the hint (see
+/// [`trusted_until`]) judges them first instead of reading them again, so while nothing changes
+/// a fetch costs no page read. They are at most as old as that trust: two `--fetch-wake-poll`
+/// intervals, with no change made through this replica since.
+///
+/// The rule still decides as for a page read then. Their exact look-up (`older_conflicts`) was
+/// made when the page was read, and it stays true: no older conflicting task can appear later,
+/// since the insert trigger Pulp's schema must have (`on_insert_timestamp_task`; `migrate`
+/// checks for it) stamps a task only once the inserts of every task sharing a resource with it
+/// have committed (per-resource advisory locks). What else makes a ready task unready is caught
+/// where it is for every candidate: a lock taken since (through any replica) by the acquire
+/// script, a task claimed, canceled or finished since by the claim. What the carried tasks do
+/// not see is a task that became ready since (a lock released through another replica): it waits
+/// until the trust ends, as with the hint itself.
+#[derive(Debug)]
+struct Carried {
+    /// In queue order, all after the hint's position.
+    rows: Vec<TaskRow>,
+    /// The held entries the page skipped tasks by.
+    held: Vec<String>,
+    /// When the page was read.
+    read_at: Instant,
+}
+
+impl Carried {
+    /// A page's rest, if it holds a task.
+    fn of(
+        rest: impl IntoIterator<Item = TaskRow>,
+        held: Vec<String>,
+        read_at: Instant,
+    ) -> Option<Carried> {
+        let rows: Vec<TaskRow> = rest.into_iter().collect();
+        (!rows.is_empty()).then_some(Carried {
+            rows,
+            held,
+            read_at,
+        })
+    }
+
+    /// The tasks as a page to judge: marked full, so that a pass that judged them all without
+    /// serving everyone reads on from the last.
+    fn page(&self) -> crate::tasks::Page {
+        crate::tasks::Page {
+            tasks: self.rows.clone(),
+            full: true,
+            held: self.held.clone(),
+            tail: None,
+        }
+    }
 }
 
 /// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
@@ -918,6 +973,7 @@ impl Dispatch {
             let clean_until = self.trusted(h, made)?;
             Some((clean_until, self.known_lease(lease_id)?, h.seq))
         });
+        let trusting = trusted.is_some();
         // Without a hint read against the change log just now, the lease and the changes since
         // the hint are read together (one Redis call).
         let (lease, changes, checked_at, lease_checked) = match trusted {
@@ -1013,6 +1069,8 @@ impl Dispatch {
         let mut hiding = None;
         // Claims put back behind the hint's position: judged before its page.
         let mut returned: Vec<Uuid> = Vec::new();
+        // The rest of the page the hint's pass read, when this pass trusts the hint.
+        let mut carried: Option<Arc<Carried>> = None;
         // Where the resource queues say a pass may start (see below).
         let use_queues = self.uses_resource_queues();
         let start = if use_queues
@@ -1037,6 +1095,9 @@ impl Dispatch {
             after = Some(h.after);
             hint_taken = h.taken;
             hiding = Some((h.after, h.hiding));
+            if trusting {
+                carried = h.carried;
+            }
         }
         // Without a hint, or with one that many tasks arrived behind (a burst for a busy
         // repository): start where the resource queues say the first waiting lane is, if that is
@@ -1052,6 +1113,8 @@ impl Dispatch {
                 tracing::debug!(after = ?position, "pass starts where the resource queues say");
                 start.apply(&mut reserved, &mut skipped_held, |key| excluded.push(key));
                 after = Some(position);
+                // (It starts past the carried tasks.)
+                carried = None;
                 self.stats.queue_start();
             }
         }
@@ -1082,6 +1145,7 @@ impl Dispatch {
                 reserved: reserved.clone(),
                 hiding: HashSet::new(),
                 returned: returned.clone(),
+                carried: None,
             })
         };
         // Who this pass serves: its own caller first in the list, recruits appended as needed.
@@ -1104,22 +1168,36 @@ impl Dispatch {
             page = page.max(room.min(self.policy.max_page));
         }
         let mut held_seen = skipped_held;
+        let mut rest: Option<Carried> = None;
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
         // The returned claims still waiting, oldest first; what the next hint keeps of them. Read
-        // beside the first page (neither depends on the other): one round trip for both.
-        let first_read_at = Instant::now();
-        let (mut extra, mut first_page) = if returned.is_empty() {
-            (Vec::new(), None)
-        } else {
-            let (mut rows, found) = tokio::try_join!(
-                self.tasks.returned(&returned, &near),
-                self.tasks.candidates(&excluded, after, &near, page),
-            )?;
-            // Only those up to the hint's position: the page reaches the others in order.
-            rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
-            (rows, Some(found))
+        // beside the first page (neither depends on the other): one round trip for both. The
+        // first page is the carried one when there is one (judged as of its read: a task granted
+        // by this replica since is left alone).
+        if carried.is_some() {
+            self.stats.page_carried();
+        }
+        let first_read_at = carried.as_ref().map_or_else(Instant::now, |c| c.read_at);
+        let (mut extra, mut first_page) = match (returned.is_empty(), carried) {
+            (true, None) => (Vec::new(), None),
+            (true, Some(carried)) => (Vec::new(), Some(carried.page())),
+            (false, carried) => {
+                let (mut rows, found) = match carried {
+                    None => tokio::try_join!(
+                        self.tasks.returned(&returned, &near),
+                        self.tasks.candidates(&excluded, after, &near, page),
+                    )?,
+                    Some(carried) => (
+                        self.tasks.returned(&returned, &near).await?,
+                        carried.page(),
+                    ),
+                };
+                // Only those up to the hint's position: the page reaches the others in order.
+                rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
+                (rows, Some(found))
+            }
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
@@ -1142,9 +1220,10 @@ impl Dispatch {
                     self.tasks.candidates(&excluded, after, &near, page).await?,
                 ),
             };
-            held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();
+            let page_held = found.held;
+            held_seen.extend(page_held.iter().cloned());
             // Returned claims are older than everything past the hint: they come first.
             let rows: Vec<TaskRow> = extra.drain(..).chain(found.tasks).collect();
             let mut rows = rows.into_iter().peekable();
@@ -1366,6 +1445,14 @@ impl Dispatch {
                 after = end;
             }
             if stop || own_served || last_page {
+                if own_served && !stop {
+                    // What this page holds past the last task settled, for the next pass.
+                    rest = Carried::of(
+                        rows.filter(|r| !extra_ids.contains(&r.id)),
+                        page_held,
+                        read_at,
+                    );
+                }
                 break 'pages;
             }
             // The next page reads on from `after`. When the resource queues say that most of
@@ -1416,6 +1503,10 @@ impl Dispatch {
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         if safe {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
+            // The hint ends at the last task settled: the page's rest follows it directly.
+            if let Some(h) = hint.as_mut() {
+                h.carried = rest.map(Arc::new);
+            }
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
             // What hides older tasks from the scan at the hint's position. A name that hid a
@@ -1998,6 +2089,7 @@ mod tests {
             reserved: Reservations::default(),
             hiding: HashSet::new(),
             returned: Vec::new(),
+            carried: None,
         }
     }
 

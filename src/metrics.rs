@@ -80,6 +80,10 @@ pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
 /// reading the log (or the lease) again first.
 pub const FETCH_HINTS_TRUSTED_TOTAL: &str = "dispatch_fetch_hints_trusted_total";
 
+/// Fetch passes that trusted their scan hint and judged the rest of the page the pass before
+/// them read (carried with the hint) instead of reading a first page.
+pub const FETCH_PAGES_CARRIED_TOTAL: &str = "dispatch_fetch_pages_carried_total";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -107,6 +111,7 @@ pub const ALL: &[&str] = &[
     FETCH_HINT_WALKS_TOTAL,
     FETCH_QUEUE_STARTS_TOTAL,
     FETCH_HINTS_TRUSTED_TOTAL,
+    FETCH_PAGES_CARRIED_TOTAL,
 ];
 
 /// Describes every metric once, at start-up.
@@ -182,6 +187,10 @@ pub fn describe() {
     describe_counter!(
         FETCH_HINTS_TRUSTED_TOTAL,
         "Fetch passes that used a scan hint read against the change log shortly before, without reading the log (or the lease) again first."
+    );
+    describe_counter!(
+        FETCH_PAGES_CARRIED_TOTAL,
+        "Fetch passes that trusted their scan hint and judged the rest of the page the pass before them read, instead of reading a first page."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,
@@ -317,6 +326,7 @@ pub struct Stats {
     hint_walks: AtomicU64,
     queue_starts: AtomicU64,
     hints_trusted: AtomicU64,
+    pages_carried: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -349,6 +359,8 @@ pub struct StatsSnapshot {
     pub queue_starts: u64,
     /// Passes that trusted their scan hint (no change log read first).
     pub hints_trusted: u64,
+    /// Passes that judged a carried page instead of reading a first page.
+    pub pages_carried: u64,
 }
 
 impl Stats {
@@ -398,6 +410,12 @@ impl Stats {
     pub fn hint_trusted(&self) {
         self.hints_trusted.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_HINTS_TRUSTED_TOTAL).increment(1);
+    }
+
+    /// Counts a fetch pass that judged a carried page instead of reading a first page.
+    pub fn page_carried(&self) {
+        self.pages_carried.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_PAGES_CARRIED_TOTAL).increment(1);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.
@@ -450,6 +468,7 @@ impl Stats {
             hint_walks: self.hint_walks.load(Ordering::Relaxed),
             queue_starts: self.queue_starts.load(Ordering::Relaxed),
             hints_trusted: self.hints_trusted.load(Ordering::Relaxed),
+            pages_carried: self.pages_carried.load(Ordering::Relaxed),
         }
     }
 }
@@ -472,6 +491,7 @@ impl std::ops::Sub for StatsSnapshot {
             hint_walks: self.hint_walks - earlier.hint_walks,
             queue_starts: self.queue_starts - earlier.queue_starts,
             hints_trusted: self.hints_trusted - earlier.hints_trusted,
+            pages_carried: self.pages_carried - earlier.pages_carried,
         }
     }
 }

@@ -554,6 +554,90 @@ async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
     env.shutdown().await;
 }
 
+/// A pass that trusts its scan hint judges the rest of the page the pass before it read (carried
+/// with the hint) instead of reading a page: while nothing changes, a fetch costs the claim as
+/// its only Postgres statement. A change made through this replica ends that at once.
+#[tokio::test]
+async fn a_pass_that_trusts_its_hint_hands_out_the_rest_of_the_last_page_without_reading_it() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let free: Vec<uuid::Uuid> = {
+        let mut ids = Vec::new();
+        for i in 0..4 {
+            ids.push(env.task(&[format!("y{i}").as_str()]).await);
+        }
+        ids
+    };
+    let w = env.open("w").await;
+    let first = env.fetch(&w).await.expect("y0");
+    assert_eq!(id(&first), free[0]);
+    env.broker().passes.idle().await;
+    for expected in &free[1..3] {
+        let before = env.broker().stats.snapshot();
+        assert_eq!(id(&env.fetch(&w).await.expect("the next task")), *expected);
+        env.broker().passes.idle().await;
+        let pass = env.broker().stats.snapshot() - before;
+        assert_eq!(pass.pages_carried, 1, "{pass:?}");
+        assert_eq!(
+            pass.fetch_postgres_statements, 1,
+            "the claim only: {pass:?}"
+        );
+    }
+    env.finish(&w, &first, "completed").await;
+    let before = env.broker().stats.snapshot();
+    assert_eq!(id(&env.fetch(&w).await.expect("y3")), free[3]);
+    env.broker().passes.idle().await;
+    let pass = env.broker().stats.snapshot() - before;
+    assert_eq!(
+        (pass.hints_trusted, pass.pages_carried),
+        (0, 0),
+        "the finish went through this replica: {pass:?}"
+    );
+    env.shutdown().await;
+}
+
+/// A carried task that another replica handed out, or that was canceled, since the page was read
+/// is not handed out again: the acquire script or the claim finds it gone, the next carried task
+/// is handed out, and the gone one keeps no lock of this lease.
+#[tokio::test]
+async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let (other, mut other_client) = env.second_replica().await;
+    let mut free = Vec::new();
+    for i in 0..5 {
+        free.push(env.task(&[format!("y{i}").as_str()]).await);
+    }
+    let w = env.open("w").await;
+    let first = env.fetch(&w).await.expect("y0");
+    assert_eq!(id(&first), free[0]);
+    env.broker().passes.idle().await;
+    // y1 goes to a lease of the other replica, y2 is canceled in Postgres while it waits.
+    let elsewhere = other_client
+        .open_lease(support::lease_request("elsewhere"))
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let taken = other_client
+        .fetch_task(support::fetch_request(elsewhere))
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .expect("y1");
+    assert_eq!(id(&taken), free[1]);
+    env.set_state(free[2], "canceled").await;
+    let before = env.broker().stats.snapshot();
+    let next = env.fetch(&w).await.expect("y3");
+    env.broker().passes.idle().await;
+    let pass = env.broker().stats.snapshot() - before;
+    assert_eq!(pass.pages_carried, 1, "{pass:?}");
+    assert_eq!(id(&next), free[3]);
+    assert_eq!(env.state(free[2]).await, "canceled");
+    env.assert_locks(&[&first, &taken, &next]).await;
+    other.shutdown().await.unwrap();
+    env.shutdown().await;
+}
+
 /// A change made outside the broker (a Pulp process finishing the task that blocked another, in
 /// Postgres only) is seen once the scan hint is older than `--fetch-hint-max-age`: a walk in the
 /// background renews the hint, and the freed task is handed out without anything changing

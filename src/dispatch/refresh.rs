@@ -181,6 +181,7 @@ impl Dispatch {
             reserved,
             hiding,
             returned: Vec::new(),
+            carried: None,
         };
         self.install(Some(hint), taken);
         Ok(())
