@@ -190,10 +190,12 @@ struct ScanHint {
 }
 
 /// The rest of a page: the tasks after a scan hint's position that the pass which read the page
-/// did not reach (it had served everyone before). The next pass that trusts the hint (see
-/// [`trusted_until`]) judges them first instead of reading them again, so while nothing changes
-/// a fetch costs no page read. They are at most as old as that trust: two `--fetch-wake-poll`
-/// intervals, with no change made through this replica since.
+/// did not reach (it had served everyone before), and the claims put back that the hint checks
+/// first, as the pass read them. The next pass that uses the hint judges them instead of reading
+/// them again, so a fetch costs no page read: a pass that trusts the hint (see
+/// [`trusted_until`]), or one whose read of the changes since the hint shows none that touches a
+/// name of theirs (see [`Carried::untouched_by`]), while they are younger than
+/// `--fetch-hint-max-age`.
 ///
 /// The rule still decides as for a page read then. Their exact look-up (`older_conflicts`) was
 /// made when the page was read, and it stays true: no older conflicting task can appear later,
@@ -201,32 +203,76 @@ struct ScanHint {
 /// checks for it) stamps a task only once the inserts of every task sharing a resource with it
 /// have committed (per-resource advisory locks). What else makes a ready task unready is caught
 /// where it is for every candidate: a lock taken since (through any replica) by the acquire
-/// script, a task claimed, canceled or finished since by the claim. What the carried tasks do
-/// not see is a task that became ready since (a lock released through another replica): it waits
-/// until the trust ends, as with the hint itself.
+/// script, a task claimed, canceled or finished since by the claim. What a carried task cannot
+/// show is a change that made it ready: a lock released on one of its names, or a waiting task
+/// with one that left. Those are recorded with the name, and a pass that reads one does not use
+/// the carried tasks; one made through another replica is seen once the trust ends, as for the
+/// hint itself. A task judged not ready from a carried row reserves its names in the hint the
+/// pass leaves, as one read afresh does, so what makes it ready later drops that hint. Nor do
+/// carried tasks show a task between them that a held lock hid from the page and that became
+/// ready since (its lock released): a pass that judges the carried tasks may hand out a newer
+/// one first. That task is not in conflict with them (FIFO per resource holds), and waits at
+/// most until the carried tasks are used up or older than `--fetch-hint-max-age`, whichever
+/// comes first.
 #[derive(Debug)]
 struct Carried {
     /// In queue order, all after the hint's position.
     rows: Vec<TaskRow>,
+    /// The claims put back that the hint checks first (its `returned`), oldest first.
+    returned: Vec<TaskRow>,
     /// The held entries the page skipped tasks by.
     held: Vec<String>,
-    /// When the page was read.
+    /// When the page (and the claims put back) were read.
     read_at: Instant,
 }
 
 impl Carried {
-    /// A page's rest, if it holds a task.
+    /// A page's rest and the claims put back still waiting, if there is a task among them.
     fn of(
         rest: impl IntoIterator<Item = TaskRow>,
+        returned: Vec<TaskRow>,
         held: Vec<String>,
         read_at: Instant,
     ) -> Option<Carried> {
         let rows: Vec<TaskRow> = rest.into_iter().collect();
-        (!rows.is_empty()).then_some(Carried {
+        (!rows.is_empty() || !returned.is_empty()).then_some(Carried {
             rows,
+            returned,
             held,
             read_at,
         })
+    }
+
+    /// Whether none of the changes `changed` (as the change log records them) touches a name of
+    /// the carried tasks: only then may a pass that read them use the carried tasks. A claim put
+    /// back is no such change (the pass checks it first, reading it when it is not among the
+    /// carried ones); everything else is recorded with the name whose lock was released or whose
+    /// waiting task left, or as `*` (anything).
+    fn untouched_by(&self, changed: &[String]) -> bool {
+        let names: HashSet<&str> = self
+            .rows
+            .iter()
+            .chain(&self.returned)
+            .flat_map(|r| {
+                let res = &r.candidate.resources;
+                res.exclusive.iter().chain(&res.shared).map(String::as_str)
+            })
+            .collect();
+        changed.iter().all(|n| {
+            if n.starts_with(REQUEUED_PREFIX) {
+                return true;
+            }
+            let entry = n.strip_prefix(LEFT_PREFIX).unwrap_or(n);
+            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
+            n != "*" && !names.contains(name)
+        })
+    }
+
+    /// The carried claims put back, when they are exactly those of `ids` (in any order).
+    fn returned_if(&self, ids: &[Uuid]) -> Option<Vec<TaskRow>> {
+        let carried: HashSet<Uuid> = self.returned.iter().map(|r| r.id).collect();
+        (carried.len() == ids.len() && ids.iter().all(|id| carried.contains(id)))
+            .then(|| self.returned.clone())
     }
 
     /// The tasks as a page to judge: marked full, so that a pass that judged them all without
@@ -1095,9 +1141,11 @@ impl Dispatch {
             after = Some(h.after);
             hint_taken = h.taken;
             hiding = Some((h.after, h.hiding));
-            if trusting {
-                carried = h.carried;
-            }
+            let changed = changes.changed.as_deref().unwrap_or_default();
+            carried = h.carried.filter(|c| {
+                c.read_at.elapsed() <= self.policy.hint_max_age
+                    && (trusting || c.untouched_by(changed))
+            });
         }
         // Without a hint, or with one that many tasks arrived behind (a burst for a busy
         // repository): start where the resource queues say the first waiting lane is, if that is
@@ -1168,7 +1216,8 @@ impl Dispatch {
             page = page.max(room.min(self.policy.max_page));
         }
         let mut held_seen = skipped_held;
-        let mut rest: Option<Carried> = None;
+        // What the last page held past the last task settled, its held entries, when it was read.
+        let mut rest: Option<(Vec<TaskRow>, Vec<String>, Instant)> = None;
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
@@ -1190,7 +1239,10 @@ impl Dispatch {
                         self.tasks.candidates(&excluded, after, &near, page),
                     )?,
                     Some(carried) => (
-                        self.tasks.returned(&returned, &near).await?,
+                        match carried.returned_if(&returned) {
+                            Some(rows) => rows,
+                            None => self.tasks.returned(&returned, &near).await?,
+                        },
                         carried.page(),
                     ),
                 };
@@ -1200,6 +1252,8 @@ impl Dispatch {
             }
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
+        // As read: what the hint this pass leaves carries of those still waiting.
+        let extra_rows: Vec<TaskRow> = extra.clone();
         let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
         // The hint ends at `$at` (at the latest just before the row being settled: the tasks the
         // page skipped before that row are hidden by held locks or by the reservations the hint
@@ -1447,11 +1501,11 @@ impl Dispatch {
             if stop || own_served || last_page {
                 if own_served && !stop {
                     // What this page holds past the last task settled, for the next pass.
-                    rest = Carried::of(
-                        rows.filter(|r| !extra_ids.contains(&r.id)),
+                    rest = Some((
+                        rows.filter(|r| !extra_ids.contains(&r.id)).collect::<Vec<_>>(),
                         page_held,
                         read_at,
-                    );
+                    ));
                 }
                 break 'pages;
             }
@@ -1504,8 +1558,18 @@ impl Dispatch {
         if safe {
             hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
             // The hint ends at the last task settled: the page's rest follows it directly.
-            if let Some(h) = hint.as_mut() {
-                h.carried = rest.map(Arc::new);
+            if let (Some(h), Some((rows, held, read_at))) = (hint.as_mut(), rest) {
+                let returned: Vec<TaskRow> = extra_rows
+                    .into_iter()
+                    .filter(|r| still_returned.contains(&r.id))
+                    .collect();
+                // (Read with the first page: as old as that.)
+                let read_at = if returned.is_empty() {
+                    read_at
+                } else {
+                    first_read_at
+                };
+                h.carried = Carried::of(rows, returned, held, read_at).map(Arc::new);
             }
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
@@ -2094,6 +2158,62 @@ mod tests {
     }
 
     const WINDOW: Duration = Duration::from_millis(200);
+
+    fn row(record: &[&str]) -> TaskRow {
+        TaskRow {
+            id: Uuid::new_v4(),
+            created: Utc::now(),
+            name: "t".to_owned(),
+            immediate: false,
+            candidate: crate::ready::Candidate {
+                resources: Resources::from_record(record),
+                older_conflicts: 0,
+                versions: Some(Default::default()),
+                skipped: false,
+            },
+        }
+    }
+
+    fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
+        Carried::of(rows, returned, vec!["held".to_owned()], Instant::now()).expect("tasks")
+    }
+
+    #[test]
+    fn carried_tasks_are_kept_past_changes_to_other_names_only() {
+        let c = carried(vec![row(&["a", "shared:b"])], vec![row(&["r"])]);
+        let changed = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+        assert!(c.untouched_by(&[]));
+        assert!(c.untouched_by(&changed(&["x", "shared:y", "\u{1}left:z"])));
+        // A held lock released: a task it hid may be handed out after the carried ones.
+        assert!(c.untouched_by(&changed(&["held"])));
+        // A claim put back: checked first by the pass itself.
+        assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", Uuid::new_v4())]));
+        for touching in [
+            "a",
+            "shared:a",
+            "b",
+            "shared:b",
+            "r",
+            "*",
+        ] {
+            assert!(!c.untouched_by(&changed(&[touching])), "{touching}");
+        }
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}shared:b")]));
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}r")]));
+    }
+
+    #[test]
+    fn carried_claims_put_back_stand_in_for_a_read_of_exactly_those() {
+        let (r1, r2) = (row(&["r1"]), row(&["r2"]));
+        let c = carried(Vec::new(), vec![r1.clone(), r2.clone()]);
+        let ids = |rows: Vec<TaskRow>| rows.iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(c.returned_if(&[r2.id, r1.id]).map(ids), Some(vec![r1.id, r2.id]));
+        assert!(c.returned_if(&[r1.id]).is_none(), "one was handed out: read");
+        assert!(c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(), "one more put back: read");
+        assert!(Carried::of(Vec::new(), Vec::new(), Vec::new(), Instant::now()).is_none());
+        let page = c.page();
+        assert!(page.full && page.tasks.is_empty(), "no page rest: a pass reads on");
+    }
 
     #[test]
     fn a_hint_read_against_the_log_just_before_is_trusted_until_the_window_ends() {
