@@ -243,28 +243,29 @@ impl Carried {
         })
     }
 
-    /// Whether none of the changes `changed` (as the change log records them) touches a name of
-    /// the carried tasks: only then may a pass that read them use the carried tasks. A claim put
+    /// Whether none of the changes `changed` (as the change log records them) can have made a
+    /// carried task ready: only then may a pass that read them use the carried tasks. A claim put
     /// back is no such change (the pass checks it first, reading it when it is not among the
-    /// carried ones); everything else is recorded with the name whose lock was released or whose
-    /// waiting task left, or as `*` (anything).
+    /// carried ones). Everything else is recorded with the name whose lock was released or whose
+    /// waiting task left (`shared:` when that was shared access, which only conflicted with the
+    /// tasks that need the name exclusively), or as `*` (anything).
     fn untouched_by(&self, changed: &[String]) -> bool {
-        let names: HashSet<&str> = self
-            .rows
-            .iter()
-            .chain(&self.returned)
-            .flat_map(|r| {
-                let res = &r.candidate.resources;
-                res.exclusive.iter().chain(&res.shared).map(String::as_str)
-            })
+        let rows = || self.rows.iter().chain(&self.returned);
+        let exclusive: HashSet<&str> = rows()
+            .flat_map(|r| r.candidate.resources.exclusive.iter().map(String::as_str))
+            .collect();
+        let shared: HashSet<&str> = rows()
+            .flat_map(|r| r.candidate.resources.shared.iter().map(String::as_str))
             .collect();
         changed.iter().all(|n| {
             if n.starts_with(REQUEUED_PREFIX) {
                 return true;
             }
             let entry = n.strip_prefix(LEFT_PREFIX).unwrap_or(n);
-            let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry);
-            n != "*" && !names.contains(name)
+            match entry.strip_prefix(SHARED_PREFIX) {
+                Some(name) => !exclusive.contains(name),
+                None => entry != "*" && !exclusive.contains(entry) && !shared.contains(entry),
+            }
         })
     }
 
@@ -2184,21 +2185,19 @@ mod tests {
         let changed = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
         assert!(c.untouched_by(&[]));
         assert!(c.untouched_by(&changed(&["x", "shared:y", "\u{1}left:z"])));
+        // Shared access to b released, or a shared user of b that left: it never held up a task
+        // that shares b.
+        assert!(c.untouched_by(&changed(&["shared:b"])));
+        assert!(c.untouched_by(&[format!("{LEFT_PREFIX}shared:b")]));
         // A held lock released: a task it hid may be handed out after the carried ones.
         assert!(c.untouched_by(&changed(&["held"])));
         // A claim put back: checked first by the pass itself.
         assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", Uuid::new_v4())]));
-        for touching in [
-            "a",
-            "shared:a",
-            "b",
-            "shared:b",
-            "r",
-            "*",
-        ] {
+        for touching in ["a", "shared:a", "b", "r", "shared:r", "*"] {
             assert!(!c.untouched_by(&changed(&[touching])), "{touching}");
         }
-        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}shared:b")]));
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}b")]));
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}shared:a")]));
         assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}r")]));
     }
 
