@@ -184,8 +184,8 @@ struct ScanHint {
     /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
     returned: Vec<Uuid>,
-    /// The rest of the page the pass that left the hint read, for the next pass that trusts
-    /// the hint (see [`Carried`]).
+    /// The rest of the page the pass that left the hint read, and the claims put back it
+    /// checks first, for the next pass (see [`Carried`]).
     carried: Option<Arc<Carried>>,
 }
 
@@ -195,7 +195,8 @@ struct ScanHint {
 /// them again, so a fetch costs no page read: a pass that trusts the hint (see
 /// [`trusted_until`]), or one whose read of the changes since the hint shows none that touches a
 /// name of theirs (see [`Carried::untouched_by`]), while they are younger than
-/// `--fetch-hint-max-age`.
+/// `--fetch-hint-max-age` and [`RECENT`] (so that one this replica handed out since is known as
+/// such).
 ///
 /// The rule still decides as for a page read then. Their exact look-up (`older_conflicts`) was
 /// made when the page was read, and it stays true: no older conflicting task can appear later,
@@ -208,12 +209,17 @@ struct ScanHint {
 /// with one that left. Those are recorded with the name, and a pass that reads one does not use
 /// the carried tasks; one made through another replica is seen once the trust ends, as for the
 /// hint itself. A task judged not ready from a carried row reserves its names in the hint the
-/// pass leaves, as one read afresh does, so what makes it ready later drops that hint. Nor do
-/// carried tasks show a task between them that a held lock hid from the page and that became
-/// ready since (its lock released): a pass that judges the carried tasks may hand out a newer
-/// one first. That task is not in conflict with them (FIFO per resource holds), and waits at
-/// most until the carried tasks are used up or older than `--fetch-hint-max-age`, whichever
-/// comes first.
+/// pass leaves, as one read afresh does, so what makes it ready later drops that hint.
+///
+/// Nor do carried tasks show a task between them that a held lock hid from the page and that
+/// became ready since (its lock released), or a claim put back since that lies between them. The
+/// second is read (the claims put back are read by id unless carried) and judged in queue order
+/// with the carried tasks. The first is not in conflict with them (FIFO per resource holds),
+/// but a pass may hand out a newer carried task before it. It is not left behind: the page's
+/// held entries count among the names the hint a pass leaves relies on (`hiding`), so a release
+/// read later drops that hint, and a pass that used carried tasks after reading the release
+/// leaves no hint that relies on the released name (it drops the hint instead). So it waits for
+/// one pass after the release was read, or, with the hint trusted, until the trust ends.
 #[derive(Debug)]
 struct Carried {
     /// In queue order, all after the hint's position.
@@ -245,8 +251,9 @@ impl Carried {
 
     /// Whether none of the changes `changed` (as the change log records them) can have made a
     /// carried task ready: only then may a pass that read them use the carried tasks. A claim put
-    /// back is no such change (the pass checks it first, reading it when it is not among the
-    /// carried ones). Everything else is recorded with the name whose lock was released or whose
+    /// back is no such change (the pass reads it by id unless it is among the carried ones, and
+    /// judges it in order). A released lock that only hid tasks between them is none either
+    /// (see [`Carried`]). Everything else is recorded with the name whose lock was released or whose
     /// waiting task left (`shared:` when that was shared access, which only conflicted with the
     /// tasks that need the name exclusively), or as `*` (anything).
     fn untouched_by(&self, changed: &[String]) -> bool {
@@ -340,6 +347,16 @@ fn split_by_known(
         }
     }
     (kept, unknown)
+}
+
+/// The names whose locks the changes `changed` (as the change log records them) released,
+/// exclusive or shared: not claims put back, not waiting tasks that left (they held nothing).
+fn released_names(changed: &[String]) -> HashSet<String> {
+    changed
+        .iter()
+        .filter(|n| !n.starts_with(REQUEUED_PREFIX) && !n.starts_with(LEFT_PREFIX))
+        .map(|n| n.strip_prefix(SHARED_PREFIX).unwrap_or(n).to_owned())
+        .collect()
 }
 
 /// A position as the resource queues key it (`ready::Key`).
@@ -1116,8 +1133,11 @@ impl Dispatch {
         let mut hiding = None;
         // Claims put back behind the hint's position: judged before its page.
         let mut returned: Vec<Uuid> = Vec::new();
-        // The rest of the page the hint's pass read, when this pass trusts the hint.
+        // The rest of the page the hint's pass read, when this pass may judge it (see
+        // `Carried`).
         let mut carried: Option<Arc<Carried>> = None;
+        // With carried tasks after reading the changes: the names whose locks those released.
+        let mut released: HashSet<String> = HashSet::new();
         // Where the resource queues say a pass may start (see below).
         let use_queues = self.uses_resource_queues();
         let start = if use_queues
@@ -1144,9 +1164,16 @@ impl Dispatch {
             hiding = Some((h.after, h.hiding));
             let changed = changes.changed.as_deref().unwrap_or_default();
             carried = h.carried.filter(|c| {
-                c.read_at.elapsed() <= self.policy.hint_max_age
+                // (Within `RECENT`, so that a carried task this replica handed out since is
+                // known as such: `Seen::Left`.)
+                c.read_at.elapsed() <= self.policy.hint_max_age.min(RECENT)
                     && (trusting || c.untouched_by(changed))
             });
+            if carried.is_some() && !trusting {
+                // The locks released since the hint, which the carried page's held entries
+                // may still name (see the end of the pass).
+                released = released_names(changed);
+            }
         }
         // Without a hint, or with one that many tasks arrived behind (a burst for a busy
         // repository): start where the resource queues say the first waiting lane is, if that is
@@ -1226,31 +1253,45 @@ impl Dispatch {
         // beside the first page (neither depends on the other): one round trip for both. The
         // first page is the carried one when there is one (judged as of its read: a task granted
         // by this replica since is left alone).
-        if carried.is_some() {
+        let carried_page = carried
+            .as_ref()
+            .filter(|c| !c.rows.is_empty())
+            .map(|c| c.page());
+        let carried_returned = carried.as_ref().and_then(|c| c.returned_if(&returned));
+        if carried_page.is_some() {
             self.stats.page_carried();
         }
         let first_read_at = carried.as_ref().map_or_else(Instant::now, |c| c.read_at);
-        let (mut extra, mut first_page) = match (returned.is_empty(), carried) {
-            (true, None) => (Vec::new(), None),
-            (true, Some(carried)) => (Vec::new(), Some(carried.page())),
-            (false, carried) => {
-                let (mut rows, found) = match carried {
-                    None => tokio::try_join!(
-                        self.tasks.returned(&returned, &near),
-                        self.tasks.candidates(&excluded, after, &near, page),
-                    )?,
-                    Some(carried) => (
-                        match carried.returned_if(&returned) {
-                            Some(rows) => rows,
-                            None => self.tasks.returned(&returned, &near).await?,
-                        },
-                        carried.page(),
-                    ),
-                };
-                // Only those up to the hint's position: the page reaches the others in order.
-                rows.retain(|r| after.is_some_and(|a| (r.created, r.id) <= a));
-                (rows, Some(found))
+        let (mut extra, mut first_page) = if returned.is_empty() {
+            (Vec::new(), carried_page)
+        } else {
+            let page_carried = carried_page.is_some();
+            let (mut rows, mut found) = match (carried_returned, carried_page) {
+                (Some(rows), Some(found)) => (rows, found),
+                (Some(rows), None) => (
+                    rows,
+                    self.tasks.candidates(&excluded, after, &near, page).await?,
+                ),
+                (None, Some(found)) => (self.tasks.returned(&returned, &near).await?, found),
+                (None, None) => tokio::try_join!(
+                    self.tasks.returned(&returned, &near),
+                    self.tasks.candidates(&excluded, after, &near, page),
+                )?,
+            };
+            let past: Vec<TaskRow>;
+            (rows, past) = rows
+                .into_iter()
+                .partition(|r| after.is_some_and(|a| (r.created, r.id) <= a));
+            // Those past the hint's position: a page read now reaches them in order; a carried
+            // one, read before they were put back, holds them in order.
+            if page_carried && !past.is_empty() {
+                let known: HashSet<Uuid> = found.tasks.iter().map(|r| r.id).collect();
+                found
+                    .tasks
+                    .extend(past.into_iter().filter(|r| !known.contains(&r.id)));
+                found.tasks.sort_by_key(|r| (r.created, r.id));
             }
+            (rows, Some(found))
         };
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         // As read: what the hint this pass leaves carries of those still waiting.
@@ -1503,7 +1544,8 @@ impl Dispatch {
                 if own_served && !stop {
                     // What this page holds past the last task settled, for the next pass.
                     rest = Some((
-                        rows.filter(|r| !extra_ids.contains(&r.id)).collect::<Vec<_>>(),
+                        rows.filter(|r| !extra_ids.contains(&r.id))
+                            .collect::<Vec<_>>(),
                         page_held,
                         read_at,
                     ));
@@ -1613,6 +1655,18 @@ impl Dispatch {
             };
             if let Ok(names) = now_hiding {
                 hint.hiding = names;
+                if hint.hiding.iter().any(|n| released.contains(n)) {
+                    // The carried page's held entries named a lock released before this pass,
+                    // and it hid a task before the new position: that task may be ready, and
+                    // the hint must not rely on the lock. Dropped: the next pass finds it.
+                    tracing::debug!(after = ?hint.after, "scan hint dropped: a lock it would rely on was released");
+                    if let Ok(mut slot) = self.hint.lock() {
+                        if slot.as_ref().is_none_or(|h| h.taken <= hint.taken) {
+                            *slot = None;
+                        }
+                    }
+                    return Ok(outcome);
+                }
                 if let Ok(mut slot) = self.hint.lock() {
                     // Not over a hint taken later (a background walk's renewal): this one
                     // carries the age of the hint it started from.
@@ -2182,7 +2236,8 @@ mod tests {
     #[test]
     fn carried_tasks_are_kept_past_changes_to_other_names_only() {
         let c = carried(vec![row(&["a", "shared:b"])], vec![row(&["r"])]);
-        let changed = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+        let changed =
+            |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
         assert!(c.untouched_by(&[]));
         assert!(c.untouched_by(&changed(&["x", "shared:y", "\u{1}left:z"])));
         // Shared access to b released, or a shared user of b that left: it never held up a task
@@ -2206,12 +2261,24 @@ mod tests {
         let (r1, r2) = (row(&["r1"]), row(&["r2"]));
         let c = carried(Vec::new(), vec![r1.clone(), r2.clone()]);
         let ids = |rows: Vec<TaskRow>| rows.iter().map(|r| r.id).collect::<Vec<_>>();
-        assert_eq!(c.returned_if(&[r2.id, r1.id]).map(ids), Some(vec![r1.id, r2.id]));
-        assert!(c.returned_if(&[r1.id]).is_none(), "one was handed out: read");
-        assert!(c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(), "one more put back: read");
+        assert_eq!(
+            c.returned_if(&[r2.id, r1.id]).map(ids),
+            Some(vec![r1.id, r2.id])
+        );
+        assert!(
+            c.returned_if(&[r1.id]).is_none(),
+            "one was handed out: read"
+        );
+        assert!(
+            c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
+            "one more put back: read"
+        );
         assert!(Carried::of(Vec::new(), Vec::new(), Vec::new(), Instant::now()).is_none());
         let page = c.page();
-        assert!(page.full && page.tasks.is_empty(), "no page rest: a pass reads on");
+        assert!(
+            page.full && page.tasks.is_empty(),
+            "no page rest: a pass reads on"
+        );
     }
 
     #[test]

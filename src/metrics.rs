@@ -80,8 +80,8 @@ pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
 /// reading the log (or the lease) again first.
 pub const FETCH_HINTS_TRUSTED_TOTAL: &str = "dispatch_fetch_hints_trusted_total";
 
-/// Fetch passes that trusted their scan hint and judged the rest of the page the pass before
-/// them read (carried with the hint) instead of reading a first page.
+/// Fetch passes that judged the tasks carried with their scan hint (the rest of the page the pass
+/// before them read) instead of reading a first page.
 pub const FETCH_PAGES_CARRIED_TOTAL: &str = "dispatch_fetch_pages_carried_total";
 
 /// Every metric name above (the dashboard test checks its queries against this list).
@@ -190,7 +190,7 @@ pub fn describe() {
     );
     describe_counter!(
         FETCH_PAGES_CARRIED_TOTAL,
-        "Fetch passes that trusted their scan hint and judged the rest of the page the pass before them read, instead of reading a first page."
+        "Fetch passes that judged the tasks carried with their scan hint (the rest of the page the pass before them read) instead of reading a first page."
     );
     describe_counter!(
         ADMIN_ACTIONS_TOTAL,

@@ -681,6 +681,66 @@ async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by()
     env.shutdown().await;
 }
 
+/// A task that a held lock hid from the carried page, and that the release of that lock made
+/// ready, is handed out by the pass after the one that read the release: that pass may hand out a
+/// newer carried task first, but leaves no hint that relies on the released lock.
+#[tokio::test]
+async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_released() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on x");
+    env.start(&holder, &running).await;
+    let y = env.task(&["y"]).await;
+    let hidden = env.task(&["x"]).await;
+    for i in 0..3 {
+        env.task(&[format!("d{i}").as_str()]).await;
+    }
+    let w = env.open("w").await;
+    // Hands out y; carries the d tasks (the one on x was hidden: x is held).
+    assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
+    env.broker().passes.idle().await;
+    env.finish(&holder, &running, "completed").await;
+    let handed_out = vec![
+        id(&env.fetch(&w).await.expect("a task")),
+        id(&env.fetch(&w).await.expect("a task")),
+    ];
+    assert!(
+        handed_out.contains(&hidden),
+        "the task on x within two fetches of its lock's release: {handed_out:?}"
+    );
+    env.shutdown().await;
+}
+
+/// A claim put back after the page that is carried was read, and that lies past the scan hint's
+/// position (it was claimed, so the page skipped it), is judged with the carried tasks in queue
+/// order: the oldest ready task is handed out.
+#[tokio::test]
+async fn a_claim_put_back_among_the_carried_tasks_is_handed_out_in_order() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let c1 = env.task(&["c1"]).await;
+    let put_back = env.task(&["p"]).await;
+    env.task(&["c2"]).await;
+    env.task(&["c3"]).await;
+    let other = env.open("other").await;
+    let claimed = env
+        .claim(&other, put_back)
+        .await
+        .unwrap()
+        .expect("claimed by id");
+    let w = env.open("w").await;
+    // Hands out c1; carries c2 and c3 (the claimed task was skipped).
+    assert_eq!(id(&env.fetch(&w).await.expect("c1")), c1);
+    env.broker().passes.idle().await;
+    assert!(env.release(&other, &claimed).await.unwrap());
+    let before = env.broker().stats.snapshot();
+    let next = env.fetch(&w).await.expect("a task");
+    env.broker().passes.idle().await;
+    let pass = env.broker().stats.snapshot() - before;
+    assert_eq!(id(&next), put_back, "the oldest ready task: {pass:?}");
+    env.shutdown().await;
+}
+
 /// A change made outside the broker (a Pulp process finishing the task that blocked another, in
 /// Postgres only) is seen once the scan hint is older than `--fetch-hint-max-age`: a walk in the
 /// background renews the hint, and the freed task is handed out without anything changing
