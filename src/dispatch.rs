@@ -230,6 +230,9 @@ struct Carried {
     held: Vec<String>,
     /// When the page (and the claims put back) were read.
     read_at: Instant,
+    /// Where the resource queues' removals stood before the page was read: a holder of a held
+    /// entry that ended since may be gone from them (see `queues::Queues::split_hiding`).
+    removals: queues::Removals,
 }
 
 impl Carried {
@@ -239,6 +242,7 @@ impl Carried {
         returned: Vec<TaskRow>,
         held: Vec<String>,
         read_at: Instant,
+        removals: queues::Removals,
     ) -> Option<Carried> {
         let rows: Vec<TaskRow> = rest.into_iter().collect();
         (!rows.is_empty() || !returned.is_empty()).then_some(Carried {
@@ -246,6 +250,7 @@ impl Carried {
             returned,
             held,
             read_at,
+            removals,
         })
     }
 
@@ -1258,6 +1263,12 @@ impl Dispatch {
             .filter(|c| !c.rows.is_empty())
             .map(|c| c.page());
         let carried_returned = carried.as_ref().and_then(|c| c.returned_if(&returned));
+        // The held entries of a carried page were read before this pass began: what the hint
+        // this pass leaves relies on is judged against the queues' removals since then.
+        let removals = match (&carried, &carried_page) {
+            (Some(c), Some(_)) => c.removals,
+            _ => removals,
+        };
         if carried_page.is_some() {
             self.stats.page_carried();
         }
@@ -1612,7 +1623,7 @@ impl Dispatch {
                 } else {
                     first_read_at
                 };
-                h.carried = Carried::of(rows, returned, held, read_at).map(Arc::new);
+                h.carried = Carried::of(rows, returned, held, read_at, removals).map(Arc::new);
             }
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
@@ -2230,7 +2241,14 @@ mod tests {
     }
 
     fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
-        Carried::of(rows, returned, vec!["held".to_owned()], Instant::now()).expect("tasks")
+        Carried::of(
+            rows,
+            returned,
+            vec!["held".to_owned()],
+            Instant::now(),
+            queues::Removals::default(),
+        )
+        .expect("tasks")
     }
 
     #[test]
@@ -2273,7 +2291,14 @@ mod tests {
             c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
             "one more put back: read"
         );
-        assert!(Carried::of(Vec::new(), Vec::new(), Vec::new(), Instant::now()).is_none());
+        assert!(Carried::of(
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Instant::now(),
+            queues::Removals::default()
+        )
+        .is_none());
         let page = c.page();
         assert!(
             page.full && page.tasks.is_empty(),

@@ -51,7 +51,7 @@ const CHECK_ROUNDS: [usize; 3] = [16, 128, 1024];
 
 /// Where the queues' removals stood at some moment (see [`Queues::removals`]): which load's
 /// queues, and how many tasks they had removed (None: not loaded yet).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Removals(Option<(u64, u64)>);
 
 /// The queues and who may change them.
