@@ -268,6 +268,17 @@ fn trust_ab() -> bool {
     std::env::var_os("TRUST_AB").is_some_and(|v| v != "0")
 }
 
+/// `PAUSE_AB=MS`: every other round waits MS ms (untimed) between the round's traffic and its
+/// first fetch, and the first fetches of the two kinds of round are reported apart: how much of
+/// the first fetch's cost is the broker's own work on the round's changes and inserts, which it
+/// does right then.
+fn pause_ab() -> Option<std::time::Duration> {
+    std::env::var("PAUSE_AB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(std::time::Duration::from_millis)
+}
+
 async fn broker_rounds(
     broker: &dispatch_broker::server::Running,
     fleet: &[Worker],
@@ -280,10 +291,15 @@ async fn broker_rounds(
     let before = stats.snapshot();
     let mut fetch_ms = Vec::new();
     let mut untrusted_ms = Vec::new();
+    let (mut first_paused, mut first_unpaused) = (Vec::new(), Vec::new());
     let mut fetched = 0;
     for round in 0..ROUNDS {
         let mut held: Vec<TaskGuard> = Vec::new();
         let untrusted = trust_ab() && round % 2 == 1;
+        let paused = pause_ab().filter(|_| round % 2 == 1);
+        if let Some(pause) = paused {
+            tokio::time::sleep(pause).await;
+        }
         for (i, worker) in fleet.iter().enumerate() {
             if untrusted {
                 broker
@@ -311,6 +327,13 @@ async fn broker_rounds(
             } else {
                 fetch_ms.push(ms);
             }
+            if i == 0 && pause_ab().is_some() {
+                if paused.is_some() {
+                    first_paused.push(ms);
+                } else {
+                    first_unpaused.push(ms);
+                }
+            }
             held.extend(task);
         }
         fetched += held.len();
@@ -333,6 +356,15 @@ async fn broker_rounds(
              may not {u50:.2} / {u99:.2} ms (median / p99), {:.3} ms ({:.1}%) saved at the median",
             u50 - t50,
             (u50 - t50) / u50 * 100.0
+        );
+    }
+    if let Some(pause) = pause_ab() {
+        let (p50, p99) = summary(first_paused);
+        let (u50, u99) = summary(first_unpaused);
+        eprintln!(
+            "    PAUSE_AB: first fetch of a round {u50:.2} / {u99:.2} ms right after its traffic, \
+             {p50:.2} / {p99:.2} ms {} ms after it (median / p99, 10 each)",
+            pause.as_millis()
         );
     }
     let counted = stats.snapshot() - before;

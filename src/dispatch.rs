@@ -214,12 +214,14 @@ struct ScanHint {
 /// Nor do carried tasks show a task between them that a held lock hid from the page and that
 /// became ready since (its lock released), or a claim put back since that lies between them. The
 /// second is read (the claims put back are read by id unless carried) and judged in queue order
-/// with the carried tasks. The first is not in conflict with them (FIFO per resource holds),
-/// but a pass may hand out a newer carried task before it. It is not left behind: the page's
-/// held entries count among the names the hint a pass leaves relies on (`hiding`), so a release
-/// read later drops that hint, and a pass that used carried tasks after reading the release
-/// leaves no hint that relies on the released name (it drops the hint instead). So it waits for
-/// one pass after the release was read, or, with the hint trusted, until the trust ends.
+/// with the carried tasks. For the first, a pass that read the release uses the carried tasks
+/// only when the resource queues say the released lock hid no waiting task before the last of
+/// them ([`Dispatch::hid_among`]); otherwise it reads its page. Such a task is not in conflict
+/// with the carried ones (FIFO per resource holds); with the hint trusted, a newer carried task
+/// may go first until the trust ends. It is never left behind: the page's held entries count
+/// among the names the hint a pass leaves relies on (`hiding`), so a release read later drops
+/// that hint, and a pass that used carried tasks after reading a release leaves no hint that
+/// relies on the released name (it drops the hint instead).
 #[derive(Debug)]
 struct Carried {
     /// In queue order, all after the hint's position.
@@ -228,8 +230,11 @@ struct Carried {
     returned: Vec<TaskRow>,
     /// The held entries the page skipped tasks by.
     held: Vec<String>,
-    /// When the page (and the claims put back) were read.
+    /// When the page was read.
     read_at: Instant,
+    /// When the claims put back were read (a task this replica handed out since then is
+    /// known as such, see `Seen::Left`).
+    returned_read_at: Instant,
     /// Where the resource queues' removals stood before the page was read: a holder of a held
     /// entry that ended since may be gone from them (see `queues::Queues::split_hiding`).
     removals: queues::Removals,
@@ -239,17 +244,19 @@ impl Carried {
     /// A page's rest and the claims put back still waiting, if there is a task among them.
     fn of(
         rest: impl IntoIterator<Item = TaskRow>,
-        returned: Vec<TaskRow>,
+        returned: (Vec<TaskRow>, Instant),
         held: Vec<String>,
         read_at: Instant,
         removals: queues::Removals,
     ) -> Option<Carried> {
         let rows: Vec<TaskRow> = rest.into_iter().collect();
+        let (returned, returned_read_at) = returned;
         (!rows.is_empty() || !returned.is_empty()).then_some(Carried {
             rows,
             returned,
             held,
             read_at,
+            returned_read_at,
             removals,
         })
     }
@@ -1168,16 +1175,21 @@ impl Dispatch {
             hint_taken = h.taken;
             hiding = Some((h.after, h.hiding));
             let changed = changes.changed.as_deref().unwrap_or_default();
+            let released_now = if trusting {
+                HashSet::new()
+            } else {
+                released_names(changed)
+            };
             carried = h.carried.filter(|c| {
                 // (Within `RECENT`, so that a carried task this replica handed out since is
                 // known as such: `Seen::Left`.)
-                c.read_at.elapsed() <= self.policy.hint_max_age.min(RECENT)
-                    && (trusting || c.untouched_by(changed))
+                c.read_at.min(c.returned_read_at).elapsed() <= self.policy.hint_max_age.min(RECENT)
+                    && (trusting || (c.untouched_by(changed) && !self.hid_among(c, &released_now)))
             });
-            if carried.is_some() && !trusting {
+            if carried.is_some() {
                 // The locks released since the hint, which the carried page's held entries
                 // may still name (see the end of the pass).
-                released = released_names(changed);
+                released = released_now;
             }
         }
         // Without a hint, or with one that many tasks arrived behind (a burst for a busy
@@ -1272,7 +1284,17 @@ impl Dispatch {
         if carried_page.is_some() {
             self.stats.page_carried();
         }
-        let first_read_at = carried.as_ref().map_or_else(Instant::now, |c| c.read_at);
+        // When what the pass judges first was read: the page, and the claims put back (a task
+        // this replica handed out after that is left alone, `Seen::Left`).
+        let now = Instant::now();
+        let first_read_at = match (&carried, &carried_page) {
+            (Some(c), Some(_)) => c.read_at,
+            _ => now,
+        };
+        let extra_read_at = match (&carried, &carried_returned) {
+            (Some(c), Some(_)) => c.returned_read_at,
+            _ => now,
+        };
         let (mut extra, mut first_page) = if returned.is_empty() {
             (Vec::new(), carried_page)
         } else {
@@ -1355,7 +1377,14 @@ impl Dispatch {
                             .ready_by_rule();
                     let seen = if !ready_by_rule {
                         Seen::NotReady
-                    } else if self.granted_after(&row.id, read_at) {
+                    } else if self.granted_after(
+                        &row.id,
+                        if extra_ids.contains(&row.id) {
+                            extra_read_at
+                        } else {
+                            read_at
+                        },
+                    ) {
                         // Granted by this replica since this page was read: left alone.
                         Seen::Left
                     } else {
@@ -1500,7 +1529,11 @@ impl Dispatch {
                         // out or gone, it is checked no more; still waiting, it reserves its
                         // resources for every newer task and is checked again next pass.
                         match settled {
+                            // (Left: handed out by this replica since it was read.)
                             Some(Settled::Granted) => still_returned.retain(|id| *id != row.id),
+                            _ if matches!(step.seen, Seen::Left) => {
+                                still_returned.retain(|id| *id != row.id)
+                            }
                             Some(Settled::Lost) => {
                                 // As for any task lost between page and claim: newer tasks that
                                 // conflict only with it were skipped by this pass, so the hint
@@ -1617,13 +1650,8 @@ impl Dispatch {
                     .into_iter()
                     .filter(|r| still_returned.contains(&r.id))
                     .collect();
-                // (Read with the first page: as old as that.)
-                let read_at = if returned.is_empty() {
-                    read_at
-                } else {
-                    first_read_at
-                };
-                h.carried = Carried::of(rows, returned, held, read_at, removals).map(Arc::new);
+                h.carried = Carried::of(rows, (returned, extra_read_at), held, read_at, removals)
+                    .map(Arc::new);
             }
         }
         if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
@@ -1904,6 +1932,34 @@ impl Dispatch {
 
     fn known_lease(&self, lease_id: Uuid) -> Option<Arc<LeaseRecord>> {
         self.leases.lock().ok()?.get(&lease_id).cloned()
+    }
+
+    /// Whether a lock in `released` (names whose locks the changes a pass read released) may
+    /// have hidden a waiting task among the carried tasks `c` from the page they came from:
+    /// unless the resource queues say that none of the page's held entries on those names hid a
+    /// waiting task before the last of them, the pass reads its page instead (such a task may be
+    /// ready now, and older than the carried ones).
+    fn hid_among(&self, c: &Carried, released: &HashSet<String>) -> bool {
+        let entries: Vec<String> = c
+            .held
+            .iter()
+            .filter(|e| released.contains(e.strip_prefix(SHARED_PREFIX).unwrap_or(e)))
+            .cloned()
+            .collect();
+        let Some(last) = c.rows.last() else {
+            return false;
+        };
+        if entries.is_empty() {
+            return false;
+        }
+        let mut hiding = HashSet::new();
+        let unknown = self.queues.split_hiding(
+            entries,
+            position_key((last.created, last.id)),
+            c.removals,
+            &mut hiding,
+        );
+        !hiding.is_empty() || !unknown.is_empty()
     }
 
     /// Whether a pass may use hint `h` without reading the change log first: see
@@ -2243,7 +2299,7 @@ mod tests {
     fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
         Carried::of(
             rows,
-            returned,
+            (returned, Instant::now()),
             vec!["held".to_owned()],
             Instant::now(),
             queues::Removals::default(),
@@ -2293,7 +2349,7 @@ mod tests {
         );
         assert!(Carried::of(
             Vec::new(),
-            Vec::new(),
+            (Vec::new(), Instant::now()),
             Vec::new(),
             Instant::now(),
             queues::Removals::default()
