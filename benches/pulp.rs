@@ -38,8 +38,9 @@
 //! Run: `cargo bench --bench pulp` (N = 1,000, 17,000, 100,000, 1,000,000) or
 //! `cargo bench --bench pulp -- 1000 17000`; `PULPCORE=0` runs the broker's rounds only,
 //! `PULPCORE=first` pulpcore's in the first cell of each size only; `TRUST_AB=1` compares, round
-//! by round, passes that may trust their scan hint with passes that may not (see `trust_ab`).
-//! Prints Markdown tables.
+//! by round, passes that may trust their scan hint with passes that may not (see `trust_ab`);
+//! `PAUSE_AB=MS` first fetches right after a round's traffic with first fetches MS ms after it
+//! (see `pause_ab`). Prints Markdown tables.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
