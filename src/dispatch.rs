@@ -251,6 +251,12 @@ impl Carried {
     ) -> Option<Carried> {
         let rows: Vec<TaskRow> = rest.into_iter().collect();
         let (returned, returned_read_at) = returned;
+        // (With none, their read time must not age the page's.)
+        let returned_read_at = if returned.is_empty() {
+            read_at
+        } else {
+            returned_read_at
+        };
         (!rows.is_empty() || !returned.is_empty()).then_some(Carried {
             rows,
             returned,
@@ -1274,7 +1280,16 @@ impl Dispatch {
             .as_ref()
             .filter(|c| !c.rows.is_empty())
             .map(|c| c.page());
-        let carried_returned = carried.as_ref().and_then(|c| c.returned_if(&returned));
+        // Not when this replica handed one of them out since they were read: read afresh, a
+        // claim handed out (and not put back) is not among them, and one put back since is
+        // waiting again (its record is newer than the change log this pass read).
+        let carried_returned = carried.as_ref().and_then(|c| {
+            c.returned_if(&returned).filter(|rows| {
+                !rows
+                    .iter()
+                    .any(|r| self.granted_after(&r.id, c.returned_read_at))
+            })
+        });
         // The held entries of a carried page were read before this pass began: what the hint
         // this pass leaves relies on is judged against the queues' removals since then.
         let removals = match (&carried, &carried_page) {
@@ -1295,6 +1310,9 @@ impl Dispatch {
             (Some(c), Some(_)) => c.returned_read_at,
             _ => now,
         };
+        // Every claim put back that the pass judges, before the hint's position or past it (in
+        // the carried page): judged as of their own read.
+        let mut returned_ids: HashSet<Uuid> = HashSet::new();
         let (mut extra, mut first_page) = if returned.is_empty() {
             (Vec::new(), carried_page)
         } else {
@@ -1311,6 +1329,7 @@ impl Dispatch {
                     self.tasks.candidates(&excluded, after, &near, page),
                 )?,
             };
+            returned_ids.extend(rows.iter().map(|r| r.id));
             let past: Vec<TaskRow>;
             (rows, past) = rows
                 .into_iter()
@@ -1379,7 +1398,7 @@ impl Dispatch {
                         Seen::NotReady
                     } else if self.granted_after(
                         &row.id,
-                        if extra_ids.contains(&row.id) {
+                        if returned_ids.contains(&row.id) {
                             extra_read_at
                         } else {
                             read_at
@@ -1529,11 +1548,7 @@ impl Dispatch {
                         // out or gone, it is checked no more; still waiting, it reserves its
                         // resources for every newer task and is checked again next pass.
                         match settled {
-                            // (Left: handed out by this replica since it was read.)
                             Some(Settled::Granted) => still_returned.retain(|id| *id != row.id),
-                            _ if matches!(step.seen, Seen::Left) => {
-                                still_returned.retain(|id| *id != row.id)
-                            }
                             Some(Settled::Lost) => {
                                 // As for any task lost between page and claim: newer tasks that
                                 // conflict only with it were skipped by this pass, so the hint
