@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::locks::{Acquire, LeaseRecord, Locks, Release, LEFT_PREFIX, REQUEUED_PREFIX};
+use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
@@ -282,14 +282,14 @@ impl Carried {
         let shared: HashSet<&str> = rows()
             .flat_map(|r| r.candidate.resources.shared.iter().map(String::as_str))
             .collect();
-        changed.iter().all(|n| {
-            if n.starts_with(REQUEUED_PREFIX) {
-                return true;
+        changed.iter().all(|n| match Change::of(n) {
+            Change::Requeued(_) => true,
+            Change::All => false,
+            Change::Left { name, shared: true } | Change::Released { name, shared: true } => {
+                !exclusive.contains(name)
             }
-            let entry = n.strip_prefix(LEFT_PREFIX).unwrap_or(n);
-            match entry.strip_prefix(SHARED_PREFIX) {
-                Some(name) => !exclusive.contains(name),
-                None => entry != "*" && !exclusive.contains(entry) && !shared.contains(entry),
+            Change::Left { name, .. } | Change::Released { name, .. } => {
+                !exclusive.contains(name) && !shared.contains(name)
             }
         })
     }
@@ -372,8 +372,11 @@ fn split_by_known(
 fn released_names(changed: &[String]) -> HashSet<String> {
     changed
         .iter()
-        .filter(|n| !n.starts_with(REQUEUED_PREFIX) && !n.starts_with(LEFT_PREFIX))
-        .map(|n| n.strip_prefix(SHARED_PREFIX).unwrap_or(n).to_owned())
+        .filter_map(|n| match Change::of(n) {
+            Change::Released { name, .. } => Some(name.to_owned()),
+            Change::All => Some("*".to_owned()),
+            Change::Requeued(_) | Change::Left { .. } => None,
+        })
         .collect()
 }
 
@@ -1095,8 +1098,10 @@ impl Dispatch {
             .changed
             .iter()
             .flatten()
-            .filter_map(|n| n.strip_prefix(REQUEUED_PREFIX))
-            .filter_map(|id| id.parse().ok())
+            .filter_map(|n| match Change::of(n) {
+                Change::Requeued(id) => id.parse().ok(),
+                _ => None,
+            })
             .collect();
         let had_hint = held.is_some();
         let usable_hint = |h: &ScanHint| {
@@ -1105,22 +1110,21 @@ impl Dispatch {
                 && h.seq <= changes.seq
                 && h.returned.len() + requeued.len() <= MAX_RETURNED
                 && changes.changed.as_ref().is_some_and(|names| {
-                    !names.iter().any(|n| {
-                        if n.starts_with(REQUEUED_PREFIX) {
-                            false
-                        } else if let Some(entry) = n.strip_prefix(LEFT_PREFIX) {
-                            // A waiting task left: the held locks the hint relies on stay. In
-                            // either mode, the tasks the hint skipped as conflicting with it
-                            // (its conflict keys are among `excluded`) may be ready now.
-                            h.reserved
-                                .touches(entry.strip_prefix(SHARED_PREFIX).unwrap_or(entry))
-                        } else if let Some(name) = n.strip_prefix(SHARED_PREFIX) {
-                            // A shared lock released: only tasks that need the name exclusively
-                            // may be ready now.
+                    !names.iter().any(|n| match Change::of(n) {
+                        Change::Requeued(_) => false,
+                        // A waiting task left: the held locks the hint relies on stay. In either
+                        // mode, the tasks the hint skipped as conflicting with it (its conflict
+                        // keys are among `excluded`) may be ready now.
+                        Change::Left { name, .. } => h.reserved.touches(name),
+                        // A shared lock released: only tasks that need the name exclusively may
+                        // be ready now.
+                        Change::Released { name, shared: true } => {
                             h.reserved.is_exclusive(name) || h.hiding.contains(name)
-                        } else {
-                            n == "*" || h.reserved.touches(n) || h.hiding.contains(n)
                         }
+                        Change::Released { name, .. } => {
+                            h.reserved.touches(name) || h.hiding.contains(name)
+                        }
+                        Change::All => true,
                     })
                 })
         };
@@ -1276,40 +1280,32 @@ impl Dispatch {
         // beside the first page (neither depends on the other): one round trip for both. The
         // first page is the carried one when there is one (judged as of its read: a task granted
         // by this replica since is left alone).
-        let carried_page = carried
-            .as_ref()
-            .filter(|c| !c.rows.is_empty())
-            .map(|c| c.page());
+        let page_carried = carried.as_ref().filter(|c| !c.rows.is_empty());
         // Not when this replica handed one of them out since they were read: read afresh, a
         // claim handed out (and not put back) is not among them, and one put back since is
         // waiting again (its record is newer than the change log this pass read).
         let carried_returned = carried.as_ref().and_then(|c| {
-            c.returned_if(&returned).filter(|rows| {
-                !rows
-                    .iter()
-                    .any(|r| self.granted_after(&r.id, c.returned_read_at))
-            })
+            c.returned_if(&returned)
+                .filter(|rows| {
+                    !rows
+                        .iter()
+                        .any(|r| self.granted_after(&r.id, c.returned_read_at))
+                })
+                .map(|rows| (rows, c.returned_read_at))
         });
         // The held entries of a carried page were read before this pass began: what the hint
         // this pass leaves relies on is judged against the queues' removals since then.
-        let removals = match (&carried, &carried_page) {
-            (Some(c), Some(_)) => c.removals,
-            _ => removals,
-        };
-        if carried_page.is_some() {
+        let removals = page_carried.map_or(removals, |c| c.removals);
+        if page_carried.is_some() {
             self.stats.page_carried();
         }
         // When what the pass judges first was read: the page, and the claims put back (a task
         // this replica handed out after that is left alone, `Seen::Left`).
         let now = Instant::now();
-        let first_read_at = match (&carried, &carried_page) {
-            (Some(c), Some(_)) => c.read_at,
-            _ => now,
-        };
-        let extra_read_at = match (&carried, &carried_returned) {
-            (Some(c), Some(_)) => c.returned_read_at,
-            _ => now,
-        };
+        let first_read_at = page_carried.map_or(now, |c| c.read_at);
+        let extra_read_at = carried_returned.as_ref().map_or(now, |(_, at)| *at);
+        let carried_page = page_carried.map(|c| c.page());
+        let carried_returned = carried_returned.map(|(rows, _)| rows);
         // Every claim put back that the pass judges, before the hint's position or past it (in
         // the carried page): judged as of their own read.
         let mut returned_ids: HashSet<Uuid> = HashSet::new();
@@ -1955,15 +1951,15 @@ impl Dispatch {
     /// waiting task before the last of them, the pass reads its page instead (such a task may be
     /// ready now, and older than the carried ones).
     fn hid_among(&self, c: &Carried, released: &HashSet<String>) -> bool {
+        let Some(last) = c.rows.last() else {
+            return false;
+        };
         let entries: Vec<String> = c
             .held
             .iter()
             .filter(|e| released.contains(e.strip_prefix(SHARED_PREFIX).unwrap_or(e)))
             .cloned()
             .collect();
-        let Some(last) = c.rows.last() else {
-            return false;
-        };
         if entries.is_empty() {
             return false;
         }
@@ -2277,6 +2273,7 @@ impl Dispatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::locks::LEFT_PREFIX;
 
     fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
         ScanHint {
@@ -2311,7 +2308,7 @@ mod tests {
         }
     }
 
-    fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
+    fn try_carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Option<Carried> {
         Carried::of(
             rows,
             (returned, Instant::now()),
@@ -2319,7 +2316,10 @@ mod tests {
             Instant::now(),
             queues::Removals::default(),
         )
-        .expect("tasks")
+    }
+
+    fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
+        try_carried(rows, returned).expect("tasks")
     }
 
     #[test]
@@ -2362,14 +2362,7 @@ mod tests {
             c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
             "one more put back: read"
         );
-        assert!(Carried::of(
-            Vec::new(),
-            (Vec::new(), Instant::now()),
-            Vec::new(),
-            Instant::now(),
-            queues::Removals::default()
-        )
-        .is_none());
+        assert!(try_carried(Vec::new(), Vec::new()).is_none());
         let page = c.page();
         assert!(
             page.full && page.tasks.is_empty(),

@@ -92,6 +92,41 @@ pub const REQUEUED_PREFIX: &str = "\u{1}requeued:";
 /// to one that relies on the name's lock still being held.
 pub const LEFT_PREFIX: &str = "\u{1}left:";
 
+/// One entry of the change log, read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change<'a> {
+    /// Anything may have changed (`*`).
+    All,
+    /// A claimed task went back to the queue: its id, as recorded ([`REQUEUED_PREFIX`]).
+    Requeued(&'a str),
+    /// A waiting task that held nothing left the queue; it needed `name`, shared or not
+    /// ([`LEFT_PREFIX`]).
+    Left { name: &'a str, shared: bool },
+    /// A lock on `name` was released, shared or exclusive.
+    Released { name: &'a str, shared: bool },
+}
+
+impl<'a> Change<'a> {
+    /// Reads one entry of [`Changes::changed`].
+    pub fn of(entry: &'a str) -> Change<'a> {
+        let split = |e: &'a str| match e.strip_prefix(crate::ready::SHARED_PREFIX) {
+            Some(name) => (name, true),
+            None => (e, false),
+        };
+        if let Some(id) = entry.strip_prefix(REQUEUED_PREFIX) {
+            Change::Requeued(id)
+        } else if let Some(left) = entry.strip_prefix(LEFT_PREFIX) {
+            let (name, shared) = split(left);
+            Change::Left { name, shared }
+        } else if entry == "*" {
+            Change::All
+        } else {
+            let (name, shared) = split(entry);
+            Change::Released { name, shared }
+        }
+    }
+}
+
 /// What changed since a scan hint was taken.
 #[derive(Debug, Clone)]
 pub struct Changes {
@@ -1080,5 +1115,47 @@ fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
             _ => Err(protocol("acquire", &reply)),
         },
         _ => Err(protocol("acquire", &reply)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn change_log_entries_read_by_kind() {
+        let requeued = format!("{REQUEUED_PREFIX}0191");
+        let left = format!("{LEFT_PREFIX}shared:d");
+        let left_x = format!("{LEFT_PREFIX}x");
+        assert_eq!(Change::of(&requeued), Change::Requeued("0191"));
+        assert_eq!(
+            Change::of(&left),
+            Change::Left {
+                name: "d",
+                shared: true
+            }
+        );
+        assert_eq!(
+            Change::of(&left_x),
+            Change::Left {
+                name: "x",
+                shared: false
+            }
+        );
+        assert_eq!(Change::of("*"), Change::All);
+        assert_eq!(
+            Change::of("shared:d"),
+            Change::Released {
+                name: "d",
+                shared: true
+            }
+        );
+        assert_eq!(
+            Change::of("x"),
+            Change::Released {
+                name: "x",
+                shared: false
+            }
+        );
     }
 }
