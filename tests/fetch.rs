@@ -413,29 +413,26 @@ async fn a_hint_read_just_before_is_trusted_until_this_replica_changes_something
     // The first fetch reads the lease and the change log, and leaves a hint.
     assert_eq!(id(&env.fetch(&w).await.expect("c1")), c1);
     // (Each pass answers as soon as it has its grant: its counts are complete once it ended.)
-    env.broker().passes.idle().await;
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     assert_eq!(id(&env.fetch(&w).await.expect("c2")), c2);
-    env.broker().passes.idle().await;
-    let trusted = env.broker().stats.snapshot() - before;
+    let trusted = env.settled_stats().await - before;
     assert_eq!(trusted.hints_trusted, 1, "the pass trusted its hint");
     assert_eq!(
         trusted.fetch_redis_calls, 2,
         "acquire and the holder check only: {trusted:?}"
     );
     // Nothing else is ready: the pass trusts its hint, and looks the lease up at its end.
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     assert!(env.fetch(&w).await.is_none(), "b still waits for a");
-    env.broker().passes.idle().await;
-    let empty = env.broker().stats.snapshot() - before;
+    let empty = env.settled_stats().await - before;
     assert_eq!(empty.hints_trusted, 1);
     assert_eq!(empty.fetch_redis_calls, 1, "the lease look-up: {empty:?}");
     env.finish(&holder, &running, "completed").await;
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let next = env.fetch(&w).await.expect("b, now that x is free");
     assert_eq!(id(&next), b);
     assert_eq!(
-        (env.broker().stats.snapshot() - before).hints_trusted,
+        (env.settled_stats().await - before).hints_trusted,
         0,
         "the finish went through this replica"
     );
@@ -451,24 +448,11 @@ async fn a_change_through_another_replica_ends_the_trust_in_a_hint_within_two_po
     let mut env = Env::with(trusting(poll)).await;
     let (other, mut other_client) = env.second_replica().await;
     let a = env.task(&["x"]).await;
-    let holder = other_client
-        .open_lease(support::lease_request("holder"))
-        .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let running = other_client
-        .fetch_task(support::fetch_request(holder.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .task
-        .unwrap();
+    let holder = support::open_on(&mut other_client, "holder").await;
+    let running = support::fetch_on(&mut other_client, &holder).await.unwrap();
     assert_eq!(id(&running), a);
     let b = env.task(&["x"]).await;
-    for i in 0..3 {
-        env.task(&[format!("y{i}").as_str()]).await;
-    }
+    env.free_tasks("y", 3).await;
     let (w1, w2, w3) = (
         env.open("w1").await,
         env.open("w2").await,
@@ -507,9 +491,7 @@ async fn a_change_through_another_replica_ends_the_trust_in_a_hint_within_two_po
 async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
     let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
     let (other, mut other_client) = env.second_replica().await;
-    for i in 0..3 {
-        env.task(&[format!("y{i}").as_str()]).await;
-    }
+    env.free_tasks("y", 3).await;
     let (w1, w2, w3) = (
         env.open("w1").await,
         env.open("w2").await,
@@ -528,23 +510,21 @@ async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
             .await
             .unwrap();
     }
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     // A task is ready (y2): the acquire finds the lease gone.
     let gone = env.try_fetch(&w1, &[]).await.expect_err("w1 ended");
     assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
     assert_eq!(
-        (env.broker().stats.snapshot() - before).hints_trusted,
+        (env.settled_stats().await - before).hints_trusted,
         1,
         "the pass trusted its hint"
     );
     assert!(env.fetch(&w3).await.is_some(), "y2");
     // Nothing is ready: no acquire runs, and the look-up at the pass's end finds the lease gone.
-    env.broker().passes.idle().await;
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let gone = env.try_fetch(&w2, &[]).await.expect_err("w2 ended");
     assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
-    env.broker().passes.idle().await;
-    let pass = env.broker().stats.snapshot() - before;
+    let pass = env.settled_stats().await - before;
     assert_eq!(pass.hints_trusted, 1, "{pass:?}");
     assert_eq!(
         pass.fetch_redis_calls, 1,
@@ -561,22 +541,15 @@ async fn an_ended_lease_gets_not_found_from_a_pass_that_trusted_its_hint() {
 #[tokio::test]
 async fn a_pass_that_trusts_its_hint_hands_out_the_rest_of_the_last_page_without_reading_it() {
     let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
-    let free: Vec<uuid::Uuid> = {
-        let mut ids = Vec::new();
-        for i in 0..4 {
-            ids.push(env.task(&[format!("y{i}").as_str()]).await);
-        }
-        ids
-    };
+    let free = env.free_tasks("y", 4).await;
     let w = env.open("w").await;
     let first = env.fetch(&w).await.expect("y0");
     assert_eq!(id(&first), free[0]);
     env.broker().passes.idle().await;
     for expected in &free[1..3] {
-        let before = env.broker().stats.snapshot();
+        let before = env.settled_stats().await;
         assert_eq!(id(&env.fetch(&w).await.expect("the next task")), *expected);
-        env.broker().passes.idle().await;
-        let pass = env.broker().stats.snapshot() - before;
+        let pass = env.settled_stats().await - before;
         assert_eq!(pass.pages_carried, 1, "{pass:?}");
         assert_eq!(
             pass.fetch_postgres_statements, 1,
@@ -584,10 +557,9 @@ async fn a_pass_that_trusts_its_hint_hands_out_the_rest_of_the_last_page_without
         );
     }
     env.finish(&w, &first, "completed").await;
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     assert_eq!(id(&env.fetch(&w).await.expect("y3")), free[3]);
-    env.broker().passes.idle().await;
-    let pass = env.broker().stats.snapshot() - before;
+    let pass = env.settled_stats().await - before;
     assert_eq!(
         (pass.hints_trusted, pass.pages_carried),
         (0, 1),
@@ -629,10 +601,9 @@ async fn a_carried_task_whose_names_changed_is_judged_from_a_page_read_again() {
         .is_some(),
         "the sweeper finishes what Pulp canceled"
     );
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let next = env.fetch(&w).await.expect("c, ready now");
-    env.broker().passes.idle().await;
-    let pass = env.broker().stats.snapshot() - before;
+    let pass = env.settled_stats().await - before;
     assert_eq!(id(&next), c, "{pass:?}");
     assert_eq!(pass.pages_carried, 0, "{pass:?}");
     env.shutdown().await;
@@ -645,34 +616,21 @@ async fn a_carried_task_whose_names_changed_is_judged_from_a_page_read_again() {
 async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by() {
     let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
     let (other, mut other_client) = env.second_replica().await;
-    let mut free = Vec::new();
-    for i in 0..5 {
-        free.push(env.task(&[format!("y{i}").as_str()]).await);
-    }
+    let free = env.free_tasks("y", 5).await;
     let w = env.open("w").await;
     let first = env.fetch(&w).await.expect("y0");
     assert_eq!(id(&first), free[0]);
     env.broker().passes.idle().await;
     // y1 goes to a lease of the other replica, y2 is canceled in Postgres while it waits.
-    let elsewhere = other_client
-        .open_lease(support::lease_request("elsewhere"))
+    let elsewhere = support::open_on(&mut other_client, "elsewhere").await;
+    let taken = support::fetch_on(&mut other_client, &elsewhere)
         .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let taken = other_client
-        .fetch_task(support::fetch_request(elsewhere))
-        .await
-        .unwrap()
-        .into_inner()
-        .task
         .expect("y1");
     assert_eq!(id(&taken), free[1]);
     env.set_state(free[2], "canceled").await;
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let next = env.fetch(&w).await.expect("y3");
-    env.broker().passes.idle().await;
-    let pass = env.broker().stats.snapshot() - before;
+    let pass = env.settled_stats().await - before;
     assert_eq!(pass.pages_carried, 1, "{pass:?}");
     assert_eq!(id(&next), free[3]);
     assert_eq!(env.state(free[2]).await, "canceled");
@@ -694,9 +652,7 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
     env.start(&holder, &running).await;
     let y = env.task(&["y"]).await;
     let hidden = env.task(&["x"]).await;
-    for i in 0..3 {
-        env.task(&[format!("d{i}").as_str()]).await;
-    }
+    env.free_tasks("d", 3).await;
     let w = env.open("w").await;
     // Hands out y; carries the d tasks (the one on x was hidden: x is held).
     assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
@@ -718,24 +674,13 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_another_replica
     let mut env = Env::with(trusting(poll)).await;
     let (other, mut other_client) = env.second_replica().await;
     env.task(&["x"]).await;
-    let holder = other_client
-        .open_lease(support::lease_request("holder"))
+    let holder = support::open_on(&mut other_client, "holder").await;
+    let running = support::fetch_on(&mut other_client, &holder)
         .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let running = other_client
-        .fetch_task(support::fetch_request(holder.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .task
         .expect("the task on x");
     let y = env.task(&["y"]).await;
     let hidden = env.task(&["x"]).await;
-    for i in 0..4 {
-        env.task(&[format!("d{i}").as_str()]).await;
-    }
+    env.free_tasks("d", 4).await;
     let w = env.open("w").await;
     assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
     env.broker().passes.idle().await;
@@ -786,10 +731,9 @@ async fn a_claim_put_back_among_the_carried_tasks_is_handed_out_in_order() {
     assert_eq!(id(&env.fetch(&w).await.expect("c1")), c1);
     env.broker().passes.idle().await;
     assert!(env.release(&other, &claimed).await.unwrap());
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let next = env.fetch(&w).await.expect("a task");
-    env.broker().passes.idle().await;
-    let pass = env.broker().stats.snapshot() - before;
+    let pass = env.settled_stats().await - before;
     assert_eq!(id(&next), put_back, "the oldest ready task: {pass:?}");
     env.shutdown().await;
 }
@@ -800,10 +744,7 @@ async fn a_claim_put_back_among_the_carried_tasks_is_handed_out_in_order() {
 #[tokio::test]
 async fn claims_put_back_go_before_the_carried_tasks() {
     let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
-    let mut ids = Vec::new();
-    for i in 0..5 {
-        ids.push(env.task(&[format!("t{i}").as_str()]).await);
-    }
+    let ids = env.free_tasks("t", 5).await;
     let w = env.open("w").await;
     // The first pass reads the page and carries the rest; the second hands out from it.
     let first = env.fetch(&w).await.expect("t0");
@@ -812,13 +753,12 @@ async fn claims_put_back_go_before_the_carried_tasks() {
     env.broker().passes.idle().await;
     assert!(env.release(&w, &first).await.unwrap());
     assert!(env.release(&w, &second).await.unwrap());
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let again = vec![
         id(&env.fetch(&w).await.expect("a task")),
         id(&env.fetch(&w).await.expect("a task")),
     ];
-    env.broker().passes.idle().await;
-    let passes = env.broker().stats.snapshot() - before;
+    let passes = env.settled_stats().await - before;
     assert_eq!(again, vec![ids[0], ids[1]], "{passes:?}");
     assert!(passes.pages_carried >= 1, "{passes:?}");
     assert_eq!(id(&env.fetch(&w).await.expect("t2")), ids[2]);

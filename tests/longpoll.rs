@@ -151,19 +151,8 @@ async fn a_release_through_another_replica_wakes_the_waiter() {
     let (other, mut other_client) = env.second_replica().await;
     let first = env.task(&["a"]).await;
     let second = env.task(&["a"]).await;
-    let holder = other_client
-        .open_lease(support::lease_request("holder"))
-        .await
-        .unwrap()
-        .into_inner()
-        .lease_id;
-    let held = other_client
-        .fetch_task(support::fetch_request(holder.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .task
-        .unwrap();
+    let holder = support::open_on(&mut other_client, "holder").await;
+    let held = support::fetch_on(&mut other_client, &holder).await.unwrap();
     assert_eq!(id(&held), first);
     let waiter = env.open("waiter").await;
     let waiting = spawn_wait(&env, &waiter);

@@ -129,6 +129,13 @@ impl Env {
         (other, client)
     }
 
+    /// The broker's counters once no fetch pass runs (a pass answers as soon as it has its
+    /// grant, so its counts are complete only once it ended).
+    pub async fn settled_stats(&self) -> dispatch_broker::metrics::StatsSnapshot {
+        self.broker().passes.idle().await;
+        self.broker().stats.snapshot()
+    }
+
     /// Waits until the broker's resource queues hold every task queued so far (they catch up
     /// once a second on their own, so a fast test may otherwise run before they know of any).
     pub async fn settle_queues(&self) {
@@ -142,6 +149,16 @@ impl Env {
     /// Inserts a waiting task with this `reserved_resources_record`.
     pub async fn task(&self, record: &[&str]) -> Uuid {
         self.task_with(record, "test.task", &[]).await
+    }
+
+    /// Inserts `n` waiting tasks, each needing one resource of its own (`{prefix}0`, `{prefix}1`,
+    /// ...), oldest first.
+    pub async fn free_tasks(&self, prefix: &str, n: usize) -> Vec<Uuid> {
+        let mut ids = Vec::with_capacity(n);
+        for i in 0..n {
+            ids.push(self.task(&[format!("{prefix}{i}").as_str()]).await);
+        }
+        ids
     }
 
     /// Inserts a waiting task with a name and `versions`.
@@ -529,6 +546,26 @@ pub async fn kill_waiting_broker_sessions(db: &tokio_postgres::Client) -> i64 {
 }
 
 /// An OpenLeaseRequest with the broker's defaults (no versions, default TTL, new worker row).
+/// Opens a lease through `client` (e.g. a second replica's); its id.
+pub async fn open_on(client: &mut BrokerClient<Channel>, worker_name: &str) -> String {
+    client
+        .open_lease(lease_request(worker_name))
+        .await
+        .expect("OpenLease")
+        .into_inner()
+        .lease_id
+}
+
+/// FetchTask through `client` with no wait.
+pub async fn fetch_on(client: &mut BrokerClient<Channel>, lease: &str) -> Option<Task> {
+    client
+        .fetch_task(fetch_request(lease))
+        .await
+        .expect("FetchTask")
+        .into_inner()
+        .task
+}
+
 pub fn lease_request(worker_name: impl Into<String>) -> OpenLeaseRequest {
     OpenLeaseRequest {
         worker_name: worker_name.into(),
