@@ -74,6 +74,10 @@ pub struct BrokerAddrArgs {
     pub tls_key: Option<PathBuf>,
 }
 
+/// A pooled connection (Postgres or Redis) unused for this long is checked before reuse (an
+/// empty query; UNWATCH and PING), so a busy broker pays no extra round trip per call.
+pub const VERIFY_IDLE_AFTER: Duration = Duration::from_secs(1);
+
 /// Variables still read under an older name, as (old, current): where the current one is unset,
 /// the old one's value stands in for it (after the command line and the current variable, before
 /// the default). `health` read these before it shared the admin commands' names.

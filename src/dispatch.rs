@@ -79,8 +79,6 @@ pub struct FetchPolicy {
     pub first_page: i64,
     /// The largest candidate page.
     pub max_page: i64,
-    /// Safety re-check: how often the longest waiting FetchTask looks again without a wake-up.
-    pub recheck: Duration,
     /// How often each replica reads Redis's change counter to wake its waiters for changes
     /// made through other replicas (or by the sweeper).
     pub wake_poll: Duration,

@@ -43,6 +43,14 @@ pub struct Gauge {
 }
 
 impl Gauge {
+    /// Publishes the gauge's values to the metrics recorder.
+    pub fn publish(&self) {
+        ::metrics::gauge!(metrics::LANES).set(self.lanes as f64);
+        ::metrics::gauge!(metrics::WAITING_TASKS).set(self.waiting_tasks() as f64);
+        ::metrics::gauge!(metrics::LIVE_LEASES).set(self.live_leases as f64);
+        ::metrics::gauge!(metrics::LANE_AGE_SECONDS).set(self.age().as_secs_f64());
+    }
+
     /// Pulp's KEDA gauge: lanes not already served by a live worker.
     pub fn waiting_tasks(&self) -> u64 {
         self.lanes.saturating_sub(self.live_leases)
@@ -270,7 +278,7 @@ impl Lanes {
                 last_check = Some(Instant::now());
                 notified = false;
             }
-            metrics::publish_gauge(&self.current());
+            self.current().publish();
         }
     }
 

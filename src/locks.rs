@@ -203,7 +203,7 @@ impl Drop for Made<'_> {
 }
 
 /// deadpool-redis's manager, except that a pooled connection is checked (UNWATCH and PING) only
-/// after it sat idle for [`crate::tasks::VERIFY_IDLE_AFTER`]: a busy broker pays no extra round
+/// after it sat idle for [`crate::config::VERIFY_IDLE_AFTER`]: a busy broker pays no extra round
 /// trip per call. A connection that broke in use is dropped by [`Locks::settle`], and the
 /// multiplexed connection fails at once when its socket has closed.
 pub struct QuickRecycle(deadpool_redis::Manager);
@@ -221,7 +221,7 @@ impl deadpool::managed::Manager for QuickRecycle {
         conn: &mut Self::Type,
         metrics: &deadpool::managed::Metrics,
     ) -> deadpool::managed::RecycleResult<Self::Error> {
-        if metrics.last_used() < crate::tasks::VERIFY_IDLE_AFTER {
+        if metrics.last_used() < crate::config::VERIFY_IDLE_AFTER {
             return Ok(());
         }
         self.0.recycle(conn, metrics).await
@@ -1015,47 +1015,6 @@ impl Locks {
         }
         locks.sort();
         Ok(locks)
-    }
-
-    /// Every resource lock as (resource, exclusive?, holding task ids). Scans the broker's keys:
-    /// for tests and diagnostics only.
-    pub async fn resource_locks(&self) -> Result<Vec<(String, bool, Vec<String>)>, Error> {
-        let mut conn = self.conn().await?;
-        let mut out = Vec::new();
-        for (exclusive, infix) in [(true, ":x:"), (false, ":s:")] {
-            let prefix = format!("{}{infix}", self.keys.tag());
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(format!("{prefix}*"))
-                .query_async(&mut *conn)
-                .await?;
-            for key in keys {
-                let holders: Vec<String> = if exclusive {
-                    let holder: Option<String> =
-                        redis::cmd("GET").arg(&key).query_async(&mut *conn).await?;
-                    holder.into_iter().collect()
-                } else {
-                    redis::cmd("SMEMBERS")
-                        .arg(&key)
-                        .query_async(&mut *conn)
-                        .await?
-                };
-                let name = key[prefix.len()..].to_owned();
-                out.push((name, exclusive, holders));
-            }
-        }
-        out.sort();
-        Ok(out)
-    }
-
-    /// Every key under the broker's prefix (tests and diagnostics only).
-    pub async fn all_keys(&self) -> Result<Vec<String>, Error> {
-        let mut conn = self.conn().await?;
-        let mut keys: Vec<String> = redis::cmd("KEYS")
-            .arg(self.keys.all_pattern())
-            .query_async(&mut *conn)
-            .await?;
-        keys.sort();
-        Ok(keys)
     }
 }
 

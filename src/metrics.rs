@@ -15,8 +15,6 @@ use std::time::Instant;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tonic::codegen::http;
 
-use crate::lanes::Gauge;
-
 /// Postgres statements executed.
 pub const POSTGRES_STATEMENTS_TOTAL: &str = "dispatch_postgres_statements_total";
 /// Redis calls made (script invocations and commands).
@@ -250,14 +248,6 @@ pub async fn serve(
 /// Counts one audited operator action.
 pub fn admin_action(action: &'static str) {
     metrics::counter!(ADMIN_ACTIONS_TOTAL, "action" => action).increment(1);
-}
-
-/// Publishes the lane gauge.
-pub fn publish_gauge(g: &Gauge) {
-    metrics::gauge!(LANES).set(g.lanes as f64);
-    metrics::gauge!(WAITING_TASKS).set(g.waiting_tasks() as f64);
-    metrics::gauge!(LIVE_LEASES).set(g.live_leases as f64);
-    metrics::gauge!(LANE_AGE_SECONDS).set(g.age().as_secs_f64());
 }
 
 /// Counts a lane computation of this kind (`full` or `maintained`).

@@ -167,7 +167,6 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         FetchPolicy {
             first_page: args.fetch.page,
             max_page: 1024.max(args.fetch.page),
-            recheck: args.fetch.recheck,
             wake_poll: args.fetch.wake_poll,
             max_waiters: args.fetch.max_waiters,
             max_wait: args.fetch.max_wait,

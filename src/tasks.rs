@@ -374,8 +374,7 @@ pub struct Tasks {
     stats: Arc<Stats>,
 }
 
-/// A pooled connection unused for this long is checked with an empty query before reuse.
-pub const VERIFY_IDLE_AFTER: Duration = Duration::from_secs(1);
+use crate::config::VERIFY_IDLE_AFTER;
 
 async fn verify_idle(
     client: &mut deadpool_postgres::ClientWrapper,

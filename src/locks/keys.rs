@@ -123,7 +123,7 @@ mod tests {
     #[test]
     fn every_key_carries_the_hash_tag() {
         let k = Keys::new("dispatch");
-        for key in [
+        let keys = [
             k.leases(),
             k.lease("l"),
             k.lease_tasks("l"),
@@ -131,7 +131,26 @@ mod tests {
             k.exclusive("prn:core.domain:1"),
             k.shared("r"),
             k.fence(),
-        ] {
+            k.locked(),
+            k.epoch(),
+            k.sweeper(),
+            k.recovery(),
+            k.recovered("a"),
+            k.lanes(),
+            k.lanes_lock(),
+            k.changes(),
+            k.change_seq(),
+            k.change_floor(),
+            k.all_pattern(),
+        ];
+        // Every builder of this file is in the list (all but `new` and `tag`), so a new one
+        // cannot be left out.
+        let builders = include_str!("keys.rs")
+            .lines()
+            .filter(|l| l.trim_start().starts_with("pub fn "))
+            .count();
+        assert_eq!(keys.len(), builders - 2, "a key builder is missing here");
+        for key in keys {
             assert!(key.starts_with("{dispatch}:"), "{key}");
         }
         assert_eq!(k.exclusive("a"), "{dispatch}:x:a");

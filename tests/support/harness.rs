@@ -370,9 +370,98 @@ impl Env {
 
     /// Fails unless Redis holds exactly the locks of `expected` tasks: their task locks, and
     /// resource locks naming only them, each in the mode the task needs.
+    /// Checks that Redis holds exactly the locks of `expected`, reading every lock-related key
+    /// with a Redis client of its own (not the broker's accessors): each task's lock hash, the
+    /// exclusive and shared resource keys, the locked-tasks set, and the task sets of the leases
+    /// the task hashes name.
     pub async fn assert_locks(&self, expected: &[&Task]) {
+        use deadpool_redis::redis;
+        let tag = format!("{{{}}}", self.args.redis.key_prefix);
+        let client = redis::Client::open(self.redis.url()).expect("redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to redis");
+        let scan = conn.clone();
+        let keys = move |pattern: String| {
+            let mut conn = scan.clone();
+            async move {
+                let mut keys: Vec<String> = redis::cmd("KEYS")
+                    .arg(pattern)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("KEYS");
+                keys.sort();
+                keys
+            }
+        };
         let want: BTreeSet<String> = expected.iter().map(|t| t.task_id.clone()).collect();
-        assert_eq!(self.locked_tasks().await, want, "task locks in redis");
+
+        // Each task's lock hash: which tasks, their names, and the lease that holds each.
+        let task_prefix = format!("{tag}:task:");
+        let mut have_tasks = BTreeSet::new();
+        let mut holding_lease = Vec::new();
+        for key in keys(format!("{task_prefix}*")).await {
+            let task_id = key[task_prefix.len()..].to_owned();
+            let (lease, x, s): (Option<String>, Option<String>, Option<String>) =
+                redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("lease")
+                    .arg("x")
+                    .arg("s")
+                    .query_async(&mut conn)
+                    .await
+                    .expect("HMGET task lock");
+            let names = |v: Option<String>| -> BTreeSet<String> {
+                v.unwrap_or_default()
+                    .split('\n')
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            };
+            if let Some(t) = expected.iter().find(|t| t.task_id == task_id) {
+                let want_x: BTreeSet<String> = t.exclusive_resources.iter().cloned().collect();
+                let want_s: BTreeSet<String> = t.shared_resources.iter().cloned().collect();
+                assert_eq!(names(x), want_x, "exclusive names in {key}");
+                assert_eq!(names(s), want_s, "shared names in {key}");
+            }
+            let lease = lease.unwrap_or_default();
+            assert!(!lease.is_empty(), "{key} names no lease");
+            holding_lease.push((task_id.clone(), lease));
+            have_tasks.insert(task_id);
+        }
+        assert_eq!(have_tasks, want, "task locks in redis");
+
+        // The reconciler's list of locked tasks.
+        let locked: BTreeSet<String> = redis::cmd("SMEMBERS")
+            .arg(format!("{tag}:locked"))
+            .query_async(&mut conn)
+            .await
+            .expect("SMEMBERS locked");
+        assert_eq!(locked, want, "locked-tasks set in redis");
+
+        // The leases' task sets: each task in its holder's set, and no task anywhere else.
+        let mut in_lease_sets = BTreeSet::new();
+        for key in keys(format!("{tag}:lease:*:tasks")).await {
+            let members: BTreeSet<String> = redis::cmd("SMEMBERS")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .expect("SMEMBERS lease tasks");
+            for task_id in members {
+                assert!(
+                    holding_lease
+                        .iter()
+                        .any(|(t, lease)| *t == task_id
+                            && key == format!("{tag}:lease:{lease}:tasks")),
+                    "{key} lists {task_id}, whose lock it does not hold"
+                );
+                in_lease_sets.insert(task_id);
+            }
+        }
+        assert_eq!(in_lease_sets, want, "tasks in the leases' task sets");
+
+        // The resource keys: exclusive holders and shared holders, by name.
         let mut want_resources: Vec<(String, bool, Vec<String>)> = Vec::new();
         for t in expected {
             for (names, exclusive) in [(&t.exclusive_resources, true), (&t.shared_resources, false)]
@@ -394,15 +483,29 @@ impl Env {
             entry.2.sort();
         }
         want_resources.sort();
-        let mut have = self
-            .broker()
-            .locks
-            .resource_locks()
-            .await
-            .expect("resource locks");
-        for entry in &mut have {
-            entry.2.sort();
+        let mut have = Vec::new();
+        for (exclusive, infix) in [(true, "x"), (false, "s")] {
+            let prefix = format!("{tag}:{infix}:");
+            for key in keys(format!("{prefix}*")).await {
+                let mut holders: Vec<String> = if exclusive {
+                    let holder: Option<String> = redis::cmd("GET")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("GET");
+                    holder.into_iter().collect()
+                } else {
+                    redis::cmd("SMEMBERS")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("SMEMBERS")
+                };
+                holders.sort();
+                have.push((key[prefix.len()..].to_owned(), exclusive, holders));
+            }
         }
+        have.sort();
         assert_eq!(have, want_resources, "resource locks in redis");
     }
 
