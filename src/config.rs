@@ -1,5 +1,6 @@
-//! Command line and environment: every option is a flag and a `DISPATCH_*` variable, checked up
-//! front so bad configuration stops the process with one line before anything starts.
+//! Command line and environment: every option is a flag, most also a `DISPATCH_*` variable
+//! (docs/configuration.md lists which, and a test keeps it true), checked up front so bad
+//! configuration stops the process with one line before anything starts.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -798,6 +799,68 @@ mod tests {
     #[test]
     fn cli_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    /// docs/configuration.md lists every subcommand's options exactly, each with its environment
+    /// variable (or `none`), so the reference cannot drift from the command line.
+    #[test]
+    fn the_configuration_reference_lists_every_option_and_variable() {
+        type Options = std::collections::BTreeMap<String, String>;
+        fn options(cmd: &clap::Command, global: bool) -> Options {
+            cmd.get_arguments()
+                .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+                .filter(|a| a.is_global_set() == global)
+                .map(|a| {
+                    let option = match a.get_long() {
+                        Some(long) => format!("--{long}"),
+                        None => format!("<{}>", a.get_id().as_str().to_uppercase()),
+                    };
+                    let env = a
+                        .get_env()
+                        .map(|e| e.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "none".into());
+                    (option, env)
+                })
+                .collect()
+        }
+        let cli = Cli::command();
+        let mut real = std::collections::BTreeMap::new();
+        real.insert("global".to_string(), options(&cli, true));
+        for sub in cli.get_subcommands() {
+            real.insert(sub.get_name().to_string(), options(sub, false));
+        }
+
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/docs/configuration.md"
+        ))
+        .expect("docs/configuration.md");
+        let mut documented: std::collections::BTreeMap<String, Options> = Default::default();
+        let mut section = None;
+        for line in doc.lines() {
+            if let Some(name) = line.strip_prefix("## ") {
+                section = Some(name.trim().to_string());
+                documented.entry(name.trim().to_string()).or_default();
+            } else if line.starts_with("| `") {
+                let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+                let option = cells[1].trim_matches('`').to_string();
+                let env = cells[2].trim_matches('`').to_string();
+                let section = section
+                    .clone()
+                    .expect("a table under a `## subcommand` heading");
+                let table = documented.get_mut(&section).unwrap();
+                assert!(
+                    table.insert(option.clone(), env).is_none(),
+                    "{option} is listed twice under {section} in docs/configuration.md"
+                );
+            }
+        }
+        documented.retain(|_, table| !table.is_empty());
+        real.retain(|_, table| !table.is_empty());
+        assert_eq!(
+            documented, real,
+            "docs/configuration.md (left) against the command line (right): option and variable"
+        );
     }
 
     #[test]

@@ -560,4 +560,53 @@ mod tests {
             assert!(super::ALL.contains(&name), "{name} is missing from ALL");
         }
     }
+
+    /// docs/metrics.md lists exactly the metrics there are, each with the type it is described
+    /// with here, so the reference cannot drift from the code.
+    #[test]
+    fn the_metrics_reference_lists_every_metric_with_its_type() {
+        let source = include_str!("metrics.rs");
+        let consts: std::collections::BTreeMap<&str, &str> = source
+            .lines()
+            .filter_map(|l| l.strip_prefix("pub const "))
+            .filter_map(|l| Some((l.split(':').next()?, l.split('"').nth(1)?)))
+            .collect();
+        let mut described = std::collections::BTreeMap::new();
+        for kind in ["counter", "gauge", "histogram"] {
+            let call = format!("describe_{kind}!(");
+            for (at, _) in source.match_indices(&call) {
+                let name = source[at + call.len()..]
+                    .trim_start()
+                    .split(|c: char| c == ',' || c.is_whitespace())
+                    .next()
+                    .unwrap();
+                if let Some(metric) = consts.get(name) {
+                    described.insert(metric.to_string(), kind.to_string());
+                }
+            }
+        }
+        assert_eq!(
+            described.len(),
+            super::ALL.len(),
+            "every metric is described"
+        );
+
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md"))
+            .expect("docs/metrics.md");
+        let mut documented = std::collections::BTreeMap::new();
+        for row in doc.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let name = cells[1].trim_matches('`').to_string();
+            assert!(
+                documented
+                    .insert(name.clone(), cells[2].to_string())
+                    .is_none(),
+                "{name} is listed twice in docs/metrics.md"
+            );
+        }
+        assert_eq!(
+            documented, described,
+            "docs/metrics.md (left) against src/metrics.rs (right): name and type"
+        );
+    }
 }

@@ -418,7 +418,7 @@ async fn serve(
         builder = builder.tls_config(tls)?;
     }
     builder
-        // tower's concurrency limit per connection, shedding (UNAVAILABLE at once) instead of
+        // tower's concurrency limit per connection, shedding (RESOURCE_EXHAUSTED at once) instead of
         // queueing what is over it.
         .concurrency_limit_per_connection(serving.max_per_connection)
         .load_shed(true)

@@ -57,7 +57,7 @@ pub struct WorkerConfig {
     pub app_status_id: Option<String>,
     /// Deadline of each call (a long poll gets its wait on top).
     pub call_timeout: Duration,
-    /// Backoff for `UNAVAILABLE`.
+    /// Backoff for `UNAVAILABLE` and `RESOURCE_EXHAUSTED`.
     pub retry: RetryPolicy,
     /// How long [`Worker::run`] lets a running task finish after shutdown is signalled.
     pub shutdown_grace: Duration,
@@ -94,7 +94,7 @@ pub enum WorkerError {
     /// The token cannot be sent as an HTTP header.
     #[error("the token contains characters that cannot be sent in a header")]
     Token,
-    /// The broker answered with an error status (after retries, for `UNAVAILABLE`).
+    /// The broker answered with an error status (after retries, for `UNAVAILABLE` and `RESOURCE_EXHAUSTED`).
     #[error("{method} failed: {code:?}: {message}", code = status.code(), message = status.message())]
     Rpc {
         /// The RPC.
@@ -244,7 +244,7 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// Connects to the broker at `endpoint` (e.g. `http://127.0.0.1:50051`), opens a lease and
-    /// starts heartbeating. Retries `UNAVAILABLE` (a broker still starting) per `config.retry`.
+    /// starts heartbeating. Retries `UNAVAILABLE` (a broker still starting) and `RESOURCE_EXHAUSTED` per `config.retry`.
     pub async fn connect(
         endpoint: impl Into<String>,
         config: WorkerConfig,
@@ -546,7 +546,7 @@ impl Shared {
         let _ = self.events.send(event);
     }
 
-    /// One RPC with a deadline, retrying `UNAVAILABLE` per `policy`.
+    /// One RPC with a deadline, retrying what [`retry::retryable`] names per `policy`.
     async fn call<T, F, Fut>(
         &self,
         method: &'static str,

@@ -20,7 +20,7 @@
 //! - fencing tokens strictly increase along each resource's grants;
 //! - at the end every task is final or waiting, none is claimed or running, no lock is left.
 //!
-//! `cargo test --test chaos` runs a bounded version (about 30 s); `cargo test --test chaos --
+//! `cargo test --test chaos` runs a bounded version (24 s of traffic and faults, then the settling); `cargo test --test chaos --
 //! --long [SECONDS] [--seed N]` runs longer and reports tasks, faults and violations. A violation
 //! is printed with the seed and the timeline needed to reproduce it.
 

@@ -138,7 +138,7 @@ fn names_ports_and_labels_agree() {
     assert_eq!(
         container["image"].as_str(),
         Some(concat!("dispatch-broker:", env!("CARGO_PKG_VERSION"))),
-        "the image the README's install section builds and tags"
+        "the image docs/operations.md's install section builds and tags"
     );
     let env_from: BTreeSet<String> = container["envFrom"]
         .as_sequence()
@@ -621,7 +621,7 @@ fn the_image_builds_from_what_the_dockerfile_copies() {
 }
 
 /// `rust-version` in Cargo.toml is no older than what any locked dependency declares it needs
-/// (the README's install section states it; clippy's `incompatible_msrv` checks the crate's own
+/// (docs/operations.md's install section states it; clippy's `incompatible_msrv` checks the crate's own
 /// use of the standard library against it).
 #[test]
 fn rust_version_covers_every_locked_dependency() {

@@ -1,7 +1,7 @@
 """Real Pulp through the broker: pulpcore 3.123.1's own migrations on a throwaway database, tasks
 dispatched with pulpcore's own dispatch() and canceled with its cancel_task(), two
 pulpcore-broker-worker processes, and the final states, order and locks checked afterwards. The
-broker is configured as the README advises for production: mutual TLS (certificates made here)
+broker is configured as docs/operations.md advises for production: mutual TLS (certificates made here)
 and a bearer token, so the workers and claim_immediate_tasks connect as an operator's would.
 
 Run by `make test-pulp` (scripts/pulp-tests.sh installs pulpcore into a virtualenv); the client's
