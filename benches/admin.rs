@@ -61,7 +61,7 @@ async fn main() {
         let url = pg.create_database(&format!("admin{n}")).unwrap();
         pg.psql(
             &format!("admin{n}"),
-            include_str!("../src/tasks/migrate.sql"),
+            dispatch_broker::tasks::sql::MIGRATE.as_str(),
         )
         .unwrap();
         let _ = std::process::Command::new("redis-cli")

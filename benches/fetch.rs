@@ -40,7 +40,7 @@ async fn main() {
         let url = pg.create_database(&format!("fetch{n}")).unwrap();
         pg.psql(
             &format!("fetch{n}"),
-            include_str!("../src/tasks/migrate.sql"),
+            dispatch_broker::tasks::sql::MIGRATE.as_str(),
         )
         .unwrap();
         redis_flush(&redis);

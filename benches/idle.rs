@@ -158,7 +158,7 @@ async fn main() {
             .await
             .unwrap();
     let url = pg.create_database("idle").unwrap();
-    pg.psql("idle", include_str!("../src/tasks/migrate.sql"))
+    pg.psql("idle", dispatch_broker::tasks::sql::MIGRATE.as_str())
         .unwrap();
     pg.psql("idle", include_str!("../src/tasks/notify_trigger.sql"))
         .unwrap();

@@ -71,7 +71,7 @@ async fn main() {
         .unwrap()
         .unwrap();
     pg.create_database("bench").unwrap();
-    pg.psql("bench", include_str!("../src/tasks/migrate.sql"))
+    pg.psql("bench", dispatch_broker::tasks::sql::MIGRATE.as_str())
         .unwrap();
     let url = pg.url("bench");
     let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)

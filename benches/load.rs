@@ -62,7 +62,7 @@ impl Setup {
     async fn database(&self, name: &str) -> (String, tokio_postgres::Client) {
         let url = self.pg.create_database(name).unwrap();
         self.pg
-            .psql(name, include_str!("../src/tasks/migrate.sql"))
+            .psql(name, dispatch_broker::tasks::sql::MIGRATE.as_str())
             .unwrap();
         self.pg
             .psql(name, include_str!("../src/tasks/notify_trigger.sql"))

@@ -16,13 +16,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::dispatch::{Queue, FINAL_STATES};
+use crate::dispatch::Queue;
 use crate::error::{Error, Result};
 use crate::lanes::Lanes;
 use crate::leases::{from_ms, Leases};
 use crate::locks::{HeldLock, LeaseView, Locks};
 use crate::metrics::Stats;
 use crate::ready::{self, BlockedResource, Mode, Reservations, Resources};
+use crate::states::TaskState;
 use crate::tasks::{parse_versions, Tasks};
 
 /// Live leases an explanation weighs at most (a fleet far larger than any seen).
@@ -315,7 +316,7 @@ impl Admin {
             live_leases: facts.live_leases,
             incompatible_with_every_live_lease: false,
         };
-        if FINAL_STATES.contains(&task.state.as_str()) {
+        if TaskState::is_final_name(&task.state) {
             explanation.summary = match &explanation.holder {
                 None => format!("{}: finished, holds nothing", task.state),
                 Some(h) => format!(

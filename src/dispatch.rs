@@ -32,12 +32,10 @@ use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release, REQUEUED_PREFIX
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
+use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
 pub use waiters::Waiters;
 use waiters::{Full, Place, Woken};
-
-/// Final task states.
-pub const FINAL_STATES: [&str; 4] = ["completed", "failed", "canceled", "skipped"];
 
 /// A task handed to a lease.
 #[derive(Debug, Clone)]
@@ -66,8 +64,8 @@ pub struct Grant {
 /// A validated FinishTask request.
 #[derive(Debug, Clone)]
 pub struct Finish {
-    /// One of [`FINAL_STATES`].
-    pub state: String,
+    /// A final state ([`TaskState::FINAL`]).
+    pub state: TaskState,
     /// Stored as `{"reason": ...}` in `core_task.error`.
     pub error: Option<String>,
 }
@@ -2131,7 +2129,7 @@ impl Dispatch {
             .map(|reason| serde_json::json!({ "reason": reason }));
         let state = match self
             .tasks
-            .finish(task_id, app_status, &finish.state, error)
+            .finish(task_id, app_status, finish.state, error)
             .await?
         {
             Some(state) => state,
@@ -2251,7 +2249,7 @@ impl Dispatch {
             .cancel(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
-        if FINAL_STATES.contains(&cancel.after.as_str()) {
+        if TaskState::is_final_name(&cancel.after) {
             match self.locks.force_release(&task_id.to_string()).await? {
                 Some(holder) => {
                     self.stats.locks_released("cancel", 1);

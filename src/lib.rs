@@ -21,6 +21,7 @@ pub mod ready;
 pub mod security;
 pub mod server;
 pub mod shutdown;
+pub mod states;
 pub mod tasks;
 pub mod testkit;
 pub mod worker;

@@ -20,9 +20,19 @@ use uuid::Uuid;
 
 use crate::metrics::Stats;
 use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
+use crate::states::TaskState;
 
 /// Every statement the broker runs, by name, for preparing at start-up.
 pub mod sql {
+    use std::sync::LazyLock;
+
+    /// A statement of one file, with the task state lists written in ([`crate::states::in_sql`]).
+    macro_rules! with_states {
+        ($file:literal) => {
+            LazyLock::new(|| crate::states::in_sql(include_str!($file)))
+        };
+    }
+
     /// The planner settings queue_page.sql is read under (see the file).
     pub const QUEUE_PAGE_SETTINGS: &str = include_str!("tasks/queue_page_settings.sql");
     /// The planner settings candidates.sql is read under (see the file).
@@ -62,7 +72,9 @@ pub mod sql {
             1,
             "one place for the readiness look-up"
         );
-        let composed = statement.replace("\n-- $readiness_lookup\n", &format!("\n{lookup}"));
+        let composed = crate::states::in_sql(
+            &statement.replace("\n-- $readiness_lookup\n", &format!("\n{lookup}")),
+        );
         assert!(
             !composed.contains("$near_") && !composed.contains("$long_"),
             "a placeholder of readiness_lookup.sql was left unnamed"
@@ -72,7 +84,7 @@ pub mod sql {
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
     pub const UNCLAIM: &str = include_str!("tasks/unclaim.sql");
     pub const START: &str = include_str!("tasks/start.sql");
-    pub const FINISH: &str = include_str!("tasks/finish.sql");
+    pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
     pub const TASK_STATE: &str = include_str!("tasks/task_state.sql");
     pub const CANCEL: &str = include_str!("tasks/cancel.sql");
     pub const INSERT_APP_STATUS: &str = include_str!("tasks/insert_app_status.sql");
@@ -82,15 +94,15 @@ pub mod sql {
     pub const FAIL_RUNNING: &str = include_str!("tasks/fail_running.sql");
     pub const DELETE_APP_STATUS: &str = include_str!("tasks/delete_app_status.sql");
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
-    pub const MIGRATE: &str = include_str!("tasks/migrate.sql");
+    pub static MIGRATE: LazyLock<String> = with_states!("tasks/migrate.sql");
     pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
     pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
     pub const GIN_FASTUPDATE: &str = include_str!("tasks/gin_fastupdate.sql");
     pub const GIN_CLEAN: &str = include_str!("tasks/gin_clean.sql");
     pub const END_TASKS: &str = include_str!("tasks/end_tasks.sql");
-    pub const LOCK_TARGETS: &str = include_str!("tasks/lock_targets.sql");
-    pub const CLAIMED_SINCE: &str = include_str!("tasks/claimed_since.sql");
-    pub const CLAIMED_TASKS: &str = include_str!("tasks/claimed_tasks.sql");
+    pub static LOCK_TARGETS: LazyLock<String> = with_states!("tasks/lock_targets.sql");
+    pub static CLAIMED_SINCE: LazyLock<String> = with_states!("tasks/claimed_since.sql");
+    pub static CLAIMED_TASKS: LazyLock<String> = with_states!("tasks/claimed_tasks.sql");
     pub const LANES: &str = include_str!("tasks/lanes.sql");
     pub const LANES_NEWER: &str = include_str!("tasks/lanes_newer.sql");
     pub const LANES_LATE: &str = concat!(
@@ -105,15 +117,15 @@ pub mod sql {
         include_str!("tasks/writers.sql"),
         include_str!("tasks/queue_known.sql")
     );
-    pub const TASK_SEEN: &str = include_str!("tasks/task_seen.sql");
-    pub const LANES_USERS: &str = include_str!("tasks/lanes_users.sql");
+    pub static TASK_SEEN: LazyLock<String> = with_states!("tasks/task_seen.sql");
+    pub static LANES_USERS: LazyLock<String> = with_states!("tasks/lanes_users.sql");
     pub const LANES_PAGE: &str = include_str!("tasks/lanes_page.sql");
-    pub const HIDING: &str = include_str!("tasks/hiding.sql");
+    pub static HIDING: LazyLock<String> = with_states!("tasks/hiding.sql");
     pub const FINISH_ORPHAN_CANCELS: &str = include_str!("tasks/finish_orphan_cancels.sql");
-    pub const ANY_INCOMPLETE: &str = include_str!("tasks/any_incomplete.sql");
+    pub static ANY_INCOMPLETE: LazyLock<String> = with_states!("tasks/any_incomplete.sql");
 
     pub const CANCELING: &str = include_str!("tasks/canceling.sql");
-    pub const OLDER_CONFLICTS: &str = include_str!("tasks/older_conflicts.sql");
+    pub static OLDER_CONFLICTS: LazyLock<String> = with_states!("tasks/older_conflicts.sql");
     pub const TASK_FACTS: &str = include_str!("tasks/task_facts.sql");
 
     /// Set in the lane gauge's transactions: its queue-order reads (lanes.sql, lanes_page.sql,
@@ -128,40 +140,42 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub const ALL: [&str; 32] = [
-        QUEUE_PAGE,
-        QUEUE_KNOWN,
-        TASK_SEEN,
-        GIN_CLEAN,
-        LANES_LATE,
-        LANES_NEWER,
-        LANES_GONE,
-        LANES_USERS,
-        LANES_PAGE,
-        CANCELING,
-        TASK_FACTS,
-        OLDER_CONFLICTS,
-        FINISH_ORPHAN_CANCELS,
-        HIDING,
-        LOCK_TARGETS,
-        CLAIMED_SINCE,
-        LANES,
-        ANY_INCOMPLETE,
-        END_TASKS,
-        CLAIMED_TASKS,
-        CLAIM,
-        UNCLAIM,
-        START,
-        FINISH,
-        TASK_STATE,
-        CANCEL,
-        INSERT_APP_STATUS,
-        APP_STATUS_EXISTS,
-        HEARTBEAT,
-        REQUEUE_CLAIMED,
-        FAIL_RUNNING,
-        DELETE_APP_STATUS,
-    ];
+    pub static ALL: LazyLock<[&str; 32]> = LazyLock::new(|| {
+        [
+            QUEUE_PAGE,
+            QUEUE_KNOWN,
+            TASK_SEEN.as_str(),
+            GIN_CLEAN,
+            LANES_LATE,
+            LANES_NEWER,
+            LANES_GONE,
+            LANES_USERS.as_str(),
+            LANES_PAGE,
+            CANCELING,
+            TASK_FACTS,
+            OLDER_CONFLICTS.as_str(),
+            FINISH_ORPHAN_CANCELS,
+            HIDING.as_str(),
+            LOCK_TARGETS.as_str(),
+            CLAIMED_SINCE.as_str(),
+            LANES,
+            ANY_INCOMPLETE.as_str(),
+            END_TASKS,
+            CLAIMED_TASKS.as_str(),
+            CLAIM,
+            UNCLAIM,
+            START,
+            FINISH.as_str(),
+            TASK_STATE,
+            CANCEL,
+            INSERT_APP_STATUS,
+            APP_STATUS_EXISTS,
+            HEARTBEAT,
+            REQUEUE_CLAIMED,
+            FAIL_RUNNING,
+            DELETE_APP_STATUS,
+        ]
+    });
 }
 
 /// The most tasks one read of queue_page.sql returns (its LIMIT).
@@ -481,7 +495,7 @@ impl Tasks {
         // candidates.sql in the form that runs: with its page size written in.
         client.prepare_cached(&candidates_sql(1)).await?;
         client.prepare_cached(&sql::TASK).await?;
-        for statement in sql::ALL {
+        for statement in *sql::ALL {
             client.prepare_cached(statement).await?;
         }
         Ok(())
@@ -777,11 +791,11 @@ impl Tasks {
         &self,
         task: Uuid,
         app_status: Uuid,
-        state: &str,
+        state: TaskState,
         error: Option<serde_json::Value>,
     ) -> Result<Option<String>, Error> {
         let rows = self
-            .query(sql::FINISH, &[&task, &app_status, &state, &error])
+            .query(&sql::FINISH, &[&task, &app_status, &state.as_str(), &error])
             .await?;
         rows.first()
             .map(|r| r.try_get(0))
@@ -918,7 +932,7 @@ impl Tasks {
     /// Among locked tasks, those whose lock serves no one: `(id, true)` when the task is final
     /// or gone, `(id, false)` when it is waiting and unclaimed.
     pub async fn lock_targets(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, bool)>, Error> {
-        let rows = self.query_read(sql::LOCK_TARGETS, &[&ids]).await?;
+        let rows = self.query_read(&sql::LOCK_TARGETS, &[&ids]).await?;
         rows.iter()
             .map(|r| {
                 let kind: String = r.try_get(1)?;
@@ -930,7 +944,7 @@ impl Tasks {
     /// Claimed incomplete tasks untouched for `quiet`: `(id, state, app_lock_id)`.
     pub async fn claimed_since(&self, quiet: Duration) -> Result<Vec<(Uuid, String, Uuid)>, Error> {
         let secs = quiet.as_secs_f64();
-        let rows = self.query_read(sql::CLAIMED_SINCE, &[&secs]).await?;
+        let rows = self.query_read(&sql::CLAIMED_SINCE, &[&secs]).await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
             .collect()
@@ -1052,7 +1066,7 @@ impl Tasks {
         use futures::TryStreamExt;
         let upto = key_bound(watermark);
         let page_statement = tx.prepare_cached(sql::LANES_PAGE).await?;
-        let users_statement = tx.prepare_cached(sql::LANES_USERS).await?;
+        let users_statement = tx.prepare_cached(&sql::LANES_USERS).await?;
         if let Some(mut at) = repair.from() {
             // Walk the queue from the oldest place: the successors of most places are near.
             let mut pages = 0;
@@ -1171,7 +1185,7 @@ impl Tasks {
         limit: i64,
     ) -> Result<Vec<OlderTask>, Error> {
         let rows = self
-            .query_read(sql::OLDER_CONFLICTS, &[&task, &keys, &limit])
+            .query_read(&sql::OLDER_CONFLICTS, &[&task, &keys, &limit])
             .await?;
         rows.iter()
             .map(|r| {
@@ -1195,7 +1209,7 @@ impl Tasks {
         held: &[String],
     ) -> Result<Vec<String>, Error> {
         let rows = self
-            .query_read(sql::HIDING, &[&position.0, &position.1, &held])
+            .query_read(&sql::HIDING, &[&position.0, &position.1, &held])
             .await?;
         rows.iter()
             .map(|r| r.try_get(0).map_err(Error::from))
@@ -1233,7 +1247,7 @@ impl Tasks {
 
     /// What each task is now (task_seen.sql).
     pub async fn seen(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, Seen>, Error> {
-        let rows = self.query_read(sql::TASK_SEEN, &[&ids]).await?;
+        let rows = self.query_read(&sql::TASK_SEEN, &[&ids]).await?;
         rows.iter()
             .map(|row| {
                 let id: Uuid = row.try_get(0)?;
@@ -1261,13 +1275,13 @@ impl Tasks {
 
     /// Whether any task is incomplete.
     pub async fn any_incomplete(&self) -> Result<bool, Error> {
-        let rows = self.query_read(sql::ANY_INCOMPLETE, &[]).await?;
+        let rows = self.query_read(&sql::ANY_INCOMPLETE, &[]).await?;
         Ok(rows.first().map(|r| r.get(0)).unwrap_or(false))
     }
 
     /// Every claimed incomplete task with its worker row, for rebuilding lost lock state.
     pub async fn claimed_tasks(&self) -> Result<Vec<ClaimedTask>, Error> {
-        let rows = self.query_read(sql::CLAIMED_TASKS, &[]).await?;
+        let rows = self.query_read(&sql::CLAIMED_TASKS, &[]).await?;
         rows.iter()
             .map(|r| {
                 let record: Vec<String> = r.try_get(1)?;
@@ -1304,7 +1318,7 @@ impl Tasks {
             false
         } else {
             let tx = client.transaction().await?;
-            tx.batch_execute(sql::MIGRATE).await?;
+            tx.batch_execute(&sql::MIGRATE).await?;
             tx.batch_execute(sql::NOTIFY_TRIGGER).await?;
             tx.commit().await?;
             true

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
+use dispatch_broker::states::TaskState;
 use dispatch_broker::testkit::{free_port, Postgres, Redis};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -971,7 +972,7 @@ async fn main() {
             .await
             .unwrap();
     let url = pg.create_database("chaos").unwrap();
-    pg.psql("chaos", include_str!("../src/tasks/migrate.sql"))
+    pg.psql("chaos", dispatch_broker::tasks::sql::MIGRATE.as_str())
         .unwrap();
     let mut replicas = vec![
         Replica::start(&url, &redis.url()),
@@ -1083,7 +1084,7 @@ async fn main() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     for (state, n) in &states {
-        if !["completed", "failed", "canceled", "skipped", "waiting"].contains(&state.as_str()) {
+        if !(TaskState::is_final_name(state) || state == TaskState::Waiting.as_str()) {
             violations.push(format!("{n} tasks left {state} with no live holder"));
         }
     }

@@ -162,7 +162,7 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
 async fn measured(
     tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
 ) -> (dispatch_broker::testkit::Postgres, Env) {
-    support::measured_env("own", &support::BROKER_SCHEMA, tweak).await
+    support::measured_env("own", &*support::BROKER_SCHEMA, tweak).await
 }
 
 /// Pages candidates.sql read since the last count, once every pass has ended.

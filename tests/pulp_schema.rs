@@ -483,7 +483,7 @@ async fn the_maintained_lane_pass_uses_the_intended_indexes() {
     let users = plan(
         "users",
         "text[]",
-        sql::LANES_USERS,
+        sql::LANES_USERS.as_str(),
         "ARRAY['prn:file.repository:7', 'shared:prn:file.repository:7']",
     )
     .await;
@@ -609,8 +609,8 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
          PREPARE queue_page(timestamptz, uuid) AS {};",
         dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
         dispatch_broker::tasks::sql::TASK.as_str(),
-        dispatch_broker::tasks::sql::HIDING,
-        dispatch_broker::tasks::sql::TASK_SEEN,
+        dispatch_broker::tasks::sql::HIDING.as_str(),
+        dispatch_broker::tasks::sql::TASK_SEEN.as_str(),
         dispatch_broker::tasks::sql::QUEUE_PAGE,
     ))
     .await
@@ -758,9 +758,9 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
          PREPARE claimed_since(double precision) AS {}; \
          PREPARE finish_orphan_cancels AS {}; \
          PREPARE held AS {} SELECT count(*) FROM held;",
-        dispatch_broker::tasks::sql::CLAIMED_SINCE,
+        dispatch_broker::tasks::sql::CLAIMED_SINCE.as_str(),
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
-        include_str!("../src/tasks/held.sql"),
+        dispatch_broker::states::in_sql(include_str!("../src/tasks/held.sql")),
     ))
     .await
     .unwrap();

@@ -9,10 +9,11 @@ use tonic::Status;
 use uuid::Uuid;
 
 use crate::config::LimitArgs;
-use crate::dispatch::{Finish, Grant, FINAL_STATES};
+use crate::dispatch::{Finish, Grant};
 use crate::leases::OpenLease;
 use crate::proto;
 use crate::ready::is_valid_release;
+use crate::states::TaskState;
 
 /// Parses a required id field.
 pub fn parse_id(field: &str, value: &str) -> Result<Uuid, Status> {
@@ -147,13 +148,13 @@ pub fn finish(state: String, error: String, limits: &LimitArgs) -> Result<Finish
             limits.error_bytes
         )));
     }
-    if !FINAL_STATES.contains(&state.as_str()) {
+    let Some(state) = TaskState::parse(&state).filter(|s| s.is_final()) else {
         return Err(Status::invalid_argument(format!(
             "state {} is not a final state; use one of {}",
             echo(&state),
-            FINAL_STATES.join(", ")
+            TaskState::final_names()
         )));
-    }
+    };
     let error = (!error.is_empty()).then_some(error);
     Ok(Finish { state, error })
 }
@@ -284,11 +285,11 @@ mod tests {
         #[test]
         fn finish_takes_final_states_and_bounded_errors(state in hostile(), error in hostile()) {
             let limits = small();
-            let final_state = FINAL_STATES.contains(&state.as_str());
+            let final_state = TaskState::is_final_name(&state);
             match finish(state.clone(), error.clone(), &limits) {
                 Ok(f) => {
                     prop_assert!(final_state);
-                    prop_assert_eq!(f.state, state);
+                    prop_assert_eq!(f.state.as_str(), state);
                     prop_assert_eq!(f.error.is_some(), !error.is_empty());
                     prop_assert!(error.len() <= limits.error_bytes);
                 }

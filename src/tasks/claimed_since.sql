@@ -11,5 +11,5 @@ SELECT pulp_id, state, app_lock_id
 FROM core_task
 WHERE app_lock_id IS NOT NULL
   AND app_lock_id IN (SELECT pulp_id FROM core_appstatus WHERE app_type = 'worker')
-  AND state || '' IN ('waiting', 'running', 'canceling')
+  AND state || '' IN ($incomplete_states)
   AND coalesce(pulp_last_updated, pulp_created) < now() - make_interval(secs => $1)

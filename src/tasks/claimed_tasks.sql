@@ -6,5 +6,5 @@ SELECT t.pulp_id, coalesce(t.reserved_resources_record, '{}'::text[]), t.app_loc
        hstore_to_json(a.versions)::text
 FROM core_task t
 JOIN core_appstatus a ON a.pulp_id = t.app_lock_id
-WHERE t.app_lock_id IS NOT NULL AND t.state IN ('waiting', 'running', 'canceling')
+WHERE t.app_lock_id IS NOT NULL AND t.state IN ($incomplete_states)
 ORDER BY t.app_lock_id, t.pulp_created, t.pulp_id

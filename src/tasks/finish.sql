@@ -10,5 +10,5 @@ UPDATE core_task
 SET state = $3, finished_at = now(), error = coalesce($4, error), app_lock_id = NULL,
     pulp_last_updated = now()
 WHERE pulp_id = $1 AND app_lock_id = $2
-  AND state || '' IN ('waiting', 'running', 'canceling')
+  AND state || '' IN ($incomplete_states)
 RETURNING state

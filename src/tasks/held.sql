@@ -9,7 +9,7 @@ WITH held AS (
     FROM (
         SELECT reserved_resources_record AS record FROM core_task
         WHERE app_lock_id IS NOT NULL
-          AND state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+          AND state NOT IN ($final_states)
         UNION ALL
         SELECT reserved_resources_record FROM core_task WHERE state = 'running'
     ) AS h, unnest(h.record) AS entry

@@ -25,7 +25,7 @@ WHERE (SELECT count(*)
        FROM (
            SELECT t.pulp_created, t.pulp_id, t.state, t.app_lock_id
            FROM core_task t
-           WHERE t.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+           WHERE t.state NOT IN ($final_states)
              AND t.reserved_resources_record && n.keys
            OFFSET 0
        ) AS m

@@ -9,7 +9,7 @@
 -- Never writes.
 SELECT reserved_resources_record, pulp_id, pulp_created
 FROM core_task
-WHERE state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+WHERE state NOT IN ($final_states)
   AND reserved_resources_record && $1::text[]
   AND state IN ('waiting', 'running')
 ORDER BY pulp_created, pulp_id

@@ -36,7 +36,7 @@ CREATE INDEX IF NOT EXISTS core_task_state_pulp_created_idx ON core_task (state,
 CREATE INDEX IF NOT EXISTS core_task_app_lock_id_idx ON core_task (app_lock_id);
 CREATE INDEX IF NOT EXISTS pulp_task_resources_index ON core_task
     USING gin (reserved_resources_record)
-    WHERE NOT (state = ANY (ARRAY['completed', 'failed', 'canceled', 'skipped']));
+    WHERE NOT (state = ANY (ARRAY[$final_states]));
 -- Every claim, start and finish writes new index entries (the state changes); with GIN's pending
 -- list on, each readiness look-up would scan up to 4 MB of unsorted entries until the next vacuum
 -- (47 ms instead of 2.6 ms for one page of candidates, measured). gin_fastupdate.sql does the same
@@ -67,7 +67,7 @@ BEGIN
 
     SELECT pulp_created INTO newest
     FROM core_task
-    WHERE state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+    WHERE state NOT IN ($final_states)
       AND reserved_resources_record && (names || ARRAY(SELECT 'shared:' || n FROM unnest(names) AS n))
     ORDER BY pulp_created DESC
     LIMIT 1;

@@ -13,7 +13,7 @@ CROSS JOIN LATERAL (
     SELECT u.pulp_id, u.state, u.name,
            coalesce(u.reserved_resources_record, '{}'::text[]) AS record, u.pulp_created
     FROM core_task u
-    WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+    WHERE u.state NOT IN ($final_states)
       AND u.reserved_resources_record && $2::text[]
     OFFSET 0
 ) AS m

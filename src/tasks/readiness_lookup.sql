@@ -75,7 +75,7 @@ CROSS JOIN LATERAL (
         FROM (
             SELECT u.pulp_created, u.pulp_id
             FROM core_task u
-            WHERE u.state NOT IN ('completed', 'failed', 'canceled', 'skipped')
+            WHERE u.state NOT IN ($final_states)
               AND u.reserved_resources_record && k.keys
             OFFSET 0
         ) AS m

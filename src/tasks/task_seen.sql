@@ -9,7 +9,7 @@
 -- probe per task.
 -- Never writes.
 SELECT id,
-       CASE WHEN t.pulp_id IS NULL OR t.state IN ('completed', 'failed', 'canceled', 'skipped')
+       CASE WHEN t.pulp_id IS NULL OR t.state IN ($final_states)
                 THEN 'gone'
             WHEN t.state IN ('waiting', 'canceling') AND t.app_lock_id IS NULL THEN 'waiting'
             ELSE 'held' END

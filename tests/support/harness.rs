@@ -25,7 +25,7 @@ pub fn shared_pg() -> &'static Postgres {
     PG.get_or_init(|| {
         let pg = Postgres::start().expect("start throwaway postgres");
         pg.create_database(TEMPLATE).expect("create template");
-        let migrate = include_str!("../../src/tasks/migrate.sql");
+        let migrate = dispatch_broker::tasks::sql::MIGRATE.as_str();
         pg.psql(TEMPLATE, migrate).expect("migrate template");
         let notify = include_str!("../../src/tasks/notify_trigger.sql");
         pg.psql(TEMPLATE, notify).expect("notify trigger");
@@ -596,17 +596,19 @@ where
 pub fn own_postgres() -> (Postgres, String) {
     let pg = Postgres::start().expect("start own postgres");
     let url = pg.create_database("own").expect("create database");
-    for sql in BROKER_SCHEMA {
+    for sql in *BROKER_SCHEMA {
         pg.psql("own", sql).expect("the broker's schema");
     }
     (pg, url)
 }
 
 /// The broker's own schema (`migrate`, with its insert trigger's notification).
-pub const BROKER_SCHEMA: [&str; 2] = [
-    include_str!("../../src/tasks/migrate.sql"),
-    include_str!("../../src/tasks/notify_trigger.sql"),
-];
+pub static BROKER_SCHEMA: std::sync::LazyLock<[&str; 2]> = std::sync::LazyLock::new(|| {
+    [
+        dispatch_broker::tasks::sql::MIGRATE.as_str(),
+        include_str!("../../src/tasks/notify_trigger.sql"),
+    ]
+});
 
 /// A broker (options adjusted by `tweak`) on a Postgres of the test's own that keeps statement
 /// statistics (pg_stat_statements) for database `name`, made by running `schema` in it; and that
