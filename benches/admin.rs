@@ -181,7 +181,7 @@ async fn main() {
                 .await,
             ),
             (
-                "(the gauge's pass that makes the survey, every 15 s by one replica)".to_owned(),
+                "(the gauge's full pass that makes the survey, every --lane-full-interval (60 s) by one replica)".to_owned(),
                 gauge,
             ),
         ];

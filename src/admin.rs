@@ -495,7 +495,7 @@ impl Admin {
         let Some((resources, age)) = self.lanes.survey().await? else {
             return Err(Error::NotYet(
                 "the lane gauge has not surveyed the queue yet (it does within a second of the \
-                 broker starting, then every --lane-interval); retry shortly"
+                 broker starting, then with every full count, every --lane-full-interval); retry shortly"
                     .into(),
             ));
         };

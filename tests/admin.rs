@@ -628,16 +628,63 @@ async fn the_admin_api_needs_the_admin_token_and_a_workers_token_is_denied() {
         .unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated);
 
-    // A revoke with the worker's token changes nothing.
+    // A revoke with the worker's token changes nothing: the live lease it names keeps its task
+    // and the task's locks.
+    let mut worker = dispatch_broker::proto::broker_client::BrokerClient::with_interceptor(
+        Channel::from_shared(format!("http://{}", env.broker().addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+        |mut r: tonic::Request<()>| {
+            r.metadata_mut()
+                .insert("authorization", format!("Bearer {WORKER}").parse().unwrap());
+            Ok(r)
+        },
+    );
+    let lease = worker
+        .open_lease(support::lease_request("w"))
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    let held = worker
+        .fetch_task(support::fetch_request(&lease))
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .expect("the worker holds task A");
     let err = admin_with(&env, Some(WORKER))
         .await
         .revoke_lease(RevokeLeaseRequest {
-            lease_id: Uuid::new_v4().to_string(),
+            lease_id: lease.clone(),
             reason: "x".into(),
         })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);
+    env.assert_locks(&[&held]).await;
+    let row = env
+        .db
+        .query_one(
+            "SELECT state, app_lock_id IS NOT NULL FROM core_task WHERE pulp_id = $1",
+            &[&task],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, bool>(1)),
+        ("waiting".to_owned(), true),
+        "the task stays claimed by the worker, not requeued or failed"
+    );
+    worker
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease,
+            ..Default::default()
+        })
+        .await
+        .expect("the lease is still live");
 }
 
 #[tokio::test]
