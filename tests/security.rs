@@ -255,12 +255,13 @@ async fn the_server_binary_reads_dispatch_auth_token() {
             _ => break,
         }
     }
-    let err = wrong.err().expect("a wrong token is refused");
+    let Err(err) = wrong else {
+        panic!("a wrong token is accepted")
+    };
     assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
-    let anonymous = Worker::connect(&endpoint, config(None, None))
-        .await
-        .err()
-        .expect("no token is refused");
+    let Err(anonymous) = Worker::connect(&endpoint, config(None, None)).await else {
+        panic!("no token is accepted")
+    };
     assert_eq!(anonymous.code(), Some(Code::Unauthenticated), "{anonymous}");
     let worker = Worker::connect(&endpoint, config(Some(TOKEN), None))
         .await
