@@ -679,10 +679,7 @@ async fn the_admin_api_needs_the_admin_token_and_a_workers_token_is_denied() {
         "the task stays claimed by the worker, not requeued or failed"
     );
     worker
-        .heartbeat(HeartbeatRequest {
-            lease_id: lease,
-            ..Default::default()
-        })
+        .heartbeat(HeartbeatRequest { lease_id: lease })
         .await
         .expect("the lease is still live");
 }
