@@ -11,10 +11,13 @@
 //! A pass also serves the other waiting FetchTask calls of this replica (shared scans,
 //! `waiters`): each ready task goes to the longest waiter whose lease may take it (versions and
 //! skips per lease, `ready::runs_on`), under that waiter's own lease, locks and fencing token, and
-//! a grant no caller can take any more is put back (`Restore`), never dropped.
+//! a grant no caller can take any more is requeued (`Requeue`), never dropped.
 
+mod carried;
+mod hint;
 pub mod queues;
 mod refresh;
+mod requeue;
 mod waiters;
 pub mod wakeups;
 
@@ -28,12 +31,18 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release, REQUEUED_PREFIX};
+use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
 use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
+use carried::Carried;
+use hint::{
+    just_before, position_key, released_names, split_by_known, trusted_until, ScanHint,
+    MAX_RETURNED,
+};
+use requeue::Requeue;
 pub use waiters::Waiters;
 use waiters::{Full, Place, Woken};
 
@@ -145,251 +154,6 @@ pub type Delivery = Result<Grant>;
 pub type Queue = Waiters<Offer, Delivery>;
 type Recruit = waiters::Recruit<Offer, Delivery>;
 
-/// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
-/// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
-/// same reservations, instead of walking the blocked head again. It is dropped as soon as a
-/// resource it relies on changes (a lock on it released, a waiting task reserving it left the
-/// queue: `lua/lib.lua` records those); claims put back are checked first (`returned`); once
-/// older than `hint_max_age` (changes made outside the broker) a background walk renews it
-/// (`refresh`). A stale hint can only delay a task, never hand out one that is not ready:
-/// every candidate still gets the exact look-up.
-#[derive(Debug, Clone)]
-struct ScanHint {
-    /// The lock state (epoch) the hint was taken in: a rebuild drops every hint.
-    epoch: String,
-    /// The change sequence the hint was taken at.
-    seq: u64,
-    /// When the change log was last read for it (the read was sent then) and showed nothing
-    /// that drops it, up to `seq`: see [`Dispatch::trusted`].
-    checked_at: Instant,
-    /// [`Locks::changes_made`] before that read.
-    made: u64,
-    taken: Instant,
-    after: (DateTime<Utc>, Uuid),
-    /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
-    /// ready, or passed over). A task the pass handed out is not among them: once claimed it is
-    /// skipped by candidates.sql's `held` and counted by every newer task's exact look-up, so
-    /// its finishing (which releases its locks and records its names) need not drop the hint:
-    /// with many workers finishing tasks all the time, hints would otherwise never survive.
-    excluded: Vec<String>,
-    reserved: Reservations,
-    /// Names of claimed or running tasks that hid older waiting tasks from the scan.
-    hiding: HashSet<String>,
-    /// Claims put back in the queue since the hint was taken (their ids, as recorded with
-    /// [`REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
-    /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
-    /// [`MAX_RETURNED`]; beyond that the hint is dropped.
-    returned: Vec<Uuid>,
-    /// The rest of the page the pass that left the hint read, and the claims put back it
-    /// checks first, for the next pass (see [`Carried`]).
-    carried: Option<Arc<Carried>>,
-}
-
-/// The rest of a page: the tasks after a scan hint's position that the pass which read the page
-/// did not reach (it had served everyone before), and the claims put back that the hint checks
-/// first, as the pass read them. The next pass that uses the hint judges them instead of reading
-/// them again, so a fetch costs no page read: a pass that trusts the hint (see
-/// [`trusted_until`]), or one whose read of the changes since the hint shows none that touches a
-/// name of theirs (see [`Carried::untouched_by`]), while they are younger than
-/// `--fetch-hint-max-age` and [`RECENT`] (so that one this replica handed out since is known as
-/// such).
-///
-/// The rule still decides as for a page read then. Their exact look-up (`older_conflicts`) was
-/// made when the page was read, and it stays true: no older conflicting task can appear later,
-/// since the insert trigger Pulp's schema must have (`on_insert_timestamp_task`; `migrate`
-/// checks for it) stamps a task only once the inserts of every task sharing a resource with it
-/// have committed (per-resource advisory locks). What else makes a ready task unready is caught
-/// where it is for every candidate: a lock taken since (through any replica) by the acquire
-/// script, a task claimed, canceled or finished since by the claim. What a carried task cannot
-/// show is a change that made it ready: a lock released on one of its names, or a waiting task
-/// with one that left. Those are recorded with the name, and a pass that reads one does not use
-/// the carried tasks; one made through another replica is seen once the trust ends, as for the
-/// hint itself. A task judged not ready from a carried row reserves its names in the hint the
-/// pass leaves, as one read afresh does, so what makes it ready later drops that hint.
-///
-/// Nor do carried tasks show a task between them that a held lock hid from the page and that
-/// became ready since (its lock released), or a claim put back since that lies between them. The
-/// second is read (the claims put back are read by id unless carried) and judged in queue order
-/// with the carried tasks. For the first, a pass that read the release uses the carried tasks
-/// only when the resource queues say the released lock hid no waiting task before the last of
-/// them ([`Dispatch::hid_among`]); otherwise it reads its page. Such a task is not in conflict
-/// with the carried ones (FIFO per resource holds); with the hint trusted, a newer carried task
-/// may go first until the trust ends. It is never left behind: the page's held entries count
-/// among the names the hint a pass leaves relies on (`hiding`), so a release read later drops
-/// that hint, and a pass that used carried tasks after reading a release leaves no hint that
-/// relies on the released name (it drops the hint instead).
-#[derive(Debug)]
-struct Carried {
-    /// In queue order, all after the hint's position.
-    rows: Vec<TaskRow>,
-    /// The claims put back that the hint checks first (its `returned`), oldest first.
-    returned: Vec<TaskRow>,
-    /// The held entries the page skipped tasks by.
-    held: Vec<String>,
-    /// When the page was read.
-    read_at: Instant,
-    /// When the claims put back were read (a task this replica handed out since then is
-    /// known as such, see `Seen::Left`).
-    returned_read_at: Instant,
-    /// Where the resource queues' removals stood before the page was read: a holder of a held
-    /// entry that ended since may be gone from them (see `queues::Queues::split_hiding`).
-    removals: queues::Removals,
-}
-
-impl Carried {
-    /// A page's rest and the claims put back still waiting, if there is a task among them.
-    fn of(
-        rest: impl IntoIterator<Item = TaskRow>,
-        returned: (Vec<TaskRow>, Instant),
-        held: Vec<String>,
-        read_at: Instant,
-        removals: queues::Removals,
-    ) -> Option<Carried> {
-        let rows: Vec<TaskRow> = rest.into_iter().collect();
-        let (returned, returned_read_at) = returned;
-        // (With none, their read time must not age the page's.)
-        let returned_read_at = if returned.is_empty() {
-            read_at
-        } else {
-            returned_read_at
-        };
-        (!rows.is_empty() || !returned.is_empty()).then_some(Carried {
-            rows,
-            returned,
-            held,
-            read_at,
-            returned_read_at,
-            removals,
-        })
-    }
-
-    /// Whether none of the changes `changed` (as the change log records them) can have made a
-    /// carried task ready: only then may a pass that read them use the carried tasks. A claim put
-    /// back is no such change (the pass reads it by id unless it is among the carried ones, and
-    /// judges it in order). A released lock that only hid tasks between them is none either
-    /// (see [`Carried`]). Everything else is recorded with the name whose lock was released or whose
-    /// waiting task left (`shared:` when that was shared access, which only conflicted with the
-    /// tasks that need the name exclusively), or as `*` (anything).
-    fn untouched_by(&self, changed: &[String]) -> bool {
-        let rows = || self.rows.iter().chain(&self.returned);
-        let exclusive: HashSet<&str> = rows()
-            .flat_map(|r| r.candidate.resources.exclusive.iter().map(String::as_str))
-            .collect();
-        let shared: HashSet<&str> = rows()
-            .flat_map(|r| r.candidate.resources.shared.iter().map(String::as_str))
-            .collect();
-        changed.iter().all(|n| match Change::of(n) {
-            Change::Requeued(_) => true,
-            Change::All => false,
-            Change::Left { name, shared: true } | Change::Released { name, shared: true } => {
-                !exclusive.contains(name)
-            }
-            Change::Left { name, .. } | Change::Released { name, .. } => {
-                !exclusive.contains(name) && !shared.contains(name)
-            }
-        })
-    }
-
-    /// The carried claims put back, when they are exactly those of `ids` (in any order).
-    fn returned_if(&self, ids: &[Uuid]) -> Option<Vec<TaskRow>> {
-        let carried: HashSet<Uuid> = self.returned.iter().map(|r| r.id).collect();
-        (carried.len() == ids.len() && ids.iter().all(|id| carried.contains(id)))
-            .then(|| self.returned.clone())
-    }
-
-    /// The tasks as a page to judge: marked full, so that a pass that judged them all without
-    /// serving everyone reads on from the last.
-    fn page(&self) -> crate::tasks::Page {
-        crate::tasks::Page {
-            tasks: self.rows.clone(),
-            full: true,
-            held: self.held.clone(),
-            tail: None,
-        }
-    }
-}
-
-/// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
-/// at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
-/// (another state's sequence numbers are not comparable), only while no call of this replica that may change
-/// lock state ended since the hint was read against the log (`made` is
-/// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
-/// since that read, or since the change counter (which every replica reads each interval;
-/// `seq_read` is the last read and when it was sent) was last seen still at the hint's
-/// sequence number. So a change made through another replica, or by its sweeper, reaches this replica's
-/// passes as late as it reaches its waiting calls. A hint used past a change only delays a
-/// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
-fn trusted_until(
-    h: &ScanHint,
-    epoch: &str,
-    made: u64,
-    seq_read: Option<(u64, Instant)>,
-    window: Duration,
-    now: Instant,
-) -> Option<Instant> {
-    if window.is_zero() || h.made != made || h.epoch != epoch {
-        return None;
-    }
-    let clean_until = match seq_read {
-        Some((seq, at)) if at > h.checked_at => {
-            // Moved on, or back (a failover that lost the last changes: the numbers after it
-            // come again, for other changes).
-            if seq != h.seq {
-                return None;
-            }
-            at
-        }
-        _ => h.checked_at,
-    };
-    (now.saturating_duration_since(clean_until) <= window).then_some(clean_until)
-}
-
-/// Splits held record entries by whether the name each locks is among `known` (names known to
-/// hide tasks): those names, and the entries whose names must be looked up (hiding.sql).
-fn split_by_known(
-    held: impl IntoIterator<Item = String>,
-    known: &HashSet<String>,
-) -> (HashSet<String>, Vec<String>) {
-    let mut kept = HashSet::new();
-    let mut unknown = Vec::new();
-    for entry in held {
-        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
-        if known.contains(name) {
-            kept.insert(name.to_owned());
-        } else {
-            unknown.push(entry);
-        }
-    }
-    (kept, unknown)
-}
-
-/// The names whose locks the changes `changed` (as the change log records them) released,
-/// exclusive or shared: not claims put back, not waiting tasks that left (they held nothing).
-fn released_names(changed: &[String]) -> HashSet<String> {
-    changed
-        .iter()
-        .filter_map(|n| match Change::of(n) {
-            Change::Released { name, .. } => Some(name.to_owned()),
-            Change::All => Some("*".to_owned()),
-            Change::Requeued(_) | Change::Left { .. } => None,
-        })
-        .collect()
-}
-
-/// A position as the resource queues key it (`ready::Key`).
-fn position_key(position: (DateTime<Utc>, Uuid)) -> ready::Key {
-    (position.0.timestamp_micros(), position.1)
-}
-
-/// The queue position just before a task's: a scan hint that starts there starts with the task.
-/// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
-fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
-    crate::tasks::key_bound(ready::queues::before(position_key((created, id))))
-}
-
-/// The most claims put back that a scan hint checks on every pass.
-const MAX_RETURNED: usize = 64;
-
 /// Leases a replica keeps in memory (see `Dispatch::leases`); past this it forgets them all.
 const MAX_KNOWN_LEASES: usize = 65_536;
 
@@ -416,7 +180,7 @@ pub struct Dispatch {
     shutdown: Shutdown,
     hint: Arc<Mutex<Option<ScanHint>>>,
     waiters: Arc<Queue>,
-    restore: Restore,
+    requeue: Requeue,
     passes: Arc<Passes>,
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
@@ -491,100 +255,6 @@ impl Recent {
     /// True when `id` was granted after `read_at` (when a page showing it waiting was read).
     fn granted_after(&self, id: &Uuid, read_at: Instant) -> bool {
         self.granted.get(id).is_some_and(|at| *at > read_at)
-    }
-}
-
-/// What puts back a grant that did not complete: a claim returned to the queue, locks released.
-/// Shared by the fetch pipeline and the waiting queue (a grant delivered to a call that left).
-#[derive(Clone)]
-struct Restore {
-    locks: Locks,
-    tasks: Tasks,
-    stats: Arc<Stats>,
-}
-
-impl Restore {
-    /// Undoes a grant in a task of its own (counted in `passes`, so shutdown waits for it).
-    fn spawn_undo(&self, grant: Grant, passes: &Arc<Passes>) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let undo = self.clone();
-                let running = passes.enter();
-                runtime.spawn(async move {
-                    let _running = running;
-                    undo.undo(&grant).await
-                });
-            }
-            Err(_) => {
-                tracing::error!(task_id = %grant.task_id, "a grant whose caller left could not be undone (no runtime); it goes back when its lease ends");
-            }
-        }
-    }
-
-    /// Takes back a grant that could not be delivered.
-    async fn undo(&self, grant: &Grant) {
-        tracing::warn!(task_id = %grant.task_id, "the caller went away before its grant was delivered; undoing it");
-        self.put_back(
-            grant.task_id,
-            grant.app_status_id,
-            &grant.lease_id.to_string(),
-            grant.fencing_token,
-            grant.started_at.is_some(),
-        )
-        .await;
-    }
-
-    /// Puts a task claimed by this grant back in the queue, then releases its locks (`started`:
-    /// the grant also started it, and was never delivered). If it cannot be put back (Postgres
-    /// unreachable), the locks stay with the claim, so the state stays consistent until the
-    /// lease ends or the reconciler finds it.
-    async fn put_back(
-        &self,
-        task_id: Uuid,
-        app_status: Uuid,
-        lease_id: &str,
-        fencing_token: u64,
-        started: bool,
-    ) {
-        match self.tasks.unclaim(task_id, app_status, started).await {
-            Ok(requeued) => {
-                if requeued {
-                    self.note_requeue(task_id).await;
-                }
-                self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
-                    .await
-            }
-            Err(e) => {
-                tracing::error!(%task_id, error = %e, "could not put a claimed task back in the queue; its locks stay with the claim")
-            }
-        }
-    }
-
-    /// Releases locks taken by a grant that did not complete, retrying a transient failure.
-    async fn release_after_failure(&self, lease_id: &str, task_id: &str, fencing_token: u64) {
-        for attempt in 0..3u32 {
-            match self.locks.release(lease_id, task_id, fencing_token).await {
-                Ok((Release::Released, _)) => {
-                    self.stats.locks_released("fetch_failure", 1);
-                    return;
-                }
-                Ok(_) => return,
-                Err(e) => {
-                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                }
-            }
-        }
-        tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
-    }
-
-    /// Records that a claimed task went back to the queue: scan hints may have passed it, and
-    /// check it first from now on (`ScanHint::returned`).
-    async fn note_requeue(&self, task_id: Uuid) {
-        let change = format!("{REQUEUED_PREFIX}{task_id}");
-        if let Err(e) = self.locks.note_changes(&[change.as_str()]).await {
-            tracing::warn!(error = %e, "could not record a requeue; scan hints find the task when they are renewed");
-        }
     }
 }
 
@@ -663,26 +333,26 @@ enum Settled {
 }
 
 /// A pass's answer to its own caller, sent once: as soon as the caller's grant is made, or
-/// when the pass ends. A grant the caller is no longer there to take is undone.
+/// when the pass ends. A grant the caller is no longer there to take is requeued.
 struct Answer {
     deliver: Option<tokio::sync::oneshot::Sender<Result<Option<Grant>>>>,
-    restore: Restore,
+    requeue: Requeue,
 }
 
 impl Answer {
     async fn send(&mut self, outcome: Result<Option<Grant>>) {
         if let Some(deliver) = self.deliver.take() {
             if let Err(Ok(Some(grant))) = deliver.send(outcome) {
-                self.restore.undo(&grant).await;
+                self.requeue.undelivered(&grant).await;
             }
         }
     }
 }
 
-/// The caller's side of an [`Answer`]: a grant sent but never read is undone.
+/// The caller's side of an [`Answer`]: a grant sent but never read is requeued.
 struct Awaiting {
     receive: tokio::sync::oneshot::Receiver<Result<Option<Grant>>>,
-    restore: Restore,
+    requeue: Requeue,
     passes: Arc<Passes>,
 }
 
@@ -690,13 +360,13 @@ impl Drop for Awaiting {
     fn drop(&mut self) {
         self.receive.close();
         if let Ok(Ok(Some(grant))) = self.receive.try_recv() {
-            self.restore.spawn_undo(grant, &self.passes);
+            self.requeue.spawn_requeue(grant, &self.passes);
         }
     }
 }
 
 /// Passes and granting steps running in their own tasks, so shutdown can wait for them (a
-/// grant they make for a caller that is gone is undone before the process ends).
+/// grant they make for a caller that is gone is requeued before the process ends).
 #[derive(Debug, Default)]
 pub struct Passes {
     running: std::sync::atomic::AtomicUsize,
@@ -768,18 +438,18 @@ impl Dispatch {
         policy: FetchPolicy,
         shutdown: Shutdown,
     ) -> Self {
-        let restore = Restore {
+        let requeue = Requeue {
             locks: locks.clone(),
             tasks: tasks.clone(),
             stats: Arc::clone(&stats),
         };
-        let undo = restore.clone();
+        let requeue_on_drop = requeue.clone();
         let passes = Arc::new(Passes::default());
-        let undoing = Arc::clone(&passes);
+        let passes_on_drop = Arc::clone(&passes);
         // A grant delivered to a waiting call that left before taking it goes back.
         let abandoned = Box::new(move |delivery: Delivery| {
             if let Ok(grant) = delivery {
-                undo.spawn_undo(grant, &undoing);
+                requeue_on_drop.spawn_requeue(grant, &passes_on_drop);
             }
         });
         Dispatch {
@@ -789,7 +459,7 @@ impl Dispatch {
             shutdown,
             hint: Arc::new(Mutex::new(None)),
             waiters: Arc::new(Waiters::new(policy.max_waiters, abandoned)),
-            restore,
+            requeue,
             passes,
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
@@ -1030,7 +700,7 @@ impl Dispatch {
     /// replica (shared scans): each ready task it meets goes to the longest waiter that can
     /// take it (this call's own place counts by its position; a call not yet waiting comes
     /// after every waiter), under that waiter's own lease, locks and fencing token. What it
-    /// grants a recruited waiter is delivered to that waiter's place (or undone if it left).
+    /// grants a recruited waiter is delivered to that waiter's place (or requeued if it left).
     /// The attempts of one round are judged together and mutually non-conflicting (each ready
     /// task reserves its resources for every newer one), so they run concurrently.
     /// Sets `passed_over` when it passed over a ready task nobody in the pass could take
@@ -1489,7 +1159,7 @@ impl Dispatch {
                                 Some(recruit) => {
                                     self.stats.fetch_shared();
                                     if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
-                                        self.restore.undo(&grant).await;
+                                        self.requeue.undelivered(&grant).await;
                                     }
                                 }
                             }
@@ -1783,7 +1453,7 @@ impl Dispatch {
 
     /// Runs one pass in its own task (see [`Dispatch::detached`]). The pass answers its caller
     /// as soon as the caller's own grant is made, and may go on settling the grants of the
-    /// waiters it recruited; a grant whose caller is gone by then is undone.
+    /// waiters it recruited; a grant whose caller is gone by then is requeued.
     async fn run_pass(
         &self,
         call: Call,
@@ -1837,7 +1507,7 @@ impl Dispatch {
     }
 
     /// Runs a granting step in its own task, so a caller that goes away cannot interrupt it
-    /// between lock and claim. If the caller is gone when a grant is ready, the grant is undone
+    /// between lock and claim. If the caller is gone when a grant is ready, the grant is requeued
     /// (the task goes back to the queue, its locks are released) instead of being lost.
     async fn detached(
         &self,
@@ -1857,7 +1527,7 @@ impl Dispatch {
         let (deliver, receive) = tokio::sync::oneshot::channel();
         let answer = Answer {
             deliver: Some(deliver),
-            restore: self.restore.clone(),
+            requeue: self.requeue.clone(),
         };
         let running = self.passes.enter();
         tokio::spawn(async move {
@@ -1865,10 +1535,10 @@ impl Dispatch {
             step(answer).await;
         });
         // Dropped before the answer is read (the caller went away just after it was sent), the
-        // guard undoes the grant in it.
+        // guard requeues the grant in it.
         let mut awaiting = Awaiting {
             receive,
-            restore: self.restore.clone(),
+            requeue: self.requeue.clone(),
             passes: Arc::clone(&self.passes),
         };
         (&mut awaiting.receive)
@@ -2043,8 +1713,8 @@ impl Dispatch {
                         .await,
                     Ok(Ok(_))
                 ) {
-                    self.restore
-                        .put_back(row.id, app_status, &lease_str, fencing_token, start)
+                    self.requeue
+                        .requeue(row.id, app_status, &lease_str, fencing_token, start)
                         .await;
                     return Ok(Attempt::LeaseGone);
                 }
@@ -2063,13 +1733,13 @@ impl Dispatch {
             }
             Ok(None) => {
                 // Canceled, finished or claimed elsewhere since it was read.
-                self.restore
+                self.requeue
                     .release_after_failure(&lease_str, &task_str, fencing_token)
                     .await;
                 Ok(Attempt::Lost)
             }
             Err(e) if e.certainly_not_applied() => {
-                self.restore
+                self.requeue
                     .release_after_failure(&lease_str, &task_str, fencing_token)
                     .await;
                 Err(e.into())
@@ -2077,8 +1747,8 @@ impl Dispatch {
             Err(e) => {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
-                self.restore
-                    .put_back(row.id, app_status, &lease_str, fencing_token, start)
+                self.requeue
+                    .requeue(row.id, app_status, &lease_str, fencing_token, start)
                     .await;
                 Err(e.into())
             }
@@ -2093,7 +1763,7 @@ impl Dispatch {
             .unclaim_unless_running(task_id, app_status)
             .await?;
         if requeued {
-            self.restore.note_requeue(task_id).await;
+            self.requeue.note_requeue(task_id).await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
         Ok(running)
@@ -2263,167 +1933,5 @@ impl Dispatch {
             return Ok((cancel.after, false));
         }
         Ok((cancel.after, cancel.app_lock_id.is_some()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::locks::LEFT_PREFIX;
-
-    fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
-        ScanHint {
-            epoch: "e1".to_owned(),
-            seq,
-            checked_at,
-            made,
-            taken: checked_at,
-            after: (DateTime::<Utc>::MIN_UTC, Uuid::nil()),
-            excluded: Vec::new(),
-            reserved: Reservations::default(),
-            hiding: HashSet::new(),
-            returned: Vec::new(),
-            carried: None,
-        }
-    }
-
-    const WINDOW: Duration = Duration::from_millis(200);
-
-    fn row(record: &[&str]) -> TaskRow {
-        TaskRow {
-            id: Uuid::new_v4(),
-            created: Utc::now(),
-            name: "t".to_owned(),
-            immediate: false,
-            candidate: crate::ready::Candidate {
-                resources: Resources::from_record(record),
-                older_conflicts: 0,
-                versions: Some(Default::default()),
-                skipped: false,
-            },
-        }
-    }
-
-    fn try_carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Option<Carried> {
-        Carried::of(
-            rows,
-            (returned, Instant::now()),
-            vec!["held".to_owned()],
-            Instant::now(),
-            queues::Removals::default(),
-        )
-    }
-
-    fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
-        try_carried(rows, returned).expect("tasks")
-    }
-
-    #[test]
-    fn carried_tasks_are_kept_past_changes_to_other_names_only() {
-        let c = carried(vec![row(&["a", "shared:b"])], vec![row(&["r"])]);
-        let changed =
-            |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
-        assert!(c.untouched_by(&[]));
-        assert!(c.untouched_by(&changed(&["x", "shared:y", "\u{1}left:z"])));
-        // Shared access to b released, or a shared user of b that left: it never held up a task
-        // that shares b.
-        assert!(c.untouched_by(&changed(&["shared:b"])));
-        assert!(c.untouched_by(&[format!("{LEFT_PREFIX}shared:b")]));
-        // A held lock released: a task it hid may be handed out after the carried ones.
-        assert!(c.untouched_by(&changed(&["held"])));
-        // A claim put back: checked first by the pass itself.
-        assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", Uuid::new_v4())]));
-        for touching in ["a", "shared:a", "b", "r", "shared:r", "*"] {
-            assert!(!c.untouched_by(&changed(&[touching])), "{touching}");
-        }
-        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}b")]));
-        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}shared:a")]));
-        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}r")]));
-    }
-
-    #[test]
-    fn carried_claims_put_back_stand_in_for_a_read_of_exactly_those() {
-        let (r1, r2) = (row(&["r1"]), row(&["r2"]));
-        let c = carried(Vec::new(), vec![r1.clone(), r2.clone()]);
-        let ids = |rows: Vec<TaskRow>| rows.iter().map(|r| r.id).collect::<Vec<_>>();
-        assert_eq!(
-            c.returned_if(&[r2.id, r1.id]).map(ids),
-            Some(vec![r1.id, r2.id])
-        );
-        assert!(
-            c.returned_if(&[r1.id]).is_none(),
-            "one was handed out: read"
-        );
-        assert!(
-            c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
-            "one more put back: read"
-        );
-        assert!(try_carried(Vec::new(), Vec::new()).is_none());
-        let page = c.page();
-        assert!(
-            page.full && page.tasks.is_empty(),
-            "no page rest: a pass reads on"
-        );
-    }
-
-    #[test]
-    fn a_hint_read_against_the_log_just_before_is_trusted_until_the_window_ends() {
-        let t0 = Instant::now();
-        let h = hint(t0, 7, 3);
-        let at = |ms| t0 + Duration::from_millis(ms);
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(50)), Some(t0));
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(200)), Some(t0));
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(201)), None);
-    }
-
-    #[test]
-    fn a_change_made_through_this_replica_ends_the_trust_at_once() {
-        let t0 = Instant::now();
-        let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e1", 4, None, WINDOW, t0), None);
-    }
-
-    #[test]
-    fn a_counter_read_after_the_hint_extends_the_trust_unless_it_moved() {
-        let t0 = Instant::now();
-        let h = hint(t0, 7, 3);
-        let at = |ms| t0 + Duration::from_millis(ms);
-        // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
-        let unmoved = Some((7, at(150)));
-        assert_eq!(
-            trusted_until(&h, "e1", 3, unmoved, WINDOW, at(300)),
-            Some(at(150))
-        );
-        assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
-        // Moved back (a failover lost the last changes): no trust either.
-        assert_eq!(
-            trusted_until(&h, "e1", 3, Some((6, at(1))), WINDOW, at(2)),
-            None
-        );
-        // Moved (a change through another replica): no trust, however fresh the hint.
-        assert_eq!(
-            trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),
-            None
-        );
-        // A read sent before the hint's own tells nothing new, moved or not.
-        let h = hint(at(100), 7, 3);
-        assert_eq!(
-            trusted_until(&h, "e1", 3, Some((5, at(50))), WINDOW, at(150)),
-            Some(at(100))
-        );
-    }
-
-    #[test]
-    fn a_hint_of_another_lock_state_is_not_trusted() {
-        let t0 = Instant::now();
-        let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e2", 3, None, WINDOW, t0), None);
-    }
-
-    #[test]
-    fn no_window_means_no_trust() {
-        let t0 = Instant::now();
-        let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e1", 3, None, Duration::ZERO, t0), None);
     }
 }

@@ -200,8 +200,6 @@ pub struct Candidate {
     /// The task's `versions`: component -> minimum version. `None` when they could not be read,
     /// which makes the task incompatible with every lease (fail closed).
     pub versions: Option<BTreeMap<String, String>>,
-    /// The worker asked not to be given this task.
-    pub skipped: bool,
 }
 
 /// Why a candidate is or is not handed to a lease.
@@ -215,8 +213,6 @@ pub enum Verdict {
     BlockedByReserved,
     /// The lease's component versions do not satisfy the task's.
     Incompatible,
-    /// The worker asked to skip it.
-    Skipped,
 }
 
 /// Everything that keeps one candidate from one lease, judged all at once (ExplainTask reports
@@ -227,8 +223,6 @@ pub struct Obstacles {
     pub older: bool,
     /// Something reserved (a held lock, an older unready task seen in this pass) conflicts.
     pub reserved: bool,
-    /// The worker asked to skip it.
-    pub skipped: bool,
     /// The lease's component versions do not satisfy the task's.
     pub incompatible: bool,
 }
@@ -240,8 +234,6 @@ impl Obstacles {
             Verdict::BlockedByOlder
         } else if self.reserved {
             Verdict::BlockedByReserved
-        } else if self.skipped {
-            Verdict::Skipped
         } else if self.incompatible {
             Verdict::Incompatible
         } else {
@@ -265,7 +257,6 @@ pub fn obstacles(
     Obstacles {
         older: candidate.older_conflicts > 0,
         reserved: reserved.conflicts_with(&candidate.resources),
-        skipped: candidate.skipped,
         incompatible: !runs_on(candidate, lease_versions),
     }
 }

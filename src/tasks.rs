@@ -1405,7 +1405,6 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
             resources: Resources::from_record(&record),
             older_conflicts: row.try_get(6)?,
             versions,
-            skipped: false,
         },
     })
 }

@@ -54,13 +54,9 @@ fn judge_orders_its_reasons() {
         resources: res(&["a"]),
         older_conflicts: 0,
         versions: Some(map(&[("core", "3.123.0")])),
-        skipped: false,
     };
     let none = Reservations::default();
     assert_eq!(judge(&c, &none, &lease), Verdict::Ready);
-    c.skipped = true;
-    assert_eq!(judge(&c, &none, &lease), Verdict::Skipped);
-    c.skipped = false;
     c.versions = Some(map(&[("core", "3.124")]));
     assert_eq!(judge(&c, &none, &lease), Verdict::Incompatible);
     c.versions = None;
@@ -95,7 +91,6 @@ fn a_task_runs_on_a_lease_whose_versions_satisfy_it_and_nowhere_if_unreadable() 
         resources: Resources::default(),
         older_conflicts: 0,
         versions: Some(map(&[("core", "3.100")])),
-        skipped: false,
     };
     assert!(runs_on(&c, &lease));
     c.versions = Some(map(&[("core", "3.200")]));
@@ -224,7 +219,6 @@ fn obstacles_report_every_reason_and_the_verdict_takes_the_first() {
         resources: res(&["a"]),
         older_conflicts: 2,
         versions: Some(map(&[("core", "3.123")])),
-        skipped: false,
     };
     let mut held = Reservations::default();
     held.reserve_lock("a", Mode::Shared);
@@ -234,7 +228,6 @@ fn obstacles_report_every_reason_and_the_verdict_takes_the_first() {
         Obstacles {
             older: true,
             reserved: true,
-            skipped: false,
             incompatible: true
         }
     );
@@ -245,7 +238,6 @@ fn obstacles_report_every_reason_and_the_verdict_takes_the_first() {
         resources: res(&["shared:a"]),
         older_conflicts: 0,
         versions: Some(BTreeMap::new()),
-        skipped: false,
     };
     assert_eq!(judge(&shared, &held, &lease), Verdict::Ready);
 }

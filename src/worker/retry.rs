@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use tonic::Code;
 
-/// Jittered exponential backoff for `UNAVAILABLE` and `RESOURCE_EXHAUSTED` ([`retryable`]): the n-th retry waits between half and all of
-/// `initial * 2^n` (at most `max`), until the waits add up to `max_elapsed`.
+/// Jittered exponential backoff for `UNAVAILABLE` and `RESOURCE_EXHAUSTED` (`retryable`): the n-th
+/// retry waits between half and all of `initial * 2^n` (at most `max`), until the waits add up to
+/// `max_elapsed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     /// The first wait (before jitter).

@@ -1,0 +1,298 @@
+//! The scan hint: where the last fetch pass stopped finding only tasks that are not ready, what
+//! it relies on, and how long a pass may use it without reading the change log first.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::carried::Carried;
+use crate::locks::Change;
+use crate::ready::{self, Reservations, SHARED_PREFIX};
+
+/// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
+/// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
+/// same reservations, instead of walking the blocked head again. It is dropped as soon as a
+/// resource it relies on changes (a lock on it released, a waiting task reserving it left the
+/// queue: `lua/lib.lua` records those); claims put back are checked first (`returned`); once
+/// older than `hint_max_age` (changes made outside the broker) a background walk renews it
+/// (`refresh`). A stale hint can only delay a task, never hand out one that is not ready:
+/// every candidate still gets the exact look-up.
+#[derive(Debug, Clone)]
+pub(super) struct ScanHint {
+    /// The lock state (epoch) the hint was taken in: a rebuild drops every hint.
+    pub(super) epoch: String,
+    /// The change sequence the hint was taken at.
+    pub(super) seq: u64,
+    /// When the change log was last read for it (the read was sent then) and showed nothing
+    /// that drops it, up to `seq`: see [`Dispatch::trusted`].
+    pub(super) checked_at: Instant,
+    /// [`Locks::changes_made`] before that read.
+    pub(super) made: u64,
+    pub(super) taken: Instant,
+    pub(super) after: (DateTime<Utc>, Uuid),
+    /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
+    /// ready, or passed over). A task the pass handed out is not among them: once claimed it is
+    /// skipped by candidates.sql's `held` and counted by every newer task's exact look-up, so
+    /// its finishing (which releases its locks and records its names) need not drop the hint:
+    /// with many workers finishing tasks all the time, hints would otherwise never survive.
+    pub(super) excluded: Vec<String>,
+    pub(super) reserved: Reservations,
+    /// Names of claimed or running tasks that hid older waiting tasks from the scan.
+    pub(super) hiding: HashSet<String>,
+    /// Claims put back in the queue since the hint was taken (their ids, as recorded with
+    /// [`REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
+    /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
+    /// [`MAX_RETURNED`]; beyond that the hint is dropped.
+    pub(super) returned: Vec<Uuid>,
+    /// The rest of the page the pass that left the hint read, and the claims put back it
+    /// checks first, for the next pass (see [`Carried`]).
+    pub(super) carried: Option<Arc<Carried>>,
+}
+
+/// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
+/// at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
+/// (another state's sequence numbers are not comparable), only while no call of this replica that may change
+/// lock state ended since the hint was read against the log (`made` is
+/// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
+/// since that read, or since the change counter (which every replica reads each interval;
+/// `seq_read` is the last read and when it was sent) was last seen still at the hint's
+/// sequence number. So a change made through another replica, or by its sweeper, reaches this replica's
+/// passes as late as it reaches its waiting calls. A hint used past a change only delays a
+/// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
+pub(super) fn trusted_until(
+    h: &ScanHint,
+    epoch: &str,
+    made: u64,
+    seq_read: Option<(u64, Instant)>,
+    window: Duration,
+    now: Instant,
+) -> Option<Instant> {
+    if window.is_zero() || h.made != made || h.epoch != epoch {
+        return None;
+    }
+    let clean_until = match seq_read {
+        Some((seq, at)) if at > h.checked_at => {
+            // Moved on, or back (a failover that lost the last changes: the numbers after it
+            // come again, for other changes).
+            if seq != h.seq {
+                return None;
+            }
+            at
+        }
+        _ => h.checked_at,
+    };
+    (now.saturating_duration_since(clean_until) <= window).then_some(clean_until)
+}
+
+/// Splits held record entries by whether the name each locks is among `known` (names known to
+/// hide tasks): those names, and the entries whose names must be looked up (hiding.sql).
+pub(super) fn split_by_known(
+    held: impl IntoIterator<Item = String>,
+    known: &HashSet<String>,
+) -> (HashSet<String>, Vec<String>) {
+    let mut kept = HashSet::new();
+    let mut unknown = Vec::new();
+    for entry in held {
+        let name = entry.strip_prefix(SHARED_PREFIX).unwrap_or(&entry);
+        if known.contains(name) {
+            kept.insert(name.to_owned());
+        } else {
+            unknown.push(entry);
+        }
+    }
+    (kept, unknown)
+}
+
+/// The names whose locks the changes `changed` (as the change log records them) released,
+/// exclusive or shared: not claims put back, not waiting tasks that left (they held nothing).
+pub(super) fn released_names(changed: &[String]) -> HashSet<String> {
+    changed
+        .iter()
+        .filter_map(|n| match Change::of(n) {
+            Change::Released { name, .. } => Some(name.to_owned()),
+            Change::All => Some("*".to_owned()),
+            Change::Requeued(_) | Change::Left { .. } => None,
+        })
+        .collect()
+}
+
+/// A position as the resource queues key it (`ready::Key`).
+pub(super) fn position_key(position: (DateTime<Utc>, Uuid)) -> ready::Key {
+    (position.0.timestamp_micros(), position.1)
+}
+
+/// The queue position just before a task's: a scan hint that starts there starts with the task.
+/// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
+pub(super) fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
+    crate::tasks::key_bound(ready::queues::before(position_key((created, id))))
+}
+
+/// The most claims put back that a scan hint checks on every pass.
+pub(super) const MAX_RETURNED: usize = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::super::queues;
+    use super::*;
+    use crate::locks::{LEFT_PREFIX, REQUEUED_PREFIX};
+    use crate::ready::Resources;
+    use crate::tasks::TaskRow;
+
+    fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
+        ScanHint {
+            epoch: "e1".to_owned(),
+            seq,
+            checked_at,
+            made,
+            taken: checked_at,
+            after: (DateTime::<Utc>::MIN_UTC, Uuid::nil()),
+            excluded: Vec::new(),
+            reserved: Reservations::default(),
+            hiding: HashSet::new(),
+            returned: Vec::new(),
+            carried: None,
+        }
+    }
+
+    const WINDOW: Duration = Duration::from_millis(200);
+
+    fn row(record: &[&str]) -> TaskRow {
+        TaskRow {
+            id: Uuid::new_v4(),
+            created: Utc::now(),
+            name: "t".to_owned(),
+            immediate: false,
+            candidate: crate::ready::Candidate {
+                resources: Resources::from_record(record),
+                older_conflicts: 0,
+                versions: Some(Default::default()),
+            },
+        }
+    }
+
+    fn try_carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Option<Carried> {
+        Carried::of(
+            rows,
+            (returned, Instant::now()),
+            vec!["held".to_owned()],
+            Instant::now(),
+            queues::Removals::default(),
+        )
+    }
+
+    fn carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Carried {
+        try_carried(rows, returned).expect("tasks")
+    }
+
+    #[test]
+    fn carried_tasks_are_kept_past_changes_to_other_names_only() {
+        let c = carried(vec![row(&["a", "shared:b"])], vec![row(&["r"])]);
+        let changed =
+            |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+        assert!(c.untouched_by(&[]));
+        assert!(c.untouched_by(&changed(&["x", "shared:y", "\u{1}left:z"])));
+        // Shared access to b released, or a shared user of b that left: it never held up a task
+        // that shares b.
+        assert!(c.untouched_by(&changed(&["shared:b"])));
+        assert!(c.untouched_by(&[format!("{LEFT_PREFIX}shared:b")]));
+        // A held lock released: a task it hid may be handed out after the carried ones.
+        assert!(c.untouched_by(&changed(&["held"])));
+        // A claim put back: checked first by the pass itself.
+        assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", Uuid::new_v4())]));
+        for touching in ["a", "shared:a", "b", "r", "shared:r", "*"] {
+            assert!(!c.untouched_by(&changed(&[touching])), "{touching}");
+        }
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}b")]));
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}shared:a")]));
+        assert!(!c.untouched_by(&[format!("{LEFT_PREFIX}r")]));
+    }
+
+    #[test]
+    fn carried_claims_put_back_stand_in_for_a_read_of_exactly_those() {
+        let (r1, r2) = (row(&["r1"]), row(&["r2"]));
+        let c = carried(Vec::new(), vec![r1.clone(), r2.clone()]);
+        let ids = |rows: Vec<TaskRow>| rows.iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(
+            c.returned_if(&[r2.id, r1.id]).map(ids),
+            Some(vec![r1.id, r2.id])
+        );
+        assert!(
+            c.returned_if(&[r1.id]).is_none(),
+            "one was handed out: read"
+        );
+        assert!(
+            c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
+            "one more put back: read"
+        );
+        assert!(try_carried(Vec::new(), Vec::new()).is_none());
+        let page = c.page();
+        assert!(
+            page.full && page.tasks.is_empty(),
+            "no page rest: a pass reads on"
+        );
+    }
+
+    #[test]
+    fn a_hint_read_against_the_log_just_before_is_trusted_until_the_window_ends() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(50)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(200)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(201)), None);
+    }
+
+    #[test]
+    fn a_change_made_through_this_replica_ends_the_trust_at_once() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, "e1", 4, None, WINDOW, t0), None);
+    }
+
+    #[test]
+    fn a_counter_read_after_the_hint_extends_the_trust_unless_it_moved() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
+        let unmoved = Some((7, at(150)));
+        assert_eq!(
+            trusted_until(&h, "e1", 3, unmoved, WINDOW, at(300)),
+            Some(at(150))
+        );
+        assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
+        // Moved back (a failover lost the last changes): no trust either.
+        assert_eq!(
+            trusted_until(&h, "e1", 3, Some((6, at(1))), WINDOW, at(2)),
+            None
+        );
+        // Moved (a change through another replica): no trust, however fresh the hint.
+        assert_eq!(
+            trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),
+            None
+        );
+        // A read sent before the hint's own tells nothing new, moved or not.
+        let h = hint(at(100), 7, 3);
+        assert_eq!(
+            trusted_until(&h, "e1", 3, Some((5, at(50))), WINDOW, at(150)),
+            Some(at(100))
+        );
+    }
+
+    #[test]
+    fn a_hint_of_another_lock_state_is_not_trusted() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, "e2", 3, None, WINDOW, t0), None);
+    }
+
+    #[test]
+    fn no_window_means_no_trust() {
+        let t0 = Instant::now();
+        let h = hint(t0, 7, 3);
+        assert_eq!(trusted_until(&h, "e1", 3, None, Duration::ZERO, t0), None);
+    }
+}
