@@ -258,6 +258,54 @@ impl Recent {
     }
 }
 
+/// What a pass knows before it reads a task ([`Dispatch::open_pass`]).
+struct Opening {
+    lease: Arc<LeaseRecord>,
+    /// The changes since the hint (none while it is trusted).
+    changes: crate::locks::Changes,
+    /// When the change log was read (or last known clean, while the hint is trusted).
+    checked_at: Instant,
+    /// Whether the lease was read now (not taken from memory).
+    lease_checked: bool,
+    /// Whether the hint is trusted without reading the change log.
+    trusting: bool,
+    /// [`Locks::changes_made`] before the change log was read.
+    made: u64,
+    /// Where the resource queues' removals stood before anything the hint relies on was read.
+    removals: queues::Removals,
+    /// The lock state.
+    epoch: String,
+    /// Claims put back since the hint.
+    requeued: Vec<Uuid>,
+}
+
+/// A scan hint's position and the held names known to hide tasks before it.
+type KnownHiding = ((DateTime<Utc>, Uuid), HashSet<String>);
+
+/// Where a pass starts and what it knows there ([`Dispatch::plan_pass`]).
+struct Plan {
+    /// The position the pass reads on from (`None`: the head of the queue).
+    after: Option<(DateTime<Utc>, Uuid)>,
+    /// What the tasks before `after` that were left waiting (or held locks) reserve.
+    reserved: Reservations,
+    /// Their conflict keys: the page skips tasks with these.
+    excluded: Vec<String>,
+    /// When the hint the pass started from was taken (now, without one).
+    hint_taken: Instant,
+    /// The used hint's position and the names it knew to hide tasks before it.
+    hiding: Option<KnownHiding>,
+    /// Claims put back that the pass checks first.
+    returned: Vec<Uuid>,
+    /// The tasks the hint carries, when the pass may judge them instead of reading a page.
+    carried: Option<Arc<Carried>>,
+    /// With carried tasks after reading the changes: the names whose locks those released.
+    released: HashSet<String>,
+    /// The names a dropped hint knew to hide.
+    known_before: HashSet<String>,
+    /// The held entries of the heads a queue start reserved (held entries the pass skipped by).
+    skipped_held: HashSet<String>,
+}
+
 /// Who a pass serves: its own caller, or a waiter it recruited.
 struct Claimant {
     /// Place in the queue (lower waited longer; a call not waiting yet comes last).
@@ -716,177 +764,37 @@ impl Dispatch {
     ) -> Result<Option<Grant>> {
         let lease_id = call.lease_id;
         let held = self.hint.lock().ok().and_then(|h| h.clone());
-        // Read before the change log is (or an earlier read of it is trusted): a change this
-        // replica makes from here on moves it, and the hint this pass leaves is read against the
-        // change log again.
-        let made = self.locks.changes_made();
-        let trusted = held.as_ref().and_then(|h| {
-            let clean_until = self.trusted(h, made)?;
-            Some((clean_until, self.known_lease(lease_id)?, h.seq))
-        });
-        let trusting = trusted.is_some();
-        // Without a hint read against the change log just now, the lease and the changes since
-        // the hint are read together (one Redis call).
-        let (lease, changes, checked_at, lease_checked) = match trusted {
-            Some((clean_until, lease, seq)) => {
-                self.stats.hint_trusted();
-                let nothing = crate::locks::Changes {
-                    seq,
-                    changed: Some(Vec::new()),
-                };
-                (lease, nothing, clean_until, false)
-            }
-            None => {
-                let checked_at = Instant::now();
-                let Some((lease, changes)) = self
-                    .locks
-                    .lease_and_changes(&lease_id.to_string(), held.as_ref().map(|h| h.seq))
-                    .await?
-                else {
-                    return Err(self.lease_gone(lease_id));
-                };
-                (
-                    self.remember_lease(lease_id, lease),
-                    changes,
-                    checked_at,
-                    true,
-                )
-            }
-        };
+        let opening = self.open_pass(lease_id, held.as_ref()).await?;
         if let Ok(mut out) = lease_out.lock() {
-            *out = Some(Arc::clone(&lease));
+            *out = Some(Arc::clone(&opening.lease));
         }
-        // Before anything the hint relies on is read (see `queues::Queues::split_hiding`).
-        let removals = self.queues.removals();
-        let epoch = self.locks.epoch();
-        // Claims put back since the hint: checked first, not a reason to drop it.
-        let requeued: Vec<Uuid> = changes
-            .changed
-            .iter()
-            .flatten()
-            .filter_map(|n| match Change::of(n) {
-                Change::Requeued(id) => id.parse().ok(),
-                _ => None,
-            })
-            .collect();
-        let had_hint = held.is_some();
-        let usable_hint = |h: &ScanHint| {
-            !self.policy.hint_max_age.is_zero()
-                && h.epoch == epoch
-                && h.seq <= changes.seq
-                && h.returned.len() + requeued.len() <= MAX_RETURNED
-                && changes.changed.as_ref().is_some_and(|names| {
-                    !names.iter().any(|n| match Change::of(n) {
-                        Change::Requeued(_) => false,
-                        // A waiting task left: the held locks the hint relies on stay. In either
-                        // mode, the tasks the hint skipped as conflicting with it (its conflict
-                        // keys are among `excluded`) may be ready now.
-                        Change::Left { name, .. } => h.reserved.touches(name),
-                        // A shared lock released: only tasks that need the name exclusively may
-                        // be ready now.
-                        Change::Released { name, shared: true } => {
-                            h.reserved.is_exclusive(name) || h.hiding.contains(name)
-                        }
-                        Change::Released { name, .. } => {
-                            h.reserved.touches(name) || h.hiding.contains(name)
-                        }
-                        Change::All => true,
-                    })
-                })
-        };
-        // A dropped hint leaves the names it knew to hide: see `hiding` below.
-        let (usable, known_before) = match held {
-            Some(h) if usable_hint(&h) => (Some(h), HashSet::new()),
-            Some(h) => (None, h.hiding),
-            None => (None, HashSet::new()),
-        };
-        if !had_hint {
-            tracing::debug!("pass without a scan hint");
-        }
-        if had_hint && usable.is_none() {
-            tracing::debug!(changed = ?changes.changed, seq = changes.seq, "scan hint dropped");
-        }
-        // An old hint is still used (a stale hint only delays a task, never hands out one that is
-        // not ready), and a walk from the head renews it in the background (`refresh`): no call
-        // waits for that walk.
-        if usable.as_ref().is_some_and(|h| {
-            h.taken.elapsed() >= self.refreshes.due_after(self.policy.hint_max_age)
-        }) {
-            self.refresh_hint();
-        }
-        let mut reserved = Reservations::default();
-        let mut excluded: Vec<String> = Vec::new();
-        let mut after = None;
-        let mut hint_taken = Instant::now();
-        let mut hiding = None;
-        // Claims put back behind the hint's position: judged before its page.
-        let mut returned: Vec<Uuid> = Vec::new();
-        // The rest of the page the hint's pass read, when this pass may judge it (see
-        // `Carried`).
-        let mut carried: Option<Arc<Carried>> = None;
-        // With carried tasks after reading the changes: the names whose locks those released.
-        let mut released: HashSet<String> = HashSet::new();
-        // Where the resource queues say a pass may start (see below).
+        let Opening {
+            lease,
+            changes,
+            checked_at,
+            lease_checked,
+            trusting,
+            made,
+            removals,
+            epoch,
+            requeued,
+        } = opening;
+        let Plan {
+            mut after,
+            mut reserved,
+            mut excluded,
+            hint_taken,
+            hiding,
+            returned,
+            carried,
+            released,
+            known_before,
+            skipped_held,
+        } = self
+            .plan_pass(held, &changes, &epoch, &requeued, trusting)
+            .await;
         let use_queues = self.uses_resource_queues();
-        let start = if use_queues
-            && usable
-                .as_ref()
-                .is_none_or(|h| self.queues.worth_a_start(position_key(h.after)))
-        {
-            self.queue_start(None).await
-        } else {
-            None
-        };
-        if let Some(h) = usable {
-            returned = h.returned;
-            for id in requeued {
-                if !returned.contains(&id) {
-                    returned.push(id);
-                }
-            }
-            reserved = h.reserved;
-            excluded = h.excluded;
-            // (Only tasks still waiting: see `ScanHint::reserved`.)
-            after = Some(h.after);
-            hint_taken = h.taken;
-            hiding = Some((h.after, h.hiding));
-            let changed = changes.changed.as_deref().unwrap_or_default();
-            let released_now = if trusting {
-                HashSet::new()
-            } else {
-                released_names(changed)
-            };
-            carried = h.carried.filter(|c| {
-                // (Within `RECENT`, so that a carried task this replica handed out since is
-                // known as such: `Seen::Left`.)
-                c.read_at.min(c.returned_read_at).elapsed() <= self.policy.hint_max_age.min(RECENT)
-                    && (trusting || (c.untouched_by(changed) && !self.hid_among(c, &released_now)))
-            });
-            if carried.is_some() {
-                // The locks released since the hint, which the carried page's held entries
-                // may still name (see the end of the pass).
-                released = released_now;
-            }
-        }
-        // Without a hint, or with one that many tasks arrived behind (a burst for a busy
-        // repository): start where the resource queues say the first waiting lane is, if that is
-        // later, and reserve what the waiting holders before it need (a change to one of their
-        // resources then drops the hint this pass leaves).
         let near = self.near();
-        // The held holders' entries count among the held entries the pass skipped by, so that
-        // their release drops the hint it leaves, also when it comes before the page is read.
-        let mut skipped_held: HashSet<String> = HashSet::new();
-        if let Some(start) = start {
-            let position = crate::tasks::key_bound(start.after);
-            if after.is_none_or(|a| a < position) {
-                tracing::debug!(after = ?position, "pass starts where the resource queues say");
-                start.apply(&mut reserved, &mut skipped_held, |key| excluded.push(key));
-                after = Some(position);
-                // (It starts past the carried tasks.)
-                carried = None;
-                self.stats.queue_start();
-            }
-        }
         // The same, without the tasks this pass hands out: what the hint keeps.
         let mut reserved_waiting = reserved.clone();
         let mut excluded_waiting = excluded.clone();
@@ -1331,68 +1239,294 @@ impl Dispatch {
                     .map(Arc::new);
             }
         }
-        if let (Some(mut hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
-            // What hides older tasks from the scan at the hint's position. A name that hid a
-            // task older than the hint's earlier position hides it from every later position
-            // too (until that task is handed out or ends: keeping the name then only drops the
-            // hint more often than needed), so when the position moved forward only the other
-            // held names are looked up (one statement, none when there are none); when it did not
-            // move, nothing is. A blocked head of 100,000 tasks made that look-up 30 ms per fetch
-            // when every name was counted again. A failed look-up only costs the hint.
-            let (known, unknown): (HashSet<String>, Vec<String>) = match hiding {
-                // Not moved: every task before it was seen by the pass that set it, when names
-                // held since were not, so what could hide is known (or reserved).
-                Some((start, known)) if start == hint.after => (known, Vec::new()),
-                Some((start, known)) if start < hint.after => {
-                    let (_, unknown) = split_by_known(held_seen, &known);
-                    (known, unknown)
-                }
-                // No hint to start from: the names a dropped hint knew to hide are kept while
-                // still held, as the background walk does (a name kept needlessly only drops
-                // the hint more often); the others are looked up. After the blocked
-                // repository's running task finished, counting its queue again took as long as
-                // the walk from the head.
-                _ => split_by_known(held_seen, &known_before),
-            };
-            // The resource queues answer for most names without a look-up (e.g. the blocked
-            // repository's: counting its users read its whole queue).
-            let mut known = known;
-            let unknown =
-                self.queues
-                    .split_hiding(unknown, position_key(hint.after), removals, &mut known);
-            let now_hiding = if unknown.is_empty() {
-                Ok(known)
-            } else {
-                tracing::debug!(names = ?unknown, after = ?hint.after, "held names counted with hiding.sql");
-                self.tasks
-                    .hiding(hint.after, &unknown)
-                    .await
-                    .map(|names| known.into_iter().chain(names).collect())
-            };
-            if let Ok(names) = now_hiding {
-                hint.hiding = names;
-                if hint.hiding.iter().any(|n| released.contains(n)) {
-                    // The carried page's held entries named a lock released before this pass,
-                    // and it hid a task before the new position: that task may be ready, and
-                    // the hint must not rely on the lock. Dropped: the next pass finds it.
-                    tracing::debug!(after = ?hint.after, "scan hint dropped: a lock it would rely on was released");
-                    if let Ok(mut slot) = self.hint.lock() {
-                        if slot.as_ref().is_none_or(|h| h.taken <= hint.taken) {
-                            *slot = None;
+        if let (Some(hint), false) = (hint, self.policy.hint_max_age.is_zero()) {
+            self.leave_hint(hint, hiding, known_before, held_seen, removals, &released)
+                .await;
+        }
+        Ok(outcome)
+    }
+
+    /// The first stage of a pass: the lease and the changes since the hint `held`, read together
+    /// (one Redis call), or both from memory while the hint is trusted (see [`trusted_until`]).
+    async fn open_pass(&self, lease_id: Uuid, held: Option<&ScanHint>) -> Result<Opening> {
+        // Read before the change log is (or an earlier read of it is trusted): a change this
+        // replica makes from here on moves it, and the hint this pass leaves is read against the
+        // change log again.
+        let made = self.locks.changes_made();
+        let trusted = held.and_then(|h| {
+            let clean_until = self.trusted(h, made)?;
+            Some((clean_until, self.known_lease(lease_id)?, h.seq))
+        });
+        let trusting = trusted.is_some();
+        // Without a hint read against the change log just now, the lease and the changes since
+        // the hint are read together (one Redis call).
+        let (lease, changes, checked_at, lease_checked) = match trusted {
+            Some((clean_until, lease, seq)) => {
+                self.stats.hint_trusted();
+                let nothing = crate::locks::Changes {
+                    seq,
+                    changed: Some(Vec::new()),
+                };
+                (lease, nothing, clean_until, false)
+            }
+            None => {
+                let checked_at = Instant::now();
+                let Some((lease, changes)) = self
+                    .locks
+                    .lease_and_changes(&lease_id.to_string(), held.map(|h| h.seq))
+                    .await?
+                else {
+                    return Err(self.lease_gone(lease_id));
+                };
+                (
+                    self.remember_lease(lease_id, lease),
+                    changes,
+                    checked_at,
+                    true,
+                )
+            }
+        };
+        // Before anything the hint relies on is read (see `queues::Queues::split_hiding`).
+        let removals = self.queues.removals();
+        let epoch = self.locks.epoch();
+        // Claims put back since the hint: checked first, not a reason to drop it.
+        let requeued: Vec<Uuid> = changes
+            .changed
+            .iter()
+            .flatten()
+            .filter_map(|n| match Change::of(n) {
+                Change::Requeued(id) => id.parse().ok(),
+                _ => None,
+            })
+            .collect();
+        Ok(Opening {
+            lease,
+            changes,
+            checked_at,
+            lease_checked,
+            trusting,
+            made,
+            removals,
+            epoch,
+            requeued,
+        })
+    }
+
+    /// The second stage of a pass: where it starts and what it knows there. The hint `held` is
+    /// used unless the changes since it (`changes`; none when `trusting`) may have made a task
+    /// before its position ready; its carried tasks are judged instead of a page when no change
+    /// touched them (see [`Carried`]); the resource queues may put the start later.
+    async fn plan_pass(
+        &self,
+        held: Option<ScanHint>,
+        changes: &crate::locks::Changes,
+        epoch: &str,
+        requeued: &[Uuid],
+        trusting: bool,
+    ) -> Plan {
+        let had_hint = held.is_some();
+        let usable_hint = |h: &ScanHint| {
+            !self.policy.hint_max_age.is_zero()
+                && h.epoch == *epoch
+                && h.seq <= changes.seq
+                && h.returned.len() + requeued.len() <= MAX_RETURNED
+                && changes.changed.as_ref().is_some_and(|names| {
+                    !names.iter().any(|n| match Change::of(n) {
+                        Change::Requeued(_) => false,
+                        // A waiting task left: the held locks the hint relies on stay. In either
+                        // mode, the tasks the hint skipped as conflicting with it (its conflict
+                        // keys are among `excluded`) may be ready now.
+                        Change::Left { name, .. } => h.reserved.touches(name),
+                        // A shared lock released: only tasks that need the name exclusively may
+                        // be ready now.
+                        Change::Released { name, shared: true } => {
+                            h.reserved.is_exclusive(name) || h.hiding.contains(name)
                         }
-                    }
-                    return Ok(outcome);
+                        Change::Released { name, .. } => {
+                            h.reserved.touches(name) || h.hiding.contains(name)
+                        }
+                        Change::All => true,
+                    })
+                })
+        };
+        // A dropped hint leaves the names it knew to hide: see `hiding` below.
+        let (usable, known_before) = match held {
+            Some(h) if usable_hint(&h) => (Some(h), HashSet::new()),
+            Some(h) => (None, h.hiding),
+            None => (None, HashSet::new()),
+        };
+        if !had_hint {
+            tracing::debug!("pass without a scan hint");
+        }
+        if had_hint && usable.is_none() {
+            tracing::debug!(changed = ?changes.changed, seq = changes.seq, "scan hint dropped");
+        }
+        // An old hint is still used (a stale hint only delays a task, never hands out one that is
+        // not ready), and a walk from the head renews it in the background (`refresh`): no call
+        // waits for that walk.
+        if usable.as_ref().is_some_and(|h| {
+            h.taken.elapsed() >= self.refreshes.due_after(self.policy.hint_max_age)
+        }) {
+            self.refresh_hint();
+        }
+        let mut reserved = Reservations::default();
+        let mut excluded: Vec<String> = Vec::new();
+        let mut after = None;
+        let mut hint_taken = Instant::now();
+        let mut hiding = None;
+        // Claims put back behind the hint's position: judged before its page.
+        let mut returned: Vec<Uuid> = Vec::new();
+        // The rest of the page the hint's pass read, when this pass may judge it (see
+        // `Carried`).
+        let mut carried: Option<Arc<Carried>> = None;
+        // With carried tasks after reading the changes: the names whose locks those released.
+        let mut released: HashSet<String> = HashSet::new();
+        // Where the resource queues say a pass may start (see below).
+        let start = if self.uses_resource_queues()
+            && usable
+                .as_ref()
+                .is_none_or(|h| self.queues.worth_a_start(position_key(h.after)))
+        {
+            self.queue_start(None).await
+        } else {
+            None
+        };
+        if let Some(h) = usable {
+            returned = h.returned;
+            for id in requeued {
+                if !returned.contains(id) {
+                    returned.push(*id);
                 }
+            }
+            reserved = h.reserved;
+            excluded = h.excluded;
+            // (Only tasks still waiting: see `ScanHint::reserved`.)
+            after = Some(h.after);
+            hint_taken = h.taken;
+            hiding = Some((h.after, h.hiding));
+            let changed = changes.changed.as_deref().unwrap_or_default();
+            let released_now = if trusting {
+                HashSet::new()
+            } else {
+                released_names(changed)
+            };
+            carried = h.carried.filter(|c| {
+                // (Within `RECENT`, so that a carried task this replica handed out since is
+                // known as such: `Seen::Left`.)
+                c.read_at.min(c.returned_read_at).elapsed() <= self.policy.hint_max_age.min(RECENT)
+                    && (trusting || (c.untouched_by(changed) && !self.hid_among(c, &released_now)))
+            });
+            if carried.is_some() {
+                // The locks released since the hint, which the carried page's held entries
+                // may still name (see the end of the pass).
+                released = released_now;
+            }
+        }
+        // Without a hint, or with one that many tasks arrived behind (a burst for a busy
+        // repository): start where the resource queues say the first waiting lane is, if that is
+        // later, and reserve what the waiting holders before it need (a change to one of their
+        // resources then drops the hint this pass leaves).
+        // The held holders' entries count among the held entries the pass skipped by, so that
+        // their release drops the hint it leaves, also when it comes before the page is read.
+        let mut skipped_held: HashSet<String> = HashSet::new();
+        if let Some(start) = start {
+            let position = crate::tasks::key_bound(start.after);
+            if after.is_none_or(|a| a < position) {
+                tracing::debug!(after = ?position, "pass starts where the resource queues say");
+                start.apply(&mut reserved, &mut skipped_held, |key| excluded.push(key));
+                after = Some(position);
+                // (It starts past the carried tasks.)
+                carried = None;
+                self.stats.queue_start();
+            }
+        }
+        Plan {
+            after,
+            reserved,
+            excluded,
+            hint_taken,
+            hiding,
+            returned,
+            carried,
+            released,
+            known_before,
+            skipped_held,
+        }
+    }
+
+    /// The last stage of a pass: stores the hint it leaves, with the held names that hide tasks
+    /// before its position (`hiding`: the names the hint it started from knew, at that hint's
+    /// position; `known_before`: those of a hint it dropped; `held_seen`: every held entry the
+    /// pass skipped tasks by). A hint that would rely on a lock released before the pass
+    /// (`released`, with carried tasks) is dropped instead.
+    async fn leave_hint(
+        &self,
+        mut hint: ScanHint,
+        hiding: Option<KnownHiding>,
+        known_before: HashSet<String>,
+        held_seen: HashSet<String>,
+        removals: queues::Removals,
+        released: &HashSet<String>,
+    ) {
+        // What hides older tasks from the scan at the hint's position. A name that hid a
+        // task older than the hint's earlier position hides it from every later position
+        // too (until that task is handed out or ends: keeping the name then only drops the
+        // hint more often than needed), so when the position moved forward only the other
+        // held names are looked up (one statement, none when there are none); when it did not
+        // move, nothing is. A blocked head of 100,000 tasks made that look-up 30 ms per fetch
+        // when every name was counted again. A failed look-up only costs the hint.
+        let (known, unknown): (HashSet<String>, Vec<String>) = match hiding {
+            // Not moved: every task before it was seen by the pass that set it, when names
+            // held since were not, so what could hide is known (or reserved).
+            Some((start, known)) if start == hint.after => (known, Vec::new()),
+            Some((start, known)) if start < hint.after => {
+                let (_, unknown) = split_by_known(held_seen, &known);
+                (known, unknown)
+            }
+            // No hint to start from: the names a dropped hint knew to hide are kept while
+            // still held, as the background walk does (a name kept needlessly only drops
+            // the hint more often); the others are looked up. After the blocked
+            // repository's running task finished, counting its queue again took as long as
+            // the walk from the head.
+            _ => split_by_known(held_seen, &known_before),
+        };
+        // The resource queues answer for most names without a look-up (e.g. the blocked
+        // repository's: counting its users read its whole queue).
+        let mut known = known;
+        let unknown =
+            self.queues
+                .split_hiding(unknown, position_key(hint.after), removals, &mut known);
+        let now_hiding = if unknown.is_empty() {
+            Ok(known)
+        } else {
+            tracing::debug!(names = ?unknown, after = ?hint.after, "held names counted with hiding.sql");
+            self.tasks
+                .hiding(hint.after, &unknown)
+                .await
+                .map(|names| known.into_iter().chain(names).collect())
+        };
+        if let Ok(names) = now_hiding {
+            hint.hiding = names;
+            if hint.hiding.iter().any(|n| released.contains(n)) {
+                // The carried page's held entries named a lock released before this pass,
+                // and it hid a task before the new position: that task may be ready, and
+                // the hint must not rely on the lock. Dropped: the next pass finds it.
+                tracing::debug!(after = ?hint.after, "scan hint dropped: a lock it would rely on was released");
                 if let Ok(mut slot) = self.hint.lock() {
-                    // Not over a hint taken later (a background walk's renewal): this one
-                    // carries the age of the hint it started from.
                     if slot.as_ref().is_none_or(|h| h.taken <= hint.taken) {
-                        *slot = Some(hint);
+                        *slot = None;
                     }
+                }
+                return;
+            }
+            if let Ok(mut slot) = self.hint.lock() {
+                // Not over a hint taken later (a background walk's renewal): this one
+                // carries the age of the hint it started from.
+                if slot.as_ref().is_none_or(|h| h.taken <= hint.taken) {
+                    *slot = Some(hint);
                 }
             }
         }
-        Ok(outcome)
     }
 
     /// Whom a ready row goes to: the longest waiter among the free claimants that can take it,
