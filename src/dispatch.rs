@@ -39,8 +39,8 @@ use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
 use carried::Carried;
 use hint::{
-    just_before, position_key, released_names, split_by_known, trusted_until, ScanHint,
-    MAX_RETURNED,
+    position_key, released_names, split_by_known, trusted_until, HintBook, ReadAgainst, ScanHint,
+    Settle, MAX_RETURNED,
 };
 use requeue::Requeue;
 pub use waiters::Waiters;
@@ -306,6 +306,23 @@ struct Plan {
     skipped_held: HashSet<String>,
 }
 
+/// What a pass judges first ([`Dispatch::first_reads`]).
+struct FirstReads {
+    /// The claims put back before the hint's position, still waiting, oldest first.
+    extra: Vec<TaskRow>,
+    /// The first page (`None`: read it when the pass gets there).
+    first_page: Option<crate::tasks::Page>,
+    /// Every claim put back the pass judges (before the hint's position or in the page).
+    returned_ids: HashSet<Uuid>,
+    /// When the first page was read.
+    first_read_at: Instant,
+    /// When the claims put back were read.
+    extra_read_at: Instant,
+    /// With a carried page: where the resource queues' removals stood before its held entries
+    /// were read.
+    carried_removals: Option<queues::Removals>,
+}
+
 /// Who a pass serves: its own caller, or a waiter it recruited.
 struct Claimant {
     /// Place in the queue (lower waited longer; a call not waiting yet comes last).
@@ -378,6 +395,25 @@ enum Settled {
     Blocked,
     NotGranted,
     Lost,
+}
+
+/// How the book settles a row of a page ([`HintBook::settle`]).
+fn settled_as(seen: &Seen, settled: Option<Settled>) -> Settle {
+    match (seen, settled) {
+        (Seen::NotReady, _) | (_, Some(Settled::Blocked)) => Settle::Waiting,
+        (Seen::Left, _) | (_, Some(Settled::Lost)) => Settle::Gone,
+        (_, Some(Settled::Granted)) => Settle::Granted,
+        _ => Settle::Unsure,
+    }
+}
+
+/// How the book settles a claim put back ([`HintBook::settle_returned`]).
+fn settled_as_returned(settled: Option<Settled>) -> Settle {
+    match settled {
+        Some(Settled::Granted) => Settle::Granted,
+        Some(Settled::Lost) => Settle::Gone,
+        _ => Settle::Waiting,
+    }
 }
 
 /// A pass's answer to its own caller, sent once: as soon as the caller's grant is made, or
@@ -780,7 +816,7 @@ impl Dispatch {
             requeued,
         } = opening;
         let Plan {
-            mut after,
+            after,
             mut reserved,
             mut excluded,
             hint_taken,
@@ -795,36 +831,19 @@ impl Dispatch {
             .await;
         let use_queues = self.uses_resource_queues();
         let near = self.near();
-        // The same, without the tasks this pass hands out: what the hint keeps.
-        let mut reserved_waiting = reserved.clone();
-        let mut excluded_waiting = excluded.clone();
-        // Everything before `after` is not ready by the rule, as long as `safe` holds.
-        let mut safe = true;
-        let mut hint: Option<ScanHint> = None;
-        let snapshot = |after: Option<(DateTime<Utc>, Uuid)>,
-                        excluded: &Vec<String>,
-                        reserved: &Reservations,
-                        returned: &Vec<Uuid>| {
-            after.map(|after| ScanHint {
-                epoch: epoch.clone(),
+        // What the hint this pass leaves keeps: the same, without the tasks it hands out.
+        let mut book = HintBook::new(
+            ReadAgainst {
+                epoch,
                 seq: changes.seq,
                 checked_at,
                 made,
-                taken: hint_taken,
-                after,
-                excluded: {
-                    // Each key once: every task before the hint adds its keys.
-                    let mut keys = excluded.clone();
-                    keys.sort_unstable();
-                    keys.dedup();
-                    keys
-                },
-                reserved: reserved.clone(),
-                hiding: HashSet::new(),
-                returned: returned.clone(),
-                carried: None,
-            })
-        };
+            },
+            hint_taken,
+            after,
+            reserved.clone(),
+            excluded.clone(),
+        );
         // Who this pass serves: its own caller first in the list, recruits appended as needed.
         let mut claimants = vec![Claimant {
             key: own_place.unwrap_or(u64::MAX),
@@ -850,92 +869,38 @@ impl Dispatch {
         let mut own_served = false;
         let mut failure: Option<Error> = None;
         let mut stop = false;
-        // The returned claims still waiting, oldest first; what the next hint keeps of them. Read
-        // beside the first page (neither depends on the other): one round trip for both. The
-        // first page is the carried one when there is one (judged as of its read: a task granted
-        // by this replica since is left alone).
-        let page_carried = carried.as_ref().filter(|c| !c.rows.is_empty());
-        // Not when this replica handed one of them out since they were read: read afresh, a
-        // claim handed out (and not put back) is not among them, and one put back since is
-        // waiting again (its record is newer than the change log this pass read).
-        let carried_returned = carried.as_ref().and_then(|c| {
-            c.returned_if(&returned)
-                .filter(|rows| {
-                    !rows
-                        .iter()
-                        .any(|r| self.granted_after(&r.id, c.returned_read_at))
-                })
-                .map(|rows| (rows, c.returned_read_at))
-        });
+        let FirstReads {
+            mut extra,
+            mut first_page,
+            returned_ids,
+            first_read_at,
+            extra_read_at,
+            carried_removals,
+        } = self
+            .first_reads(
+                carried.as_deref(),
+                &returned,
+                &excluded,
+                book.after,
+                &near,
+                page,
+            )
+            .await?;
         // The held entries of a carried page were read before this pass began: what the hint
         // this pass leaves relies on is judged against the queues' removals since then.
-        let removals = page_carried.map_or(removals, |c| c.removals);
-        if page_carried.is_some() {
-            self.stats.page_carried();
-        }
-        // When what the pass judges first was read: the page, and the claims put back (a task
-        // this replica handed out after that is left alone, `Seen::Left`).
-        let now = Instant::now();
-        let first_read_at = page_carried.map_or(now, |c| c.read_at);
-        let extra_read_at = carried_returned.as_ref().map_or(now, |(_, at)| *at);
-        let carried_page = page_carried.map(|c| c.page());
-        let carried_returned = carried_returned.map(|(rows, _)| rows);
-        // Every claim put back that the pass judges, before the hint's position or past it (in
-        // the carried page): judged as of their own read.
-        let mut returned_ids: HashSet<Uuid> = HashSet::new();
-        let (mut extra, mut first_page) = if returned.is_empty() {
-            (Vec::new(), carried_page)
-        } else {
-            let page_carried = carried_page.is_some();
-            let (mut rows, mut found) = match (carried_returned, carried_page) {
-                (Some(rows), Some(found)) => (rows, found),
-                (Some(rows), None) => (
-                    rows,
-                    self.tasks.candidates(&excluded, after, &near, page).await?,
-                ),
-                (None, Some(found)) => (self.tasks.returned(&returned, &near).await?, found),
-                (None, None) => tokio::try_join!(
-                    self.tasks.returned(&returned, &near),
-                    self.tasks.candidates(&excluded, after, &near, page),
-                )?,
-            };
-            returned_ids.extend(rows.iter().map(|r| r.id));
-            let past: Vec<TaskRow>;
-            (rows, past) = rows
-                .into_iter()
-                .partition(|r| after.is_some_and(|a| (r.created, r.id) <= a));
-            // Those past the hint's position: a page read now reaches them in order; a carried
-            // one, read before they were put back, holds them in order.
-            if page_carried && !past.is_empty() {
-                let known: HashSet<Uuid> = found.tasks.iter().map(|r| r.id).collect();
-                found
-                    .tasks
-                    .extend(past.into_iter().filter(|r| !known.contains(&r.id)));
-                found.tasks.sort_by_key(|r| (r.created, r.id));
-            }
-            (rows, Some(found))
-        };
+        let removals = carried_removals.unwrap_or(removals);
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         // As read: what the hint this pass leaves carries of those still waiting.
         let extra_rows: Vec<TaskRow> = extra.clone();
-        let mut still_returned: Vec<Uuid> = extra.iter().map(|r| r.id).collect();
-        // The hint ends at `$at` (at the latest just before the row being settled: the tasks the
-        // page skipped before that row are hidden by held locks or by the reservations the hint
-        // keeps); what this pass settles from there on is not in it.
-        macro_rules! end_hint_here {
-            ($at:expr) => {
-                if safe {
-                    hint = snapshot($at, &excluded_waiting, &reserved_waiting, &still_returned);
-                    safe = false;
-                }
-            };
-        }
+        book.returned = extra.iter().map(|r| r.id).collect();
         'pages: loop {
             let (read_at, found) = match first_page.take() {
                 Some(found) => (first_read_at, found),
                 None => (
                     Instant::now(),
-                    self.tasks.candidates(&excluded, after, &near, page).await?,
+                    self.tasks
+                        .candidates(&excluded, book.after, &near, page)
+                        .await?,
                 ),
             };
             let last_page = !found.full;
@@ -1114,60 +1079,21 @@ impl Dispatch {
                         excluded.extend(row.candidate.resources.conflict_keys());
                     }
                     if extra_ids.contains(&row.id) {
-                        // A returned claim (before the hint's position, which stays): handed
-                        // out or gone, it is checked no more; still waiting, it reserves its
-                        // resources for every newer task and is checked again next pass.
-                        match settled {
-                            Some(Settled::Granted) => still_returned.retain(|id| *id != row.id),
-                            Some(Settled::Lost) => {
-                                // As for any task lost between page and claim: newer tasks that
-                                // conflict only with it were skipped by this pass, so the hint
-                                // ends where the pass began.
-                                still_returned.retain(|id| *id != row.id);
-                                end_hint_here!(after);
-                            }
-                            _ => {
-                                reserved_waiting.reserve(&row.candidate.resources);
-                                excluded_waiting.extend(row.candidate.resources.conflict_keys());
-                            }
-                        }
-                        continue;
+                        book.settle_returned(row, settled_as_returned(settled));
+                    } else {
+                        book.settle(row, settled_as(&step.seen, settled));
                     }
-                    let stays_safe = match (step.seen, settled) {
-                        (Seen::NotReady, _) | (_, Some(Settled::Blocked)) => true,
-                        (Seen::Left, _) | (_, Some(Settled::Lost)) => {
-                            // The hint stops before it: newer tasks that conflict only with it
-                            // are skipped by this pass, and once it finishes (or if it was
-                            // canceled) nothing the hint relies on would change.
-                            end_hint_here!(Some(just_before(row.created, row.id)));
-                            after = Some((row.created, row.id));
-                            continue;
-                        }
-                        (_, Some(Settled::Granted)) => {
-                            // Handed out: not among what the hint keeps.
-                            after = Some((row.created, row.id));
-                            continue;
-                        }
-                        _ => false,
-                    };
-                    if !stays_safe {
-                        end_hint_here!(Some(just_before(row.created, row.id)));
-                    }
-                    after = Some((row.created, row.id));
-                    // Not handed out: it reserves its resources for every newer task.
-                    reserved_waiting.reserve(&row.candidate.resources);
-                    excluded_waiting.extend(row.candidate.resources.conflict_keys());
                 }
                 if stop {
                     break;
                 }
             }
-            if !stop && rows.peek().is_none() && end > after {
+            if !stop && rows.peek().is_none() && end > book.after {
                 // Settled to the end of the queue: every waiting task after the last row was
                 // skipped (held, or reserved by what the hint keeps), so the hint starts after
                 // them. Without this, a queue whose waiting tasks are all blocked would have
                 // every pass read all of them.
-                after = end;
+                book.after = end;
             }
             if stop || own_served || last_page {
                 if own_served && !stop {
@@ -1187,18 +1113,22 @@ impl Dispatch {
             // before the next waiting lane instead, as a pass without a hint does, with the
             // holders up to there reserved or counted as held. Without this, reaching the other
             // domains' tasks read R0's whole queue.
-            if use_queues && after.is_some_and(|a| self.queues.worth_a_start(position_key(a))) {
-                if let Some(start) = self.queue_start(after).await {
+            if use_queues
+                && book
+                    .after
+                    .is_some_and(|a| self.queues.worth_a_start(position_key(a)))
+            {
+                if let Some(start) = self.queue_start(book.after).await {
                     let position = crate::tasks::key_bound(start.after);
-                    if after.is_some_and(|a| a < position) {
+                    if book.after.is_some_and(|a| a < position) {
                         tracing::debug!(after = ?position, "next page starts where the resource queues say");
                         start
                             .clone()
-                            .apply(&mut reserved_waiting, &mut held_seen, |key| {
-                                excluded_waiting.push(key)
+                            .apply(&mut book.reserved, &mut held_seen, |key| {
+                                book.excluded.push(key)
                             });
                         start.apply(&mut reserved, &mut held_seen, |key| excluded.push(key));
-                        after = Some(position);
+                        book.after = Some(position);
                         self.stats.queue_start();
                     }
                 }
@@ -1227,8 +1157,10 @@ impl Dispatch {
             self.live_lease(lease_id).await?;
         }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
-        if safe {
-            hint = snapshot(after, &excluded_waiting, &reserved_waiting, &still_returned);
+        let at_last_settled = book.at_last_settled();
+        let still_returned = book.returned.clone();
+        let mut hint = book.leave();
+        if at_last_settled {
             // The hint ends at the last task settled: the page's rest follows it directly.
             if let (Some(h), Some((rows, held, read_at))) = (hint.as_mut(), rest) {
                 let returned: Vec<TaskRow> = extra_rows
@@ -1452,6 +1384,92 @@ impl Dispatch {
             known_before,
             skipped_held,
         }
+    }
+
+    /// The third stage of a pass: what it judges first. The claims put back that it checks
+    /// (`returned`, read by id unless carried) and its first page (the carried one, or read from
+    /// `after`), read in one round trip; each with the time it was read, since a task this
+    /// replica handed out after that is left alone (`Seen::Left`).
+    async fn first_reads(
+        &self,
+        carried: Option<&Carried>,
+        returned: &[Uuid],
+        excluded: &[String],
+        after: Option<(DateTime<Utc>, Uuid)>,
+        near: &crate::tasks::Near,
+        page: i64,
+    ) -> Result<FirstReads> {
+        // The returned claims still waiting, oldest first; what the next hint keeps of them. Read
+        // beside the first page (neither depends on the other): one round trip for both. The
+        // first page is the carried one when there is one (judged as of its read: a task granted
+        // by this replica since is left alone).
+        let page_carried = carried.filter(|c| !c.rows.is_empty());
+        // Not when this replica handed one of them out since they were read: read afresh, a
+        // claim handed out (and not put back) is not among them, and one put back since is
+        // waiting again (its record is newer than the change log this pass read).
+        let carried_returned = carried.and_then(|c| {
+            c.returned_if(returned)
+                .filter(|rows| {
+                    !rows
+                        .iter()
+                        .any(|r| self.granted_after(&r.id, c.returned_read_at))
+                })
+                .map(|rows| (rows, c.returned_read_at))
+        });
+        let carried_removals = page_carried.map(|c| c.removals);
+        if page_carried.is_some() {
+            self.stats.page_carried();
+        }
+        // When what the pass judges first was read: the page, and the claims put back (a task
+        // this replica handed out after that is left alone, `Seen::Left`).
+        let now = Instant::now();
+        let first_read_at = page_carried.map_or(now, |c| c.read_at);
+        let extra_read_at = carried_returned.as_ref().map_or(now, |(_, at)| *at);
+        let carried_page = page_carried.map(|c| c.page());
+        let carried_returned = carried_returned.map(|(rows, _)| rows);
+        // Every claim put back that the pass judges, before the hint's position or past it (in
+        // the carried page): judged as of their own read.
+        let mut returned_ids: HashSet<Uuid> = HashSet::new();
+        let (extra, first_page) = if returned.is_empty() {
+            (Vec::new(), carried_page)
+        } else {
+            let page_carried = carried_page.is_some();
+            let (mut rows, mut found) = match (carried_returned, carried_page) {
+                (Some(rows), Some(found)) => (rows, found),
+                (Some(rows), None) => (
+                    rows,
+                    self.tasks.candidates(excluded, after, near, page).await?,
+                ),
+                (None, Some(found)) => (self.tasks.returned(returned, near).await?, found),
+                (None, None) => tokio::try_join!(
+                    self.tasks.returned(returned, near),
+                    self.tasks.candidates(excluded, after, near, page),
+                )?,
+            };
+            returned_ids.extend(rows.iter().map(|r| r.id));
+            let past: Vec<TaskRow>;
+            (rows, past) = rows
+                .into_iter()
+                .partition(|r| after.is_some_and(|a| (r.created, r.id) <= a));
+            // Those past the hint's position: a page read now reaches them in order; a carried
+            // one, read before they were put back, holds them in order.
+            if page_carried && !past.is_empty() {
+                let known: HashSet<Uuid> = found.tasks.iter().map(|r| r.id).collect();
+                found
+                    .tasks
+                    .extend(past.into_iter().filter(|r| !known.contains(&r.id)));
+                found.tasks.sort_by_key(|r| (r.created, r.id));
+            }
+            (rows, Some(found))
+        };
+        Ok(FirstReads {
+            extra,
+            first_page,
+            returned_ids,
+            first_read_at,
+            extra_read_at,
+            carried_removals,
+        })
     }
 
     /// The last stage of a pass: stores the hint it leaves, with the held names that hide tasks

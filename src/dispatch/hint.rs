@@ -11,6 +11,7 @@ use uuid::Uuid;
 use super::carried::Carried;
 use crate::locks::Change;
 use crate::ready::{self, Reservations, SHARED_PREFIX};
+use crate::tasks::TaskRow;
 
 /// Where the last pass over the queue stopped finding only tasks that are not ready by the rule
 /// (an older incomplete task or a held lock conflicts): the next pass starts there, with the
@@ -133,6 +134,163 @@ pub(super) fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, U
 /// The most claims put back that a scan hint checks on every pass.
 pub(super) const MAX_RETURNED: usize = 64;
 
+/// What the hint a pass leaves will say, kept row by row as the pass settles its rows in queue
+/// order. Everything before `after` is not ready by the rule while the book is `safe`; at the
+/// first row that breaks that (a task left alone or lost, one whose attempt failed), the hint
+/// ends just before it ([`HintBook::end_here`]), and what the pass settles from there on is not
+/// in it.
+pub(super) struct HintBook {
+    /// What the hint is read against.
+    read: ReadAgainst,
+    /// When the hint the pass started from was taken (its age carries over).
+    taken: Instant,
+    /// The last position settled (the pass reads its next page from here too).
+    pub(super) after: Option<(DateTime<Utc>, Uuid)>,
+    /// What the tasks before `after` that were left waiting reserve (not those handed out).
+    pub(super) reserved: Reservations,
+    /// Their conflict keys.
+    pub(super) excluded: Vec<String>,
+    /// The claims put back that are still waiting, oldest first.
+    pub(super) returned: Vec<Uuid>,
+    safe: bool,
+    ended: Option<ScanHint>,
+}
+
+/// What a hint is read against: the lock state, the change sequence, when the change log was
+/// read (or last known clean) and [`crate::locks::Locks::changes_made`] before that.
+pub(super) struct ReadAgainst {
+    pub(super) epoch: String,
+    pub(super) seq: u64,
+    pub(super) checked_at: Instant,
+    pub(super) made: u64,
+}
+
+/// How a pass settled one row, for the book.
+pub(super) enum Settle {
+    /// Not ready by the rule, or its lock attempt found it blocked: it stays waiting.
+    Waiting,
+    /// Handed out.
+    Granted,
+    /// Left alone (granted by this replica since it was read) or lost between read and claim.
+    Gone,
+    /// Ready but not tried, or tried without a grant: the hint cannot vouch for it.
+    Unsure,
+}
+
+impl HintBook {
+    pub(super) fn new(
+        read: ReadAgainst,
+        taken: Instant,
+        after: Option<(DateTime<Utc>, Uuid)>,
+        reserved: Reservations,
+        excluded: Vec<String>,
+    ) -> HintBook {
+        HintBook {
+            read,
+            taken,
+            after,
+            reserved,
+            excluded,
+            returned: Vec::new(),
+            safe: true,
+            ended: None,
+        }
+    }
+
+    /// Whether the hint still ends at the last row settled.
+    pub(super) fn at_last_settled(&self) -> bool {
+        self.safe
+    }
+
+    fn snapshot(&self, at: Option<(DateTime<Utc>, Uuid)>) -> Option<ScanHint> {
+        at.map(|after| ScanHint {
+            epoch: self.read.epoch.clone(),
+            seq: self.read.seq,
+            checked_at: self.read.checked_at,
+            made: self.read.made,
+            taken: self.taken,
+            after,
+            excluded: {
+                // Each key once: every task before the hint adds its keys.
+                let mut keys = self.excluded.clone();
+                keys.sort_unstable();
+                keys.dedup();
+                keys
+            },
+            reserved: self.reserved.clone(),
+            hiding: HashSet::new(),
+            returned: self.returned.clone(),
+            carried: None,
+        })
+    }
+
+    /// The hint ends at `at` (at the latest just before the row being settled: the tasks the
+    /// page skipped before that row are hidden by held locks or by the reservations the hint
+    /// keeps); what the pass settles from there on is not in it.
+    pub(super) fn end_here(&mut self, at: Option<(DateTime<Utc>, Uuid)>) {
+        if self.safe {
+            self.ended = self.snapshot(at);
+            self.safe = false;
+        }
+    }
+
+    /// Settles a claim put back (before the hint's position, which stays): handed out or gone,
+    /// it is checked no more; still waiting, it reserves its resources for every newer task and
+    /// is checked again by the next pass.
+    pub(super) fn settle_returned(&mut self, row: &TaskRow, how: Settle) {
+        match how {
+            Settle::Granted => self.returned.retain(|id| *id != row.id),
+            Settle::Gone => {
+                // As for any task lost between page and claim: newer tasks that conflict only
+                // with it were skipped by this pass, so the hint ends where the pass began.
+                self.returned.retain(|id| *id != row.id);
+                self.end_here(self.after);
+            }
+            Settle::Waiting | Settle::Unsure => self.keep_waiting(row),
+        }
+    }
+
+    /// Settles a row of a page (after the hint's position).
+    pub(super) fn settle(&mut self, row: &TaskRow, how: Settle) {
+        let position = Some((row.created, row.id));
+        match how {
+            Settle::Waiting => {}
+            Settle::Gone => {
+                // The hint stops before it: newer tasks that conflict only with it are skipped
+                // by this pass, and once it finishes (or if it was canceled) nothing the hint
+                // relies on would change.
+                self.end_here(Some(just_before(row.created, row.id)));
+                self.after = position;
+                return;
+            }
+            Settle::Granted => {
+                // Handed out: not among what the hint keeps.
+                self.after = position;
+                return;
+            }
+            Settle::Unsure => self.end_here(Some(just_before(row.created, row.id))),
+        }
+        self.after = position;
+        // Not handed out: it reserves its resources for every newer task.
+        self.keep_waiting(row);
+    }
+
+    fn keep_waiting(&mut self, row: &TaskRow) {
+        self.reserved.reserve(&row.candidate.resources);
+        self.excluded
+            .extend(row.candidate.resources.conflict_keys());
+    }
+
+    /// The hint the pass leaves: up to its last row settled, or where it ended.
+    pub(super) fn leave(self) -> Option<ScanHint> {
+        if self.safe {
+            self.snapshot(self.after)
+        } else {
+            self.ended
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::queues;
@@ -171,6 +329,74 @@ mod tests {
                 versions: Some(Default::default()),
             },
         }
+    }
+
+    fn book() -> HintBook {
+        HintBook::new(
+            ReadAgainst {
+                epoch: "e1".to_owned(),
+                seq: 7,
+                checked_at: Instant::now(),
+                made: 0,
+            },
+            Instant::now(),
+            None,
+            Reservations::default(),
+            Vec::new(),
+        )
+    }
+
+    #[test]
+    fn the_book_keeps_waiting_rows_and_moves_past_handed_out_ones() {
+        let mut b = book();
+        let (waiting, granted) = (row(&["a"]), row(&["b"]));
+        b.settle(&waiting, Settle::Waiting);
+        b.settle(&granted, Settle::Granted);
+        assert!(b.at_last_settled());
+        let h = b.leave().expect("a hint");
+        assert_eq!(h.after, (granted.created, granted.id));
+        assert_eq!(h.seq, 7);
+        assert!(h.reserved.touches("a"), "a waiting row reserves its names");
+        assert!(!h.reserved.touches("b"), "a handed-out row does not");
+    }
+
+    #[test]
+    fn the_hint_ends_before_the_first_row_it_cannot_vouch_for() {
+        for how in [Settle::Gone, Settle::Unsure] {
+            let mut b = book();
+            let (first, doubtful, later) = (row(&["a"]), row(&["b"]), row(&["c"]));
+            b.settle(&first, Settle::Waiting);
+            b.settle(&doubtful, how);
+            b.settle(&later, Settle::Waiting);
+            assert!(!b.at_last_settled());
+            let h = b.leave().expect("a hint");
+            assert_eq!(h.after, just_before(doubtful.created, doubtful.id));
+            assert!(h.reserved.touches("a"));
+            assert!(
+                !h.reserved.touches("c"),
+                "settled after the end: not in the hint"
+            );
+        }
+    }
+
+    #[test]
+    fn claims_put_back_leave_the_list_once_handed_out_or_gone() {
+        let mut b = book();
+        let (handed, waiting, lost) = (row(&["a"]), row(&["b"]), row(&["c"]));
+        b.after = Some((lost.created, lost.id));
+        b.returned = vec![handed.id, waiting.id, lost.id];
+        b.settle_returned(&handed, Settle::Granted);
+        b.settle_returned(&waiting, Settle::Waiting);
+        assert!(b.at_last_settled());
+        b.settle_returned(&lost, Settle::Gone);
+        assert!(
+            !b.at_last_settled(),
+            "a claim lost ends the hint where the pass began"
+        );
+        let h = b.leave().expect("a hint");
+        assert_eq!(h.after, (lost.created, lost.id));
+        assert_eq!(h.returned, vec![waiting.id]);
+        assert!(h.reserved.touches("b"));
     }
 
     fn try_carried(rows: Vec<TaskRow>, returned: Vec<TaskRow>) -> Option<Carried> {

@@ -126,7 +126,7 @@ impl Dispatch {
                 if verdict.ready_by_rule() {
                     // The hint starts with it: what the pages skipped before it is hidden by
                     // held locks (looked up below) or by the reservations the hint keeps.
-                    after = Some(super::just_before(row.created, row.id));
+                    after = Some(super::hint::just_before(row.created, row.id));
                     break 'pages;
                 }
                 reserved.reserve(&row.candidate.resources);
