@@ -14,6 +14,7 @@
 //! a grant no caller can take any more is requeued (`Requeue`), never dropped.
 
 mod carried;
+mod claimants;
 mod hint;
 pub mod queues;
 mod refresh;
@@ -21,7 +22,7 @@ mod requeue;
 mod waiters;
 pub mod wakeups;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,6 +39,7 @@ use crate::shutdown::Shutdown;
 use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
 use carried::Carried;
+use claimants::{Claimants, Pick, Turn};
 use hint::{
     position_key, released_names, split_by_known, trusted_until, HintBook, ReadAgainst, ScanHint,
     Settle, MAX_RETURNED,
@@ -152,7 +154,6 @@ impl Call {
 pub type Delivery = Result<Grant>;
 /// This replica's queue of waiting FetchTask calls.
 pub type Queue = Waiters<Offer, Delivery>;
-type Recruit = waiters::Recruit<Offer, Delivery>;
 
 /// Leases a replica keeps in memory (see `Dispatch::leases`); past this it forgets them all.
 const MAX_KNOWN_LEASES: usize = 65_536;
@@ -323,53 +324,6 @@ struct FirstReads {
     carried_removals: Option<queues::Removals>,
 }
 
-/// Who a pass serves: its own caller, or a waiter it recruited.
-struct Claimant {
-    /// Place in the queue (lower waited longer; a call not waiting yet comes last).
-    key: u64,
-    offer: Offer,
-    /// `None` for the pass's own caller.
-    recruit: Option<Recruit>,
-    state: Turn,
-}
-
-/// Where a claimant is in its pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Turn {
-    /// May be given a ready task.
-    Free,
-    /// Trying a task of this round.
-    Trying,
-    /// Served, or done with (lease gone, backend trouble).
-    Done,
-}
-
-/// True when a round can give no more rows: every claimant is trying one or done, and nobody
-/// else may be recruited.
-/// A stalled pass recruits no more, and lets go of the recruits it is not trying a task for
-/// (dropping a recruit reopens its place, with any turn it was given meanwhile).
-fn let_go(claimants: &mut [Claimant], may_recruit: &mut usize) {
-    *may_recruit = 0;
-    for claimant in claimants.iter_mut() {
-        if claimant.state == Turn::Free && claimant.recruit.is_some() {
-            claimant.recruit = None;
-            claimant.state = Turn::Done;
-        }
-    }
-}
-
-fn nobody_left(claimants: &[Claimant], may_recruit: usize) -> bool {
-    may_recruit == 0 && claimants.iter().all(|c| c.state != Turn::Free)
-}
-
-/// Whom a ready row goes to.
-enum Pick {
-    Free(usize),
-    /// Only a claimant trying another task of this round could take it.
-    Busy,
-    Nobody,
-}
-
 /// One candidate row as a pass saw it.
 struct Step {
     row: TaskRow,
@@ -395,6 +349,19 @@ enum Settled {
     Blocked,
     NotGranted,
     Lost,
+}
+
+/// What a round's attempts came to ([`Dispatch::grant_round`]).
+#[derive(Default)]
+struct Round {
+    /// Per step, how its attempt ended (`None`: no attempt).
+    settled: Vec<Option<Settled>>,
+    /// The pass's own caller got a grant.
+    own_served: bool,
+    /// Why the caller's own attempt failed (its lease gone, backend trouble).
+    failure: Option<Error>,
+    /// The pass must end after this round.
+    stop: bool,
 }
 
 /// How the book settles a row of a page ([`HintBook::settle`]).
@@ -844,19 +811,13 @@ impl Dispatch {
             reserved.clone(),
             excluded.clone(),
         );
-        // Who this pass serves: its own caller first in the list, recruits appended as needed.
-        let mut claimants = vec![Claimant {
-            key: own_place.unwrap_or(u64::MAX),
-            offer: call.offer(Arc::clone(&lease)),
-            recruit: None,
-            state: Turn::Free,
-        }];
         // Waiters this pass could serve besides its own caller.
         let others = self
             .waiters
             .len()
             .saturating_sub(usize::from(own_place.is_some()));
-        let mut may_recruit = if others == 0 { 0 } else { self.policy.share };
+        let may_recruit = if others == 0 { 0 } else { self.policy.share };
+        let mut claimants = Claimants::new(call.offer(Arc::clone(&lease)), own_place, may_recruit);
         let mut page = self.policy.first_page;
         if may_recruit > 0 {
             // Room for one ready task per waiter in the first page.
@@ -919,155 +880,32 @@ impl Dispatch {
                     break;
                 }
                 if stalled.is_cancelled() {
-                    let_go(&mut claimants, &mut may_recruit);
+                    claimants.let_go();
                 }
-                if rows.peek().is_none() || nobody_left(&claimants, may_recruit) {
+                if rows.peek().is_none() || claimants.nobody_left() {
                     break;
                 }
-                let mut steps: Vec<Step> = Vec::new();
-                while let Some(row) = rows.peek() {
-                    let ready_by_rule =
-                        ready::obstacles(&row.candidate, &reserved, &lease.versions)
-                            .ready_by_rule();
-                    let seen = if !ready_by_rule {
-                        Seen::NotReady
-                    } else if self.granted_after(
-                        &row.id,
+                let steps = self.judge_round(
+                    &mut rows,
+                    &mut claimants,
+                    &mut reserved,
+                    &lease.versions,
+                    |row| {
                         if returned_ids.contains(&row.id) {
                             extra_read_at
                         } else {
                             read_at
-                        },
-                    ) {
-                        // Granted by this replica since this page was read: left alone.
-                        Seen::Left
-                    } else {
-                        match self.claimant_for(row, &mut claimants, own_place, &mut may_recruit) {
-                            Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
-                                // Another pass is granting it: whether it stays ready is that
-                                // pass's business.
-                                None => Seen::PassedOver,
-                                Some(mine) => {
-                                    claimants[who].state = Turn::Trying;
-                                    Seen::Attempt { who, _mine: mine }
-                                }
-                            },
-                            // Only a claimant trying another task of this round could take it:
-                            // it is judged again once the round is settled.
-                            Pick::Busy => break,
-                            Pick::Nobody => {
-                                passed_over.store(true, Ordering::SeqCst);
-                                Seen::PassedOver
-                            }
                         }
-                    };
-                    let Some(row) = rows.next() else { break };
-                    // Whatever becomes of it, it reserves its resources for every newer task
-                    // this pass judges (for one that is lost meanwhile, only a delay). So the
-                    // attempts of one round never conflict with each other.
-                    reserved.reserve(&row.candidate.resources);
-                    steps.push(Step { row, seen });
-                    if nobody_left(&claimants, may_recruit) {
-                        break;
-                    }
-                }
-                // The round's attempts run at once; each grant is delivered as soon as it is
-                // made (the caller's own through `answer`), so a slow claim holds up no other
-                // grant of the round (the pass's next round waits for it; calls waiting for
-                // the pass, only up to `pass_stall`).
-                let mut attempts: futures::stream::FuturesUnordered<_> = steps
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, step)| match &step.seen {
-                        Seen::Attempt { who, .. } => {
-                            let offer = claimants[*who].offer.clone();
-                            let row = &step.row;
-                            Some(async move {
-                                (
-                                    i,
-                                    self.lock_and_claim(
-                                        offer.lease_id,
-                                        &offer.lease,
-                                        row,
-                                        offer.start,
-                                    )
-                                    .await,
-                                )
-                            })
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
-                loop {
-                    let next = if stalled.is_cancelled() {
-                        futures::StreamExt::next(&mut attempts).await
-                    } else {
-                        tokio::select! {
-                            next = futures::StreamExt::next(&mut attempts) => next,
-                            () = stalled.cancelled() => {
-                                // Held up: the recruits not trying a task wait elsewhere.
-                                let_go(&mut claimants, &mut may_recruit);
-                                continue;
-                            }
-                        }
-                    };
-                    let Some((i, outcome)) = next else { break };
-                    let Seen::Attempt { who, .. } = &steps[i].seen else {
-                        continue;
-                    };
-                    let claimant = &mut claimants[*who];
-                    claimant.state = Turn::Free;
-                    settled[i] = Some(match outcome {
-                        Ok(Attempt::Granted(grant)) => {
-                            if let Ok(mut recent) = self.recent.lock() {
-                                recent.note(grant.task_id);
-                            }
-                            claimant.state = Turn::Done;
-                            match claimant.recruit.take() {
-                                None => {
-                                    own_served = true;
-                                    answer.send(Ok(Some(grant))).await;
-                                }
-                                Some(recruit) => {
-                                    self.stats.fetch_shared();
-                                    if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
-                                        self.requeue.undelivered(&grant).await;
-                                    }
-                                }
-                            }
-                            Settled::Granted
-                        }
-                        Ok(Attempt::Blocked) => Settled::Blocked,
-                        Ok(Attempt::NotGranted) => Settled::NotGranted,
-                        Ok(Attempt::Lost) => Settled::Lost,
-                        Ok(Attempt::LeaseGone) => {
-                            claimant.state = Turn::Done;
-                            let gone = self.lease_gone(claimant.offer.lease_id);
-                            match claimant.recruit.take() {
-                                None => {
-                                    failure = failure.or(Some(gone));
-                                    stop = true;
-                                }
-                                Some(recruit) => {
-                                    let _ = recruit.deliver(Err(gone));
-                                }
-                            }
-                            Settled::NotGranted
-                        }
-                        Err(e) => {
-                            // Backend trouble: the pass ends after this round. The caller hears
-                            // of it; a recruit goes back to waiting.
-                            claimant.state = Turn::Done;
-                            stop = true;
-                            if claimant.recruit.take().is_none() {
-                                failure = failure.or(Some(e));
-                            }
-                            Settled::NotGranted
-                        }
-                    });
-                }
-                drop(attempts);
+                    },
+                    passed_over,
+                );
+                let round = self
+                    .grant_round(&steps, &mut claimants, answer, stalled)
+                    .await;
+                own_served |= round.own_served;
+                failure = failure.or(round.failure);
+                stop |= round.stop;
+                let settled = round.settled;
                 // Settle in queue order: the hint is bookkept row by row.
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
@@ -1472,6 +1310,168 @@ impl Dispatch {
         })
     }
 
+    /// A stage of a pass's round: judges rows in queue order by the rule (against `reserved`,
+    /// which every row judged then joins) until every claimant is trying one or nobody is left,
+    /// picking a claimant for each ready row. A row this replica granted after it was read
+    /// (`read_at`) is left alone.
+    fn judge_round(
+        &self,
+        rows: &mut std::iter::Peekable<std::vec::IntoIter<TaskRow>>,
+        claimants: &mut Claimants,
+        reserved: &mut Reservations,
+        versions: &BTreeMap<String, String>,
+        read_at: impl Fn(&TaskRow) -> Instant,
+        passed_over: &AtomicBool,
+    ) -> Vec<Step> {
+        let mut steps: Vec<Step> = Vec::new();
+        while let Some(row) = rows.peek() {
+            let ready_by_rule =
+                ready::obstacles(&row.candidate, reserved, versions).ready_by_rule();
+            let seen = if !ready_by_rule {
+                Seen::NotReady
+            } else if self.granted_after(&row.id, read_at(row)) {
+                // Granted by this replica since this page was read: left alone.
+                Seen::Left
+            } else {
+                match claimants.pick(row, &self.waiters) {
+                    Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
+                        // Another pass is granting it: whether it stays ready is that
+                        // pass's business.
+                        None => Seen::PassedOver,
+                        Some(mine) => {
+                            claimants.get_mut(who).state = Turn::Trying;
+                            Seen::Attempt { who, _mine: mine }
+                        }
+                    },
+                    // Only a claimant trying another task of this round could take it:
+                    // it is judged again once the round is settled.
+                    Pick::Busy => break,
+                    Pick::Nobody => {
+                        passed_over.store(true, Ordering::SeqCst);
+                        Seen::PassedOver
+                    }
+                }
+            };
+            let Some(row) = rows.next() else { break };
+            // Whatever becomes of it, it reserves its resources for every newer task
+            // this pass judges (for one that is lost meanwhile, only a delay). So the
+            // attempts of one round never conflict with each other.
+            reserved.reserve(&row.candidate.resources);
+            steps.push(Step { row, seen });
+            if claimants.nobody_left() {
+                break;
+            }
+        }
+        steps
+    }
+
+    /// A stage of a pass's round: tries the round's attempts at once (lock, then claim), and
+    /// delivers each grant as soon as it is made: the caller's own through `answer`, a
+    /// recruit's to its place.
+    async fn grant_round(
+        &self,
+        steps: &[Step],
+        claimants: &mut Claimants,
+        answer: &mut Answer,
+        stalled: &CancellationToken,
+    ) -> Round {
+        // The round's attempts run at once; each grant is delivered as soon as it is
+        // made (the caller's own through `answer`), so a slow claim holds up no other
+        // grant of the round (the pass's next round waits for it; calls waiting for
+        // the pass, only up to `pass_stall`).
+        let mut attempts: futures::stream::FuturesUnordered<_> = steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, step)| match &step.seen {
+                Seen::Attempt { who, .. } => {
+                    let offer = claimants.offer(*who).clone();
+                    let row = &step.row;
+                    Some(async move {
+                        (
+                            i,
+                            self.lock_and_claim(offer.lease_id, &offer.lease, row, offer.start)
+                                .await,
+                        )
+                    })
+                }
+                _ => None,
+            })
+            .collect();
+        let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
+        let mut round = Round::default();
+        loop {
+            let next = if stalled.is_cancelled() {
+                futures::StreamExt::next(&mut attempts).await
+            } else {
+                tokio::select! {
+                    next = futures::StreamExt::next(&mut attempts) => next,
+                    () = stalled.cancelled() => {
+                        // Held up: the recruits not trying a task wait elsewhere.
+                        claimants.let_go();
+                        continue;
+                    }
+                }
+            };
+            let Some((i, outcome)) = next else { break };
+            let Seen::Attempt { who, .. } = &steps[i].seen else {
+                continue;
+            };
+            let claimant = claimants.get_mut(*who);
+            claimant.state = Turn::Free;
+            settled[i] = Some(match outcome {
+                Ok(Attempt::Granted(grant)) => {
+                    if let Ok(mut recent) = self.recent.lock() {
+                        recent.note(grant.task_id);
+                    }
+                    claimant.state = Turn::Done;
+                    match claimant.recruit.take() {
+                        None => {
+                            round.own_served = true;
+                            answer.send(Ok(Some(grant))).await;
+                        }
+                        Some(recruit) => {
+                            self.stats.fetch_shared();
+                            if let Err(Ok(grant)) = recruit.deliver(Ok(grant)) {
+                                self.requeue.undelivered(&grant).await;
+                            }
+                        }
+                    }
+                    Settled::Granted
+                }
+                Ok(Attempt::Blocked) => Settled::Blocked,
+                Ok(Attempt::NotGranted) => Settled::NotGranted,
+                Ok(Attempt::Lost) => Settled::Lost,
+                Ok(Attempt::LeaseGone) => {
+                    claimant.state = Turn::Done;
+                    let gone = self.lease_gone(claimant.offer.lease_id);
+                    match claimant.recruit.take() {
+                        None => {
+                            round.failure = round.failure.or(Some(gone));
+                            round.stop = true;
+                        }
+                        Some(recruit) => {
+                            let _ = recruit.deliver(Err(gone));
+                        }
+                    }
+                    Settled::NotGranted
+                }
+                Err(e) => {
+                    // Backend trouble: the pass ends after this round. The caller hears
+                    // of it; a recruit goes back to waiting.
+                    claimant.state = Turn::Done;
+                    round.stop = true;
+                    if claimant.recruit.take().is_none() {
+                        round.failure = round.failure.or(Some(e));
+                    }
+                    Settled::NotGranted
+                }
+            });
+        }
+        drop(attempts);
+        round.settled = settled;
+        round
+    }
+
     /// The last stage of a pass: stores the hint it leaves, with the held names that hide tasks
     /// before its position (`hiding`: the names the hint it started from knew, at that hint's
     /// position; `known_before`: those of a hint it dropped; `held_seen`: every held entry the
@@ -1544,55 +1544,6 @@ impl Dispatch {
                     *slot = Some(hint);
                 }
             }
-        }
-    }
-
-    /// Whom a ready row goes to: the longest waiter among the free claimants that can take it,
-    /// recruiting open waiters of this replica (longest first) while the sharing budget lasts.
-    fn claimant_for(
-        &self,
-        row: &TaskRow,
-        claimants: &mut Vec<Claimant>,
-        own_place: Option<u64>,
-        may_recruit: &mut usize,
-    ) -> Pick {
-        let mut best = claimants
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.state == Turn::Free && c.offer.takes(row))
-            .min_by_key(|(_, c)| c.key)
-            .map(|(i, c)| (i, c.key));
-        if *may_recruit > 0 {
-            let before = best.map_or(u64::MAX, |(_, key)| key);
-            let (recruits, found) =
-                self.waiters
-                    .recruit(before, own_place, *may_recruit, |offer| offer.takes(row));
-            if recruits.is_empty() && before == u64::MAX {
-                // Nobody else is waiting to be served.
-                *may_recruit = 0;
-            }
-            *may_recruit = may_recruit.saturating_sub(recruits.len());
-            for recruit in recruits {
-                claimants.push(Claimant {
-                    key: recruit.id(),
-                    offer: recruit.offer().clone(),
-                    recruit: Some(recruit),
-                    state: Turn::Free,
-                });
-            }
-            if found {
-                best = Some((claimants.len() - 1, 0));
-            }
-        }
-        match best {
-            Some((who, _)) => Pick::Free(who),
-            None if claimants
-                .iter()
-                .any(|c| c.state == Turn::Trying && c.offer.takes(row)) =>
-            {
-                Pick::Busy
-            }
-            None => Pick::Nobody,
         }
     }
 
