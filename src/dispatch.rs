@@ -338,7 +338,7 @@ enum Seen {
     PassedOver,
     /// Granted by this replica since its page was read.
     Left,
-    /// Ready, and tried for `claimants[who]`.
+    /// Ready, and tried for the claimant `who` ([`Claimants::get_mut`]).
     Attempt { who: usize, _mine: InFlight },
 }
 
@@ -798,19 +798,6 @@ impl Dispatch {
             .await;
         let use_queues = self.uses_resource_queues();
         let near = self.near();
-        // What the hint this pass leaves keeps: the same, without the tasks it hands out.
-        let mut book = HintBook::new(
-            ReadAgainst {
-                epoch,
-                seq: changes.seq,
-                checked_at,
-                made,
-            },
-            hint_taken,
-            after,
-            reserved.clone(),
-            excluded.clone(),
-        );
         // Waiters this pass could serve besides its own caller.
         let others = self
             .waiters
@@ -838,14 +825,7 @@ impl Dispatch {
             extra_read_at,
             carried_removals,
         } = self
-            .first_reads(
-                carried.as_deref(),
-                &returned,
-                &excluded,
-                book.after,
-                &near,
-                page,
-            )
+            .first_reads(carried.as_deref(), &returned, &excluded, after, &near, page)
             .await?;
         // The held entries of a carried page were read before this pass began: what the hint
         // this pass leaves relies on is judged against the queues' removals since then.
@@ -853,7 +833,20 @@ impl Dispatch {
         let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
         // As read: what the hint this pass leaves carries of those still waiting.
         let extra_rows: Vec<TaskRow> = extra.clone();
-        book.returned = extra.iter().map(|r| r.id).collect();
+        // What the hint this pass leaves keeps: the same, without the tasks it hands out.
+        let mut book = HintBook::new(
+            ReadAgainst {
+                epoch,
+                seq: changes.seq,
+                checked_at,
+                made,
+            },
+            hint_taken,
+            after,
+            reserved.clone(),
+            excluded.clone(),
+            extra.iter().map(|r| r.id).collect(),
+        );
         'pages: loop {
             let (read_at, found) = match first_page.take() {
                 Some(found) => (first_read_at, found),
@@ -945,7 +938,7 @@ impl Dispatch {
                 }
                 break 'pages;
             }
-            // The next page reads on from `after`. When the resource queues say that most of
+            // The next page reads on from `book.after`. When the resource queues say that most of
             // the tasks after it wait behind others (the queue of a resource whose task this
             // pass handed out or passed over: R0's, once its head finished), it starts just
             // before the next waiting lane instead, as a pass without a hint does, with the
@@ -995,10 +988,10 @@ impl Dispatch {
             self.live_lease(lease_id).await?;
         }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
-        let at_last_settled = book.at_last_settled();
+        let unbroken = book.unbroken();
         let still_returned = book.returned.clone();
         let mut hint = book.leave();
-        if at_last_settled {
+        if unbroken {
             // The hint ends at the last task settled: the page's rest follows it directly.
             if let (Some(h), Some((rows, held, read_at))) = (hint.as_mut(), rest) {
                 let returned: Vec<TaskRow> = extra_rows

@@ -14,9 +14,9 @@ use crate::tasks::TaskRow;
 /// did not reach (it had served everyone before), and the claims put back that the hint checks
 /// first, as the pass read them. The next pass that uses the hint judges them instead of reading
 /// them again, so a fetch costs no page read: a pass that trusts the hint (see
-/// [`trusted_until`]), or one whose read of the changes since the hint shows none that touches a
+/// [`super::hint::trusted_until`]), or one whose read of the changes since the hint shows none that touches a
 /// name of theirs (see [`Carried::untouched_by`]), while they are younger than
-/// `--fetch-hint-max-age` and [`RECENT`] (so that one this replica handed out since is known as
+/// `--fetch-hint-max-age` and [`super::RECENT`] (so that one this replica handed out since is known as
 /// such).
 ///
 /// The rule still decides as for a page read then. Their exact look-up (`older_conflicts`) was
@@ -37,7 +37,7 @@ use crate::tasks::TaskRow;
 /// second is read (the claims put back are read by id unless carried) and judged in queue order
 /// with the carried tasks. For the first, a pass that read the release uses the carried tasks
 /// only when the resource queues say the released lock hid no waiting task before the last of
-/// them ([`Dispatch::hid_among`]); otherwise it reads its page. Such a task is not in conflict
+/// them ([`super::Dispatch::hid_among`]); otherwise it reads its page. Such a task is not in conflict
 /// with the carried ones (FIFO per resource holds); with the hint trusted, a newer carried task
 /// may go first until the trust ends. It is never left behind: the page's held entries count
 /// among the names the hint a pass leaves relies on (`hiding`), so a release read later drops

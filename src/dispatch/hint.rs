@@ -28,9 +28,9 @@ pub(super) struct ScanHint {
     /// The change sequence the hint was taken at.
     pub(super) seq: u64,
     /// When the change log was last read for it (the read was sent then) and showed nothing
-    /// that drops it, up to `seq`: see [`Dispatch::trusted`].
+    /// that drops it, up to `seq`: see [`super::Dispatch::trusted`].
     pub(super) checked_at: Instant,
-    /// [`Locks::changes_made`] before that read.
+    /// [`crate::locks::Locks::changes_made`] before that read.
     pub(super) made: u64,
     pub(super) taken: Instant,
     pub(super) after: (DateTime<Utc>, Uuid),
@@ -44,7 +44,7 @@ pub(super) struct ScanHint {
     /// Names of claimed or running tasks that hid older waiting tasks from the scan.
     pub(super) hiding: HashSet<String>,
     /// Claims put back in the queue since the hint was taken (their ids, as recorded with
-    /// [`REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
+    /// [`crate::locks::REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
     /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
     pub(super) returned: Vec<Uuid>,
@@ -57,7 +57,7 @@ pub(super) struct ScanHint {
 /// at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
 /// (another state's sequence numbers are not comparable), only while no call of this replica that may change
 /// lock state ended since the hint was read against the log (`made` is
-/// [`Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
+/// [`crate::locks::Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
 /// since that read, or since the change counter (which every replica reads each interval;
 /// `seq_read` is the last read and when it was sent) was last seen still at the hint's
 /// sequence number. So a change made through another replica, or by its sweeper, reaches this replica's
@@ -136,8 +136,8 @@ pub(super) const MAX_RETURNED: usize = 64;
 
 /// What the hint a pass leaves will say, kept row by row as the pass settles its rows in queue
 /// order. Everything before `after` is not ready by the rule while the book is `safe`; at the
-/// first row that breaks that (a task left alone or lost, one whose attempt failed), the hint
-/// ends just before it ([`HintBook::end_here`]), and what the pass settles from there on is not
+/// first row that breaks that (a task left alone or lost, a ready one passed over or whose
+/// attempt did not grant it), the hint ends just before it ([`HintBook::end_here`]), and what the pass settles from there on is not
 /// in it.
 pub(super) struct HintBook {
     /// What the hint is read against.
@@ -167,11 +167,13 @@ pub(super) struct ReadAgainst {
 
 /// How a pass settled one row, for the book.
 pub(super) enum Settle {
-    /// Not ready by the rule, or its lock attempt found it blocked: it stays waiting.
+    /// Not ready by the rule, or its lock attempt found it blocked: it stays waiting and
+    /// reserves its names. (A claim put back: anything but handed out or lost.)
     Waiting,
     /// Handed out.
     Granted,
     /// Left alone (granted by this replica since it was read) or lost between read and claim.
+    /// (A claim put back: lost only.)
     Gone,
     /// Ready but not tried, or tried without a grant: the hint cannot vouch for it.
     Unsure,
@@ -184,6 +186,7 @@ impl HintBook {
         after: Option<(DateTime<Utc>, Uuid)>,
         reserved: Reservations,
         excluded: Vec<String>,
+        returned: Vec<Uuid>,
     ) -> HintBook {
         HintBook {
             read,
@@ -191,14 +194,15 @@ impl HintBook {
             after,
             reserved,
             excluded,
-            returned: Vec::new(),
+            returned,
             safe: true,
             ended: None,
         }
     }
 
-    /// Whether the hint still ends at the last row settled.
-    pub(super) fn at_last_settled(&self) -> bool {
+    /// Whether the hint has not ended early: it reaches `after`, the last position the pass
+    /// settled (or moved to).
+    pub(super) fn unbroken(&self) -> bool {
         self.safe
     }
 
@@ -343,6 +347,7 @@ mod tests {
             None,
             Reservations::default(),
             Vec::new(),
+            Vec::new(),
         )
     }
 
@@ -352,7 +357,7 @@ mod tests {
         let (waiting, granted) = (row(&["a"]), row(&["b"]));
         b.settle(&waiting, Settle::Waiting);
         b.settle(&granted, Settle::Granted);
-        assert!(b.at_last_settled());
+        assert!(b.unbroken());
         let h = b.leave().expect("a hint");
         assert_eq!(h.after, (granted.created, granted.id));
         assert_eq!(h.seq, 7);
@@ -368,7 +373,7 @@ mod tests {
             b.settle(&first, Settle::Waiting);
             b.settle(&doubtful, how);
             b.settle(&later, Settle::Waiting);
-            assert!(!b.at_last_settled());
+            assert!(!b.unbroken());
             let h = b.leave().expect("a hint");
             assert_eq!(h.after, just_before(doubtful.created, doubtful.id));
             assert!(h.reserved.touches("a"));
@@ -387,10 +392,10 @@ mod tests {
         b.returned = vec![handed.id, waiting.id, lost.id];
         b.settle_returned(&handed, Settle::Granted);
         b.settle_returned(&waiting, Settle::Waiting);
-        assert!(b.at_last_settled());
+        assert!(b.unbroken());
         b.settle_returned(&lost, Settle::Gone);
         assert!(
-            !b.at_last_settled(),
+            !b.unbroken(),
             "a claim lost ends the hint where the pass began"
         );
         let h = b.leave().expect("a hint");

@@ -54,7 +54,7 @@ page AS (
       -- equality (default: 0.5% of rows) it made the generic plan read every waiting task after
       -- the position through a bitmap and sort them, rather than walk the index in order, which
       -- costs the whole queue when a pass starts at its head (R0's next task, once its head
-      -- finished: 591 pages at 20,000 blocked; tests/hol_blocking.rs).
+      -- finished: 591 pages at 20,000 blocked; tests/it/hol_blocking.rs).
       AND (t.app_lock_id IS NULL) IS TRUE
       AND NOT (coalesce(t.reserved_resources_record, '{}'::text[]) && (SELECT keys FROM excluded))
       -- The bound alone too: a plain comparison every index on pulp_created can start at

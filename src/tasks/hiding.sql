@@ -10,7 +10,7 @@
 -- One look-up per name in the partial GIN index. Only the GIN match is inside the fence
 -- (OFFSET 0): a generic plan then reads that match and nothing else, never a bitmap of Pulp's
 -- plain indexes on state, app_lock_id or pulp_created (every older task), whatever the planner
--- guesses; the rest is checked on what the match returns (tests/pulp_schema.rs checks the pages
+-- guesses; the rest is checked on what the match returns (tests/it/pulp_schema.rs checks the pages
 -- it reads). Counted, so that the planner uses the index (an EXISTS would make it scan the
 -- table). Its cost is the number of incomplete tasks using the name.
 WITH named AS (

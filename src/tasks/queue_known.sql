@@ -9,7 +9,7 @@
 -- after taking that lock, so after the statement's start, but it may stamp it before a later
 -- clock reading, and commit after the read that follows. The queues would then say they know a
 -- task they never read (a ready task no pass starting where they say would reach until the next
--- load; tests/readiness_prop.rs found it).
+-- load; tests/it/readiness_prop.rs found it).
 --
 -- Returns: one timestamptz; NULL when a writer's start cannot be read (a prepared transaction,
 -- or a session of a role this one may not see): the read then says nothing about completeness.

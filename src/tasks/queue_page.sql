@@ -10,7 +10,7 @@
 -- One ordered range per incomplete state, merged: each is a range of Pulp's (state,
 -- pulp_created) index from the position, so a page reads about as many rows as it returns,
 -- whatever lies before the position (a single `state NOT IN (...)` range reads every task after
--- it, completed ones included, or sorts them; tests/pulp_schema.rs checks the pages it reads).
+-- it, completed ones included, or sorts them; tests/it/pulp_schema.rs checks the pages it reads).
 -- Read under queue_page_settings.sql (no bitmaps, no full sorts): with statistics from
 -- before a burst the generic plan otherwise bitmapped the state index and sorted every task after
 -- the position, for every page (a_queue_page_reads_a_page_not_the_backlog).

@@ -69,7 +69,7 @@ CROSS JOIN LATERAL (
         (
         -- Against its resources' users: one positive look-up in the partial GIN index, fenced
         -- from the time comparison (OFFSET 0): a generic plan would AND it with Pulp's plain
-        -- pulp_created index and read every older task (tests/pulp_schema.rs checks the pages
+        -- pulp_created index and read every older task (tests/it/pulp_schema.rs checks the pages
         -- it reads).
         SELECT count(*)
         FROM (

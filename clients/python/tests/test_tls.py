@@ -1,5 +1,5 @@
 """TLS and mutual TLS between the Python client (and pulpcore-broker-worker's options) and a real
-broker, with certificates made in the test, as tests/security.rs does for Rust."""
+broker, with certificates made in the test, as tests/it/security.rs does for Rust."""
 
 from __future__ import annotations
 

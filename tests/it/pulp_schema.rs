@@ -3,18 +3,17 @@
 //! the rows the broker writes satisfy Pulp's constraints, and readiness look-ups use Pulp's
 //! partial GIN index.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{id, shared_pg, Env};
 use dispatch_broker::metrics::Stats;
 use dispatch_broker::tasks::Tasks;
-use support::{id, shared_pg, Env};
 use uuid::Uuid;
 
-const PULP_SCHEMA: &str = include_str!("fixtures/pulpcore-3.123.1-schema.sql");
+const PULP_SCHEMA: &str = include_str!("../fixtures/pulpcore-3.123.1-schema.sql");
 
 fn pulp_database() -> String {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -760,7 +759,7 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
          PREPARE held AS {} SELECT count(*) FROM held;",
         dispatch_broker::tasks::sql::CLAIMED_SINCE.as_str(),
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
-        dispatch_broker::states::in_sql(include_str!("../src/tasks/held.sql")),
+        dispatch_broker::states::in_sql(include_str!("../../src/tasks/held.sql")),
     ))
     .await
     .unwrap();

@@ -1,13 +1,12 @@
 //! Every error status a client can get, each with a message a person can act on, and each
 //! changing nothing.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::Env;
 use dispatch_broker::proto::*;
-use support::Env;
 use tonic::Code;
 
 fn expect_code<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: Code, words: &str) {

@@ -1,11 +1,10 @@
 //! FetchTask and ClaimTask: the readiness rule end to end, against real Postgres and Redis.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashSet;
 
-use support::{id, Env};
+use crate::support::{id, Env};
 
 #[tokio::test]
 async fn hands_out_the_oldest_ready_task_once() {

@@ -1,19 +1,18 @@
 //! The lane gauge: equal to Pulp's algorithm on every queue, shared across replicas, served with
 //! its age when computing fails; the Prometheus endpoint; KEDA's external scaler over gRPC.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{eventually, own_postgres, Env};
 use dispatch_broker::externalscaler::external_scaler_client::ExternalScalerClient;
 use dispatch_broker::externalscaler::{GetMetricsRequest, ScaledObjectRef};
 use dispatch_broker::metrics::Stats;
 use dispatch_broker::tasks::Tasks;
 use proptest::prelude::*;
-use support::{eventually, own_postgres, Env};
 use tonic::Code;
 
 /// Pulp's algorithm, loaded all at once (`testkit::reference_lanes`).

@@ -1,14 +1,13 @@
 //! Authentication and TLS: a bearer token on worker calls (health and KEDA's scaler stay open), TLS
 //! with certificates made in the test (rcgen), and mutual TLS. A rejected call changes nothing.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::Env;
 use dispatch_broker::worker::{Worker, WorkerConfig};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use support::Env;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 use tonic::Code;
 

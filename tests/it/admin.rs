@@ -3,14 +3,13 @@
 //! audited revoke and force-release (and their refusals, which change nothing), paging, and the
 //! admin credential.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::{eventually, id, Env};
 use dispatch_broker::proto::admin_client::AdminClient;
 use dispatch_broker::proto::*;
-use support::{eventually, id, Env};
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use tonic::Code;

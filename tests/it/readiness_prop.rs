@@ -5,15 +5,12 @@
 //! chosen step, and racing every step), and whether background walks renew the scan hint before
 //! every pass. `PROPTEST_CASES=N` runs more cases than the default 32.
 
-#[path = "support/harness.rs"]
-mod support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{id, Env};
 use dispatch_broker::ready::Resources;
 use proptest::prelude::*;
-use support::{id, Env};
 use uuid::Uuid;
 
 /// One task of the generated queue: its record, and what happens to it before the check.

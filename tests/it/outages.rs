@@ -2,14 +2,13 @@
 //! backend, quickly, and the broker recovers on its own when the backend returns; on SIGTERM the
 //! server exits 0 and leaves leases alone.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::{eventually, id, own_postgres, Env};
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
-use support::{eventually, id, own_postgres, Env};
 use tonic::Code;
 
 fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {

@@ -2,13 +2,12 @@
 //! the lease and lock-state cases of invariants 1-5. Every test ends by checking that Redis holds
 //! exactly the locks it expects.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::{eventually, id, kill_waiting_broker_sessions, Env};
 use dispatch_broker::proto::*;
-use support::{eventually, id, kill_waiting_broker_sessions, Env};
 use tonic::Code;
 
 const TTL: Duration = Duration::from_secs(2);

@@ -1,12 +1,9 @@
 //! Leases: open, heartbeat, close, and what closing does to the lease's tasks.
 
-#[path = "support/harness.rs"]
-mod support;
-
 use std::time::Duration;
 
+use crate::support::{id, Env};
 use dispatch_broker::proto::*;
-use support::{id, Env};
 
 #[tokio::test]
 async fn open_creates_a_worker_row_that_pulp_would_accept_and_close_removes_it() {

@@ -5,13 +5,12 @@
 //! and shutdown. The safety re-check is set to a minute wherever a test proves a wake-up, so
 //! nothing but that wake-up can hand out the task.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::{eventually, id, Env};
 use dispatch_broker::proto::{FetchTaskRequest, Task};
-use support::{eventually, id, Env};
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(20);

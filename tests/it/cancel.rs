@@ -1,9 +1,8 @@
 //! CancelTask in each state.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
-use support::{id, Env};
+use crate::support::{id, Env};
 
 #[tokio::test]
 async fn a_waiting_task_is_canceled_at_once() {

@@ -3,11 +3,10 @@
 //! fetch must hand out another domain's task, and a fetch's cost in Postgres statements and Redis
 //! calls must not grow with the number of blocked tasks.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
+use crate::support::{id, Env};
 use dispatch_broker::metrics::StatsSnapshot;
-use support::{id, Env};
 use uuid::Uuid;
 
 const REPO: &str = "prn:python.repository:R0";

@@ -3,13 +3,10 @@
 //! tasks reported, rebuilt tasks adopted), background release of dropped guards, graceful
 //! shutdown, and retrying a broker that is not up yet.
 
-#[path = "support/harness.rs"]
-mod support;
-
 use std::time::Duration;
 
+use crate::support::{eventually, Env};
 use dispatch_broker::worker::{FinalState, Worker, WorkerConfig, WorkerError, WorkerEvent};
-use support::{eventually, Env};
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(20);

@@ -1,12 +1,9 @@
 //! Start-up: the broker refuses to start, with one clear line, when a backend is unreachable or
 //! the schema lacks something; `migrate` is idempotent; health and reflection are served.
 
-#[path = "support/harness.rs"]
-mod support;
-
+use crate::support::{default_args, fresh_database, shared_pg, Env};
 use dispatch_broker::server;
 use dispatch_broker::testkit::{free_port, Redis};
-use support::{default_args, fresh_database, shared_pg, Env};
 
 async fn start_error(postgres: &str, redis: &str) -> String {
     match server::start(&default_args(postgres, redis)).await {

@@ -2,18 +2,17 @@
 //! against a broker that holds live state (a running task, a claimed task whose resource names
 //! are full of Redis and Lua syntax, a waiting task, an expired lease). Each call must get the
 //! expected status with a message that says what to do, and Postgres and Redis must be exactly as
-//! they were. `cargo test --test bad_input -- --nocapture` prints the table.
+//! they were. `cargo test --test it bad_input -- --nocapture` prints the table.
 
-#[path = "support/harness.rs"]
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::support::{id, Env};
 use deadpool_redis::redis;
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
-use support::{id, Env};
 use tonic::transport::Channel;
 use tonic::Code;
 use uuid::Uuid;
