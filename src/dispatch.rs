@@ -1856,7 +1856,7 @@ impl Dispatch {
     async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<bool> {
         let (requeued, running) = self
             .tasks
-            .unclaim_unless_running(task_id, app_status)
+            .requeue_unless_running(task_id, app_status)
             .await?;
         if requeued {
             self.requeue.note_requeue(task_id).await;

@@ -65,7 +65,7 @@ impl Requeue {
         fencing_token: u64,
         started: bool,
     ) {
-        match self.tasks.unclaim(task_id, app_status, started).await {
+        match self.tasks.requeue(task_id, app_status, started).await {
             Ok(requeued) => {
                 if requeued {
                     self.note_requeue(task_id).await;

@@ -155,7 +155,7 @@ impl Sweeper {
                     continue;
                 }
                 if state == "waiting" {
-                    if self.tasks.unclaim(*task, *app_status, false).await? {
+                    if self.tasks.requeue(*task, *app_status, false).await? {
                         self.locks.note_changes(&["*"]).await?;
                         self.stats.lock_reconciled();
                         tracing::warn!(task_id = %task, "a claimed task had no lock; back in the queue");

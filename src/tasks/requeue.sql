@@ -1,7 +1,7 @@
--- unclaim.sql: puts a claimed task that has not started back in the queue.
+-- requeue.sql: puts a claimed task that has not started back in the queue.
 --
 -- $1 uuid  the task;  $2 uuid  the core_appstatus row that claimed it;  $3 bool  the grant
--- being undone started it (FetchTaskRequest.start) and was never delivered, so nobody ran it:
+-- being requeued started it (FetchTaskRequest.start) and was never delivered, so nobody ran it:
 -- running under this row, it goes back to waiting too; asked to cancel meanwhile (canceling
 -- under this row), it ends canceled, as a waiting task asked to cancel does.
 -- Otherwise never touches a task that is running, final, or claimed by someone else.

@@ -1,0 +1,252 @@
+//! Grants and releases: locking a task's resources all at once with a fencing token, checking
+//! and releasing what a holder holds, and the reconciler's list of locked tasks.
+
+use super::*;
+
+/// The outcome of trying to lock a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// Every lock is held now under the lease, with this fencing token.
+    Granted {
+        /// The token the holder must present to release.
+        fencing_token: u64,
+    },
+    /// The lease is unknown or expired.
+    LeaseGone,
+    /// The task is already locked.
+    TaskHeld,
+    /// These resources are held in a conflicting mode.
+    Blocked(Vec<String>),
+}
+
+/// The outcome of a checked release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// The locks were released now.
+    Released,
+    /// Nothing was held (already released).
+    NotHeld,
+    /// Another lease holds the task.
+    OtherLease,
+    /// This lease holds the task under a different fencing token.
+    StaleToken,
+}
+
+pub(super) fn release_code(script: &'static str, code: i64) -> Result<Release, Error> {
+    match code {
+        1 => Ok(Release::Released),
+        0 => Ok(Release::NotHeld),
+        -1 => Ok(Release::OtherLease),
+        -2 => Ok(Release::StaleToken),
+        other => Err(Error::Protocol {
+            script,
+            reply: other.to_string(),
+        }),
+    }
+}
+
+/// Parses acquire.lua's reply. Lost state comes back as `Blocked(vec![])`, which the caller
+/// turns into [`Error::StateLost`].
+pub(super) fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
+    let Value::Array(items) = &reply else {
+        return Err(protocol("acquire", &reply));
+    };
+    match (items.first(), items.get(1)) {
+        (Some(Value::Int(1)), Some(Value::Int(token))) => Ok(Acquire::Granted {
+            fencing_token: u64::try_from(*token).map_err(|_| protocol("acquire", &reply))?,
+        }),
+        (Some(Value::Int(0)), Some(reason)) => match text(Some(reason)).as_deref() {
+            Some("lease") => Ok(Acquire::LeaseGone),
+            Some("task") => Ok(Acquire::TaskHeld),
+            Some("epoch") => Ok(Acquire::Blocked(Vec::new())),
+            Some("blocked") => Ok(Acquire::Blocked(
+                items[2..].iter().filter_map(|v| text(Some(v))).collect(),
+            )),
+            _ => Err(protocol("acquire", &reply)),
+        },
+        _ => Err(protocol("acquire", &reply)),
+    }
+}
+
+impl Locks {
+    /// Locks every resource of a task for a lease in one atomic step, or nothing.
+    pub async fn acquire(
+        &self,
+        lease_id: &str,
+        task_id: &str,
+        resources: &Resources,
+    ) -> Result<Acquire, Error> {
+        let epoch = self.epoch();
+        let floor = self.known.max_token.load(Ordering::Relaxed);
+        self.acquire_in(&epoch, floor, lease_id, task_id, resources)
+            .await
+    }
+
+    /// [`Locks::acquire`] in a given lock state (a rebuild passes its own).
+    pub async fn acquire_in(
+        &self,
+        epoch: &str,
+        token_floor: u64,
+        lease_id: &str,
+        task_id: &str,
+        resources: &Resources,
+    ) -> Result<Acquire, Error> {
+        let mut invocation = self.scripts.acquire.prepare_invoke();
+        invocation
+            .key(self.keys.epoch())
+            .key(self.keys.leases())
+            .key(self.keys.lease_tasks(lease_id))
+            .key(self.keys.task(task_id))
+            .key(self.keys.fence())
+            .key(self.keys.locked());
+        for name in resources.exclusive.iter().chain(&resources.shared) {
+            invocation
+                .key(self.keys.exclusive(name))
+                .key(self.keys.shared(name));
+        }
+        invocation
+            .arg(epoch)
+            .arg(token_floor)
+            .arg(lease_id)
+            .arg(task_id)
+            .arg(resources.exclusive.len())
+            .arg(resources.shared.len());
+        for name in resources.exclusive.iter().chain(&resources.shared) {
+            invocation.arg(name);
+        }
+        let reply: Value = self.run_reading(&invocation).await?;
+        let outcome = parse_acquire(reply)?;
+        match &outcome {
+            Acquire::Granted { fencing_token } => {
+                self.known
+                    .max_token
+                    .fetch_max(*fencing_token, Ordering::Relaxed);
+            }
+            Acquire::Blocked(names) if names.is_empty() => return Err(self.state_lost()),
+            _ => {}
+        }
+        Ok(outcome)
+    }
+
+    /// Releases a task's locks if `lease_id` holds them under `fencing_token`. Also returns the
+    /// caller's lease's `core_appstatus` row ("" when the lease is gone).
+    pub async fn release(
+        &self,
+        lease_id: &str,
+        task_id: &str,
+        fencing_token: u64,
+    ) -> Result<(Release, String), Error> {
+        let (code, app_status): (i64, String) = self
+            .run(
+                self.scripts
+                    .release
+                    .key(self.keys.task(task_id))
+                    .arg(self.keys.tag())
+                    .arg(task_id)
+                    .arg(lease_id)
+                    .arg(fencing_token.to_string()),
+            )
+            .await?;
+        Ok((release_code("release", code)?, app_status))
+    }
+
+    /// Checks that a live lease holds a task under `fencing_token`: `Ok(Ok(app_status_id))` when
+    /// it does, `Ok(Err(why))` when it does not (`Release::NotHeld` standing for "lease gone").
+    pub async fn holder(
+        &self,
+        lease_id: &str,
+        task_id: &str,
+        fencing_token: u64,
+    ) -> Result<std::result::Result<String, Release>, Error> {
+        let (code, app_status): (i64, String) = self
+            .run_reading(
+                self.scripts
+                    .holder
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .key(self.keys.task(task_id))
+                    .arg(lease_id)
+                    .arg(fencing_token.to_string()),
+            )
+            .await?;
+        Ok(match release_code("holder", code)? {
+            Release::Released => Ok(app_status),
+            other => Err(other),
+        })
+    }
+
+    /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own
+    /// unclaimed grants whose acquire outcome is unknown); true when something was released.
+    pub async fn abort(&self, lease_id: &str, task_id: &str) -> Result<bool, Error> {
+        let released: i64 = self
+            .run(
+                self.scripts
+                    .abort
+                    .key(self.keys.task(task_id))
+                    .arg(self.keys.tag())
+                    .arg(task_id)
+                    .arg(lease_id),
+            )
+            .await?;
+        Ok(released == 1)
+    }
+
+    /// Releases a task's locks whoever holds them; returns the holding lease, if any. Only for
+    /// tasks that are over (canceled, final).
+    pub async fn force_release(&self, task_id: &str) -> Result<Option<String>, Error> {
+        self.run(
+            self.scripts
+                .force_release
+                .key(self.keys.task(task_id))
+                .arg(self.keys.tag())
+                .arg(task_id),
+        )
+        .await
+    }
+
+    /// Every task that holds a lock (the reconciler's list; O(locks held)).
+    pub async fn locked_task_ids(&self) -> Result<Vec<String>, Error> {
+        self.command(redis::cmd("SMEMBERS").arg(self.keys.locked()))
+            .await
+    }
+
+    /// Which of these tasks hold a lock.
+    pub async fn are_locked(&self, task_ids: &[String]) -> Result<Vec<bool>, Error> {
+        if task_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.command(
+            redis::cmd("SMISMEMBER")
+                .arg(self.keys.locked())
+                .arg(task_ids),
+        )
+        .await
+    }
+
+    /// Lists every task lock as (task id, lease id, fencing token). Scans the broker's keys: for
+    /// tests and diagnostics only, never on a request path.
+    pub async fn held_task_locks(&self) -> Result<Vec<(String, String, u64)>, Error> {
+        let mut conn = self.conn().await?;
+        let pattern = format!("{}:task:*", self.keys.tag());
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(&pattern)
+            .query_async(&mut *conn)
+            .await?;
+        let mut locks = Vec::with_capacity(keys.len());
+        for key in keys {
+            let (lease, token): (Option<String>, Option<u64>) = redis::cmd("HMGET")
+                .arg(&key)
+                .arg("lease")
+                .arg("token")
+                .query_async(&mut *conn)
+                .await?;
+            // Released between the listing and this read: not held any more.
+            if let (Some(lease), Some(token)) = (lease, token) {
+                let task = key.rsplit(':').next().unwrap_or_default().to_owned();
+                locks.push((task, lease, token));
+            }
+        }
+        locks.sort();
+        Ok(locks)
+    }
+}

@@ -1,0 +1,250 @@
+//! Leases: opening one (or adopting a rebuilt one's tasks), heartbeats, ending one (closed,
+//! expired or revoked) and the sweeper's list of expired ones.
+
+use super::*;
+
+/// A lease as the lock store keeps it.
+#[derive(Debug, Clone)]
+pub struct LeaseRecord {
+    /// Expiry in ms since the epoch, by Redis server time.
+    pub expires_at_ms: i64,
+    /// The `core_appstatus` row the lease claims tasks for.
+    pub app_status_id: String,
+    /// The worker's component versions.
+    pub versions: BTreeMap<String, String>,
+    /// The worker's name.
+    pub worker_name: String,
+}
+
+/// What a lease is opened with.
+#[derive(Debug, Clone)]
+pub struct NewLease<'a> {
+    /// The new lease's id.
+    pub lease_id: &'a str,
+    /// Time to live.
+    pub ttl: Duration,
+    /// The worker's name.
+    pub worker_name: &'a str,
+    /// The `core_appstatus` row it claims tasks for.
+    pub app_status_id: &'a str,
+    /// Whether the broker created that row (and so removes it when the lease ends).
+    pub owns_app_status: bool,
+    /// The worker's component versions.
+    pub versions: &'a BTreeMap<String, String>,
+}
+
+/// A lease whose life was just ended, and what must be cleaned up after it.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    /// Its `core_appstatus` row.
+    pub app_status_id: String,
+    /// Whether the broker created that row.
+    pub owns_app_status: bool,
+    /// The tasks it holds locks for.
+    pub task_ids: Vec<String>,
+}
+
+impl Locks {
+    /// Registers a new lease; returns its expiry (ms since the epoch, Redis server time).
+    /// `epoch` is the lock state to open it in (the known one, or a rebuild's).
+    pub async fn open_lease_in(&self, epoch: &str, lease: &NewLease<'_>) -> Result<i64, Error> {
+        let versions = serde_json::to_string(lease.versions).unwrap_or_else(|_| "{}".into());
+        let ttl_ms = lease.ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        let expires: i64 = self
+            .run_reading(
+                self.scripts
+                    .open_lease
+                    .key(self.keys.epoch())
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease.lease_id))
+                    .arg(epoch)
+                    .arg(lease.lease_id)
+                    .arg(ttl_ms)
+                    .arg(lease.worker_name)
+                    .arg(lease.app_status_id)
+                    .arg(if lease.owns_app_status { "1" } else { "0" })
+                    .arg(versions),
+            )
+            .await?;
+        match expires {
+            -2 => Err(self.state_lost()),
+            -1 => Err(Error::Protocol {
+                script: "open_lease",
+                reply: format!("lease id {} already exists", lease.lease_id),
+            }),
+            ms => Ok(ms),
+        }
+    }
+
+    /// Registers a new lease in the known lock state.
+    pub async fn open_lease(&self, lease: &NewLease<'_>) -> Result<i64, Error> {
+        self.open_lease_in(&self.epoch(), lease).await
+    }
+
+    /// Hands the locks rebuilt for `app_status_id` to `lease_id`; returns (task id, token) pairs.
+    pub async fn adopt(
+        &self,
+        app_status_id: &str,
+        lease_id: &str,
+    ) -> Result<Vec<(String, u64)>, Error> {
+        let flat: Vec<String> = self
+            .run(
+                self.scripts
+                    .adopt
+                    .key(self.keys.recovered(app_status_id))
+                    .key(self.keys.leases())
+                    .key(self.keys.lease_tasks(lease_id))
+                    .key(self.keys.epoch())
+                    .arg(self.keys.tag())
+                    .arg(lease_id)
+                    .arg(self.epoch()),
+            )
+            .await?;
+        Ok(flat
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [task, token] => Some((task.clone(), token.parse().ok()?)),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id))`, or `None` when the
+    /// lease is unknown or expired.
+    pub async fn heartbeat(&self, lease_id: &str) -> Result<Option<(i64, String)>, Error> {
+        let reply: Vec<Value> = self
+            .run_reading(
+                self.scripts
+                    .heartbeat
+                    .key(self.keys.epoch())
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .arg(self.epoch())
+                    .arg(lease_id),
+            )
+            .await?;
+        match reply.first() {
+            Some(Value::Int(1)) => {
+                let expires = int(reply.get(1)).ok_or_else(|| protocol("heartbeat", &reply))?;
+                let app_status = text(reply.get(2)).unwrap_or_default();
+                Ok(Some((expires, app_status)))
+            }
+            Some(Value::Int(0)) => Ok(None),
+            Some(Value::Int(-2)) => Err(self.state_lost()),
+            _ => Err(protocol("heartbeat", &reply)),
+        }
+    }
+
+    /// Reads a live lease; `None` when it is unknown or expired.
+    pub async fn lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, Error> {
+        Ok(self
+            .lease_and_changes(lease_id, None)
+            .await?
+            .map(|(lease, _)| lease))
+    }
+
+    /// Ends a lease's life now (no more grants or heartbeats) and returns what it held; `None`
+    /// when the lease is unknown. `rotate` moves an already expired lease behind the others.
+    pub async fn expire_now(&self, lease_id: &str, rotate: bool) -> Result<Option<Ending>, Error> {
+        let reply: Vec<String> = self
+            .run(
+                self.scripts
+                    .expire_now
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .key(self.keys.lease_tasks(lease_id))
+                    .arg(lease_id)
+                    .arg(if rotate { "rotate" } else { "" }),
+            )
+            .await?;
+        let mut items = reply.into_iter();
+        let Some(app_status_id) = items.next() else {
+            return Ok(None);
+        };
+        let owns_app_status = items.next().as_deref() == Some("1");
+        Ok(Some(Ending {
+            app_status_id,
+            owns_app_status,
+            task_ids: items.collect(),
+        }))
+    }
+
+    /// Removes a lease and releases all its locks; `None` when the lease is unknown. With a
+    /// `sweeper` id, only an expired lease is closed, and only while that sweeper holds the
+    /// sweeper lock (`Some(None)` otherwise: nothing changed).
+    pub async fn close_lease(
+        &self,
+        lease_id: &str,
+        sweeper: Option<&str>,
+    ) -> Result<Option<Option<u32>>, Error> {
+        let released: i64 = self
+            .run(
+                self.scripts
+                    .close_lease
+                    .key(self.keys.leases())
+                    .key(self.keys.lease(lease_id))
+                    .key(self.keys.lease_tasks(lease_id))
+                    .key(self.keys.sweeper())
+                    .arg(self.keys.tag())
+                    .arg(lease_id)
+                    .arg(sweeper.unwrap_or("")),
+            )
+            .await?;
+        Ok(match released {
+            -1 => None,
+            -3 => Some(None),
+            n => Some(u32::try_from(n).ok()),
+        })
+    }
+
+    /// The sweeper's turn: `Some(expired lease ids)` when `sweeper` holds (or now took) the
+    /// sweeper lock, `None` when another replica does.
+    pub async fn expired_leases(
+        &self,
+        sweeper: &str,
+        lock_ttl: Duration,
+        limit: usize,
+    ) -> Result<Option<Vec<String>>, Error> {
+        let reply: Vec<Value> = self
+            .run_reading(
+                self.scripts
+                    .expired
+                    .key(self.keys.sweeper())
+                    .key(self.keys.leases())
+                    .arg(sweeper)
+                    .arg(lock_ttl.as_millis() as u64)
+                    .arg(limit),
+            )
+            .await?;
+        match reply.first() {
+            Some(Value::Int(1)) => Ok(Some(
+                reply[1..].iter().filter_map(|v| text(Some(v))).collect(),
+            )),
+            Some(Value::Int(0)) => Ok(None),
+            _ => Err(protocol("expired", &reply)),
+        }
+    }
+
+    /// Drops a lease id from the expiry set when nothing else of it exists (a leftover).
+    pub async fn forget_lease(&self, lease_id: &str) -> Result<(), Error> {
+        self.command::<i64>(redis::cmd("ZREM").arg(self.keys.leases()).arg(lease_id))
+            .await
+            .map(|_| ())
+    }
+
+    /// Live leases (not yet expired by Redis server time).
+    pub async fn live_lease_count(&self) -> Result<u64, Error> {
+        let reply: Vec<Value> = self.command(&redis::cmd("TIME")).await?;
+        let now_ms = text(reply.first())
+            .and_then(|s| s.parse::<i64>().ok())
+            .map(|s| s * 1000)
+            .unwrap_or(0);
+        self.command(
+            redis::cmd("ZCOUNT")
+                .arg(self.keys.leases())
+                .arg(format!("({now_ms}"))
+                .arg("+inf"),
+        )
+        .await
+    }
+}
