@@ -362,6 +362,9 @@ async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
     let mut env = Env::new().await;
     env.task(&["a"]).await;
     let mut impatient = config("w");
+    // A lease that cannot expire while the test waits (LONG): only the worker's retry can
+    // release the locks, not the sweeper ending the lease while the broker was away.
+    impatient.ttl = Duration::from_secs(60);
     impatient.retry = dispatch_broker::worker::RetryPolicy {
         initial: Duration::from_millis(20),
         max: Duration::from_millis(50),
