@@ -3,11 +3,10 @@
 
 use crate::support;
 
-use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{eventually, own_postgres, Env};
+use crate::support::{eventually, metric, own_postgres, BrokerProcess, Env};
 use dispatch_broker::externalscaler::external_scaler_client::ExternalScalerClient;
 use dispatch_broker::externalscaler::{GetMetricsRequest, ScaledObjectRef};
 use dispatch_broker::metrics::Stats;
@@ -330,48 +329,57 @@ async fn without_the_lanes_index_the_gauge_reads_the_whole_queue_every_time() {
     env.shutdown().await;
 }
 
-fn get(addr: std::net::SocketAddr, path: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut body = String::new();
-    stream.read_to_string(&mut body).unwrap();
-    body
+/// A world whose broker's gauge settings are those of the broker processes below
+/// (`--lane-cutoff 0s --lane-interval 100ms --lane-refresh 50ms`): its lanes lock lapses 100 ms
+/// after it stops, so a process started then is the one replica that counts.
+fn quick_gauge(a: &mut dispatch_broker::config::ServeArgs) {
+    a.lanes.cutoff = Duration::ZERO;
+    a.lanes.interval = Duration::from_millis(100);
+    a.lanes.refresh = Duration::from_millis(50);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
-    let mut env = Env::with(|a| {
-        a.lanes.cutoff = Duration::ZERO;
-        a.lanes.interval = Duration::from_millis(100);
-        a.lanes.refresh = Duration::from_millis(50);
-    })
-    .await;
+    // A broker process of its own, the only replica: its /metrics shows its own series only.
+    let mut env = Env::with(quick_gauge).await;
+    env.broker.take().unwrap().shutdown().await.unwrap();
     env.task(&["a"]).await;
     env.task(&["a"]).await;
     env.task(&["b"]).await;
-    let lease = env.open("w").await;
-    assert!(env.fetch(&lease).await.is_some());
-    let lanes = Arc::clone(&env.broker().lanes);
-    eventually(Duration::from_secs(10), || async {
-        lanes.current().lanes == 2 && lanes.current().live_leases == 1
+    let broker = BrokerProcess::start(
+        &env.db_url,
+        &env.redis.url(),
+        &[
+            "--lane-cutoff",
+            "0s",
+            "--lane-interval",
+            "100ms",
+            "--lane-refresh",
+            "50ms",
+        ],
+        &[],
+    )
+    .await;
+    let mut client = broker.client().await;
+    let lease = support::open_on(&mut client, "w").await;
+    assert!(support::fetch_on(&mut client, &lease).await.is_some());
+    // Two lanes (a, and b), one live lease: Pulp's KEDA gauge is one.
+    let served = eventually(Duration::from_secs(10), || async {
+        let page = broker.metrics().await;
+        metric(&page, "dispatch_lanes") == Some(2.0)
+            && metric(&page, "dispatch_live_leases") == Some(1.0)
     })
-    .await
-    .expect("two lanes (a and b), one live lease");
-    assert_eq!(lanes.current().waiting_tasks(), 1);
-    let addr = env.broker().metrics_addr;
-    let body = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
-        .await
-        .unwrap();
-    assert!(
-        body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"),
-        "{body}"
+    .await;
+    let page = broker.metrics().await;
+    assert!(served.is_some(), "two lanes and one live lease:\n{page}");
+    assert_eq!(metric(&page, "dispatch_waiting_tasks"), Some(1.0), "{page}");
+    assert_eq!(
+        metric(&page, "dispatch_fetch_total{outcome=\"claimed\"}"),
+        Some(1.0),
+        "its one fetch, and no other broker's:\n{page}"
     );
     for name in [
-        "dispatch_lanes ",
-        "dispatch_waiting_tasks ",
-        "dispatch_live_leases ",
         "dispatch_lane_age_seconds ",
-        "dispatch_fetch_total{outcome=\"claimed\"}",
         "dispatch_rpc_duration_seconds_bucket{method=\"FetchTask\",status=\"Ok\"",
         "dispatch_fetch_postgres_statements_bucket",
         "dispatch_fetch_redis_calls_bucket",
@@ -379,9 +387,8 @@ async fn the_gauge_is_served_to_prometheus_with_the_other_metrics() {
         "# HELP dispatch_lanes",
         "dispatch_lane_passes_total{kind=\"full\"}",
     ] {
-        assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
+        assert!(page.contains(name), "/metrics lacks {name}:\n{page}");
     }
-    env.shutdown().await;
 }
 
 /// The cut-off of [`gauge_env`]'s gauge: not zero, so that a statement of the broker writing
@@ -524,12 +531,53 @@ async fn when_computing_fails_the_last_value_is_served_with_its_age() {
         "its age grows: {:?}",
         served.age()
     );
-    let addr = env.broker().metrics_addr;
-    let body = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+    env.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_computation_is_counted_on_metrics_and_the_last_value_still_served() {
+    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
         .await
         .unwrap();
-    assert!(body.contains("dispatch_lane_errors_total"), "{body}");
-    env.shutdown().await;
+    let mut env = Env::on(url.clone(), redis, quick_gauge).await;
+    env.broker.take().unwrap().shutdown().await.unwrap();
+    env.task(&["a"]).await;
+    let broker = BrokerProcess::start(
+        &url,
+        &env.redis.url(),
+        &[
+            "--lane-cutoff",
+            "0s",
+            "--lane-interval",
+            "100ms",
+            "--lane-refresh",
+            "50ms",
+            "--backend-timeout",
+            "300ms",
+        ],
+        &[],
+    )
+    .await;
+    let counted = |series: &'static str, want: fn(f64) -> bool| {
+        let broker = &broker;
+        move || async move { metric(&broker.metrics().await, series).is_some_and(want) }
+    };
+    eventually(
+        Duration::from_secs(10),
+        counted("dispatch_lanes", |v| v == 1.0),
+    )
+    .await
+    .expect("one lane");
+    tokio::task::block_in_place(|| pg.kill());
+    eventually(
+        Duration::from_secs(20),
+        counted("dispatch_lane_errors_total", |v| v >= 1.0),
+    )
+    .await
+    .expect("the failed computations are counted");
+    let page = broker.metrics().await;
+    assert_eq!(metric(&page, "dispatch_lanes"), Some(1.0), "{page}");
 }
 
 fn scaled(metadata: &[(&str, &str)]) -> ScaledObjectRef {

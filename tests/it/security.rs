@@ -221,39 +221,15 @@ async fn the_server_binary_reads_dispatch_auth_token() {
     // The variable itself, as a deployment sets it: the real binary, no token on its command
     // line, the worker's token only in DISPATCH_AUTH_TOKEN (with the spaces a Secret may carry).
     let env = Env::new().await;
-    let port = dispatch_broker::testkit::free_port().unwrap();
-    let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"));
-    serve
-        .args(["serve", "--postgres-url", &env.db_url, "--redis-url"])
-        .arg(env.redis.url())
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    for (name, _) in std::env::vars().filter(|(n, _)| n.starts_with("DISPATCH_")) {
-        serve.env_remove(name);
-    }
-    serve.env("DISPATCH_AUTH_TOKEN", format!(" {TOKEN}\n"));
-    struct KillOnDrop(std::process::Child);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = KillOnDrop(serve.spawn().expect("start the server binary"));
-    let endpoint = format!("http://127.0.0.1:{port}");
-    // Until the broker listens, connecting fails with UNAVAILABLE; then the answers count.
-    let mut wrong = Worker::connect(&endpoint, config(Some("wrong"), None)).await;
-    for _ in 0..600 {
-        match &wrong {
-            Err(e) if e.code() == Some(Code::Unavailable) => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                wrong = Worker::connect(&endpoint, config(Some("wrong"), None)).await;
-            }
-            _ => break,
-        }
-    }
+    let broker = support::BrokerProcess::start(
+        &env.db_url,
+        &env.redis.url(),
+        &[],
+        &[("DISPATCH_AUTH_TOKEN", &format!(" {TOKEN}\n"))],
+    )
+    .await;
+    let endpoint = format!("http://{}", broker.addr);
+    let wrong = Worker::connect(&endpoint, config(Some("wrong"), None)).await;
     let Err(err) = wrong else {
         panic!("a wrong token is accepted")
     };

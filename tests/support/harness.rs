@@ -734,3 +734,96 @@ pub fn no_fetch_reads_more_at_20_000(case: &str, small: &[i64], large: &[i64]) {
         "fetches read {large:?} pages at 20,000 blocked, {small:?} at 1,000 ({case})"
     );
 }
+
+/// A broker as a process of its own (the server binary, `serve`), for what is process-wide in
+/// the library: the environment a deployment sets, and the Prometheus recorder (one per process,
+/// so `/metrics` shows this broker's series only). Killed when dropped.
+pub struct BrokerProcess {
+    child: std::process::Child,
+    /// Its gRPC address.
+    pub addr: std::net::SocketAddr,
+    /// Its metrics address.
+    pub metrics_addr: std::net::SocketAddr,
+}
+
+impl BrokerProcess {
+    /// Starts `dispatch-broker serve` on `db_url` and `redis_url` with `args` added, its
+    /// environment without the test process's `DISPATCH_*` variables but with `vars`, and waits
+    /// until both its ports accept connections.
+    pub async fn start(
+        db_url: &str,
+        redis_url: &str,
+        args: &[&str],
+        vars: &[(&str, &str)],
+    ) -> BrokerProcess {
+        let port = || dispatch_broker::testkit::free_port().expect("a free port");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{}", port()).parse().unwrap();
+        let metrics_addr: std::net::SocketAddr = format!("127.0.0.1:{}", port()).parse().unwrap();
+        let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"));
+        serve
+            .args(["serve", "--postgres-url", db_url, "--redis-url", redis_url])
+            .args(["--listen", &addr.to_string()])
+            .args(["--metrics-listen", &metrics_addr.to_string()])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        for (name, _) in std::env::vars().filter(|(n, _)| n.starts_with("DISPATCH_")) {
+            serve.env_remove(name);
+        }
+        serve.envs(vars.iter().copied());
+        let process = BrokerProcess {
+            child: serve.spawn().expect("start the server binary"),
+            addr,
+            metrics_addr,
+        };
+        for at in [addr, metrics_addr] {
+            eventually(Duration::from_secs(30), || async move {
+                tokio::net::TcpStream::connect(at).await.is_ok()
+            })
+            .await
+            .expect("the broker process listens");
+        }
+        process
+    }
+
+    /// A client of it.
+    pub async fn client(&self) -> BrokerClient<Channel> {
+        BrokerClient::connect(format!("http://{}", self.addr))
+            .await
+            .expect("connect to the broker process")
+    }
+
+    /// Its `/metrics` page (Prometheus' text format).
+    pub async fn metrics(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr)
+            .await
+            .expect("connect to /metrics");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut body = String::new();
+        stream.read_to_string(&mut body).await.unwrap();
+        assert!(
+            body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"),
+            "{body}"
+        );
+        body
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of the series `series` (its name with labels, as `/metrics` prints it) in a
+/// Prometheus text page, if it is there.
+pub fn metric(page: &str, series: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+}
