@@ -100,7 +100,7 @@ pub struct Older {
     /// `pulp_id`.
     pub id: Uuid,
     /// `state`.
-    pub state: String,
+    pub state: TaskState,
     /// `name`.
     pub name: String,
     /// `pulp_created`.
@@ -118,7 +118,7 @@ pub struct Explanation {
     /// `name`.
     pub name: String,
     /// `state`.
-    pub state: String,
+    pub state: TaskState,
     /// `pulp_created`.
     pub created: DateTime<Utc>,
     /// Its resources.
@@ -282,7 +282,7 @@ impl Admin {
             .task_facts(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
-        let task = if facts_row.state == "waiting" && facts_row.app_lock_id.is_none() {
+        let task = if facts_row.state == TaskState::Waiting && facts_row.app_lock_id.is_none() {
             // Through the GIN index (no resource queues here): an operator's question, not on
             // the fetch path.
             self.tasks
@@ -303,7 +303,7 @@ impl Admin {
         let mut explanation = Explanation {
             task_id,
             name: task.row.name.clone(),
-            state: task.state.clone(),
+            state: task.state,
             created: task.row.created,
             resources: candidate.resources.clone(),
             versions: candidate.versions.clone(),
@@ -316,7 +316,7 @@ impl Admin {
             live_leases: facts.live_leases,
             incompatible_with_every_live_lease: false,
         };
-        if TaskState::is_final_name(&task.state) {
+        if task.state.is_final() {
             explanation.summary = match &explanation.holder {
                 None => format!("{}: finished, holds nothing", task.state),
                 Some(h) => format!(
@@ -327,7 +327,7 @@ impl Admin {
             };
             return Ok(explanation);
         }
-        if task.state != "waiting" {
+        if task.state != TaskState::Waiting {
             explanation.summary = match &explanation.holder {
                 Some(h) => format!("{} on {}", task.state, h.describe()),
                 None => format!(

@@ -1654,7 +1654,7 @@ impl Dispatch {
         let own_mark = task
             .app_lock_id
             .is_some_and(|a| a.to_string() == lease.app_status_id);
-        if task.state != "waiting" || (task.app_lock_id.is_some() && !own_mark) {
+        if task.state != TaskState::Waiting || (task.app_lock_id.is_some() && !own_mark) {
             return Ok(None);
         }
         if ready::judge(
@@ -2002,20 +2002,20 @@ impl Dispatch {
     /// any locks held for it; a running one becomes canceling and its holder hears of it in the
     /// next heartbeat reply; a final task is unchanged (and any lock left for it is released, so
     /// a retry after a failure half-way completes the cancel).
-    pub async fn cancel(&self, task_id: Uuid) -> Result<(String, bool)> {
+    pub async fn cancel(&self, task_id: Uuid) -> Result<(TaskState, bool)> {
         let this = self.clone();
         tokio::spawn(async move { this.cancel_once(task_id).await })
             .await
             .map_err(|e| Error::Internal(format!("cancel: {e}")))?
     }
 
-    async fn cancel_once(&self, task_id: Uuid) -> Result<(String, bool)> {
+    async fn cancel_once(&self, task_id: Uuid) -> Result<(TaskState, bool)> {
         let cancel = self
             .tasks
             .cancel(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
-        if TaskState::is_final_name(&cancel.after) {
+        if cancel.after.is_final() {
             match self.locks.force_release(&task_id.to_string()).await? {
                 Some(holder) => {
                     self.stats.locks_released("cancel", 1);
@@ -2023,7 +2023,9 @@ impl Dispatch {
                 }
                 // A waiting task that held no lock reserved its resources all the same: tasks
                 // behind it may be ready now.
-                None if cancel.before == "waiting" => self.locks.note_changes(&["*"]).await?,
+                None if cancel.before == TaskState::Waiting => {
+                    self.locks.note_changes(&["*"]).await?
+                }
                 None => {}
             }
             return Ok((cancel.after, false));

@@ -275,7 +275,7 @@ impl proto::broker_server::Broker for BrokerService {
         let (state, holder_notified) = self.dispatch.cancel(task_id).instrument(span).await?;
         self.dispatch.wake();
         Ok(Response::new(proto::CancelTaskResponse {
-            state,
+            state: state.to_string(),
             holder_notified,
         }))
     }

@@ -68,7 +68,7 @@ pub struct Beat {
 
 /// What ending a lease did.
 #[derive(Debug, Clone, Default)]
-pub struct Closed {
+pub struct LeaseEnded {
     /// Task locks released.
     pub released_locks: u32,
     /// Claimed tasks put back in the queue.
@@ -236,7 +236,7 @@ impl Leases {
     }
 
     /// CloseLease: ends the lease now, as described in the module docs.
-    pub async fn close(&self, lease_id: Uuid) -> Result<Closed> {
+    pub async fn close(&self, lease_id: Uuid) -> Result<LeaseEnded> {
         let closed = self
             .end(&lease_id.to_string(), CLOSED_WHILE_RUNNING, None, "close")
             .await?
@@ -253,7 +253,7 @@ impl Leases {
         lease_id: &str,
         reason: &str,
         path: &'static str,
-    ) -> Result<Option<Closed>> {
+    ) -> Result<Option<LeaseEnded>> {
         self.end(lease_id, reason, None, path).await
     }
 
@@ -266,7 +266,7 @@ impl Leases {
         reason: &str,
         sweeper: Option<&str>,
         path: &'static str,
-    ) -> Result<Option<Closed>> {
+    ) -> Result<Option<LeaseEnded>> {
         let Some(ending) = self.locks.expire_now(lease_id, sweeper.is_some()).await? else {
             if sweeper.is_some() {
                 // An expiry entry without its lease: nothing to clean up but the entry.
@@ -301,7 +301,7 @@ impl Leases {
             _ => return Ok(None),
         };
         self.stats.locks_released(path, u64::from(released));
-        Ok(Some(Closed {
+        Ok(Some(LeaseEnded {
             released_locks: released,
             requeued_tasks: ended.requeued,
             failed_tasks: ended.failed,

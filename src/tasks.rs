@@ -240,7 +240,7 @@ pub struct TaskWithState {
     /// The task.
     pub row: TaskRow,
     /// `state`.
-    pub state: String,
+    pub state: TaskState,
     /// `app_lock_id`.
     pub app_lock_id: Option<Uuid>,
 }
@@ -249,16 +249,16 @@ pub struct TaskWithState {
 #[derive(Debug, Clone)]
 pub struct Cancel {
     /// The state before the call.
-    pub before: String,
+    pub before: TaskState,
     /// The state after the call.
-    pub after: String,
+    pub after: TaskState,
     /// Who had claimed the task.
     pub app_lock_id: Option<Uuid>,
 }
 
 /// What closing a lease did to its tasks.
 #[derive(Debug, Clone, Default)]
-pub struct Closed {
+pub struct LeaseTasksEnded {
     /// Claimed tasks put back in the queue.
     pub requeued: u32,
     /// Running tasks failed.
@@ -288,7 +288,7 @@ pub struct OlderTask {
     /// `pulp_id`.
     pub id: Uuid,
     /// `state`.
-    pub state: String,
+    pub state: TaskState,
     /// `name`.
     pub name: String,
     /// Its resources.
@@ -639,7 +639,7 @@ impl Tasks {
             .tasks_looked_up(ids, near)
             .await?
             .into_iter()
-            .filter(|t| t.state == "waiting" && t.app_lock_id.is_none())
+            .filter(|t| t.state == TaskState::Waiting && t.app_lock_id.is_none())
             .map(|t| t.row)
             .collect();
         rows.sort_by_key(|r| (r.created, r.id));
@@ -794,12 +794,12 @@ impl Tasks {
         let Some(row) = rows.first() else {
             return Ok(None);
         };
-        let before: String = row.try_get(0)?;
+        let before = state_at(row, 0)?;
         let app_lock_id: Option<Uuid> = row.try_get(1)?;
         let changed = self.timed(tx.query(&cancel_stmt, &[&task])).await?;
         let after = match changed.first() {
-            Some(r) => r.try_get(0)?,
-            None => before.clone(),
+            Some(r) => state_at(r, 0)?,
+            None => before,
         };
         self.timed(tx.commit()).await?;
         Ok(Some(Cancel {
@@ -867,7 +867,7 @@ impl Tasks {
         task_ids: &[Uuid],
         reason: &str,
         owned_row: bool,
-    ) -> Result<Closed, Error> {
+    ) -> Result<LeaseTasksEnded, Error> {
         let mut client = self.client().await?;
         let end = client.prepare_cached(sql::END_TASKS).await?;
         let requeue = client.prepare_cached(sql::REQUEUE_CLAIMED).await?;
@@ -888,7 +888,7 @@ impl Tasks {
             self.timed(tx.execute(&delete, &[&app_status])).await?;
         }
         self.timed(tx.commit()).await?;
-        Ok(Closed {
+        Ok(LeaseTasksEnded {
             requeued: requeued as u32,
             failed: failed as u32,
         })
@@ -913,11 +913,14 @@ impl Tasks {
     }
 
     /// Claimed incomplete tasks untouched for `quiet`: `(id, state, app_lock_id)`.
-    pub async fn claimed_since(&self, quiet: Duration) -> Result<Vec<(Uuid, String, Uuid)>, Error> {
+    pub async fn claimed_since(
+        &self,
+        quiet: Duration,
+    ) -> Result<Vec<(Uuid, TaskState, Uuid)>, Error> {
         let secs = quiet.as_secs_f64();
         let rows = self.query_read(&sql::CLAIMED_SINCE, &[&secs]).await?;
         rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .map(|r| Ok((r.try_get(0)?, state_at(r, 1)?, r.try_get(2)?)))
             .collect()
     }
 
@@ -937,7 +940,7 @@ impl Tasks {
                 let record: Vec<String> = r.try_get(3)?;
                 Ok(OlderTask {
                     id: r.try_get(0)?,
-                    state: r.try_get(1)?,
+                    state: state_at(r, 1)?,
                     name: r.try_get(2)?,
                     resources: Resources::from_record(&record),
                     created: r.try_get(4)?,
@@ -1206,11 +1209,18 @@ where
     }
 }
 
+/// The task state in column `at` of `row`; a state Pulp does not have is a schema error.
+fn state_at(row: &Row, at: usize) -> Result<TaskState, Error> {
+    let state: String = row.try_get(at)?;
+    TaskState::parse(&state)
+        .ok_or_else(|| Error::Schema(format!("core_task.state {state:?} is no state Pulp has")))
+}
+
 /// A row of task.sql or task_facts.sql.
 fn task_with_state(row: &Row) -> Result<TaskWithState, Error> {
     Ok(TaskWithState {
         row: task_row(row)?,
-        state: row.try_get(7)?,
+        state: state_at(row, 7)?,
         app_lock_id: row.try_get(8)?,
     })
 }

@@ -127,7 +127,7 @@ impl From<admin::Explanation> for proto::Explanation {
         proto::Explanation {
             task_id: e.task_id.to_string(),
             name: e.name,
-            state: e.state,
+            state: e.state.to_string(),
             created_at: Some(to_timestamp(e.created)),
             exclusive_resources: e.resources.exclusive,
             shared_resources: e.resources.shared,
@@ -140,7 +140,7 @@ impl From<admin::Explanation> for proto::Explanation {
                 .into_iter()
                 .map(|o| proto::OlderTask {
                     task_id: o.id.to_string(),
-                    state: o.state,
+                    state: o.state.to_string(),
                     name: o.name,
                     created_at: Some(to_timestamp(o.created)),
                     age: duration((now - o.created).to_std().unwrap_or_default()),

@@ -28,6 +28,7 @@ use super::{Leases, WORKER_MISSING};
 use crate::error::Result;
 use crate::locks::Locks;
 use crate::metrics::Stats;
+use crate::states::TaskState;
 use crate::tasks::Tasks;
 use std::sync::Arc;
 
@@ -154,7 +155,7 @@ impl Sweeper {
                 if has_lock {
                     continue;
                 }
-                if state == "waiting" {
+                if *state == TaskState::Waiting {
                     if self.tasks.requeue(*task, *app_status, false).await? {
                         self.locks.note_changes(&["*"]).await?;
                         self.stats.lock_reconciled();
