@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use crate::dispatch::Queue;
 use crate::error::{Error, Result};
+use crate::ids::FencingToken;
 use crate::lanes::Lanes;
 use crate::leases::{from_ms, Leases};
 use crate::locks::{HeldLock, LeaseView, Locks};
@@ -50,7 +51,7 @@ pub struct Holder {
     /// The lease's worker; `None` when the lease record is gone.
     pub worker: Option<String>,
     /// The grant's fencing token.
-    pub fencing_token: u64,
+    pub fencing_token: FencingToken,
     /// The lease's expiry; `None` when the lease record is gone.
     pub lease_expires_at: Option<DateTime<Utc>>,
     /// The lease is alive now (Redis server time).
@@ -755,7 +756,7 @@ fn resource_locks(grouped: BTreeMap<(String, Mode), Vec<Holder>>) -> Vec<Resourc
 
 /// ListLocks order: oldest grant first (fencing tokens only grow), then resource and mode.
 fn lock_order(l: &ResourceLock) -> (u64, &str, Mode) {
-    let oldest = l.holders.first().map(|h| h.fencing_token).unwrap_or(0);
+    let oldest = l.holders.first().map(|h| h.fencing_token.0).unwrap_or(0);
     (oldest, l.resource.as_str(), l.mode)
 }
 

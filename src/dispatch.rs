@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::ids::FencingToken;
 use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
@@ -58,7 +59,7 @@ pub struct Grant {
     /// The task's resources.
     pub resources: Resources,
     /// The token the holder presents to start, finish or release the task.
-    pub fencing_token: u64,
+    pub fencing_token: FencingToken,
     /// `immediate`.
     pub immediate: bool,
     /// `pulp_created`.
@@ -1814,7 +1815,7 @@ impl Dispatch {
                         .await;
                     return Ok(Attempt::LeaseGone);
                 }
-                tracing::info!(task_id = %row.id, %lease_id, fencing_token, "task handed out");
+                tracing::info!(task_id = %row.id, %lease_id, %fencing_token, "task handed out");
                 Ok(Attempt::Granted(Grant {
                     task_id: row.id,
                     name: row.name.clone(),
@@ -1870,7 +1871,7 @@ impl Dispatch {
         &self,
         lease_id: Uuid,
         task_id: Uuid,
-        fencing_token: u64,
+        fencing_token: FencingToken,
     ) -> Result<DateTime<Utc>> {
         let app_status = self.holder(lease_id, task_id, fencing_token).await?;
         self.tasks.start(task_id, app_status).await?.ok_or_else(|| {
@@ -1886,7 +1887,7 @@ impl Dispatch {
         &self,
         lease_id: Uuid,
         task_id: Uuid,
-        fencing_token: u64,
+        fencing_token: FencingToken,
         finish: Finish,
     ) -> Result<(String, bool)> {
         let app_status = self.holder(lease_id, task_id, fencing_token).await?;
@@ -1922,7 +1923,12 @@ impl Dispatch {
         Ok((state, released))
     }
 
-    async fn holder(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<Uuid> {
+    async fn holder(
+        &self,
+        lease_id: Uuid,
+        task_id: Uuid,
+        fencing_token: FencingToken,
+    ) -> Result<Uuid> {
         match self
             .locks
             .holder(&lease_id.to_string(), &task_id.to_string(), fencing_token)
@@ -1944,7 +1950,12 @@ impl Dispatch {
     /// ReleaseLocks: releases a task's locks for its holder. Idempotent: `false` when nothing was
     /// held. A claimed task that never started goes back to the queue first, so a failure
     /// half-way leaves it claimed and locked, and a retry completes the release.
-    pub async fn release(&self, lease_id: Uuid, task_id: Uuid, fencing_token: u64) -> Result<bool> {
+    pub async fn release(
+        &self,
+        lease_id: Uuid,
+        task_id: Uuid,
+        fencing_token: FencingToken,
+    ) -> Result<bool> {
         let lease = lease_id.to_string();
         let task = task_id.to_string();
         // The claim goes back first, while the locks still cover it. When the holder check

@@ -12,6 +12,7 @@ pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod grpc;
+pub mod ids;
 pub mod keda;
 pub mod lanes;
 pub mod leases;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{Grant, Passes};
+use crate::ids::FencingToken;
 use crate::locks::{Locks, Release, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -62,7 +63,7 @@ impl Requeue {
         task_id: Uuid,
         app_status: Uuid,
         lease_id: &str,
-        fencing_token: u64,
+        fencing_token: FencingToken,
         started: bool,
     ) {
         match self.tasks.requeue(task_id, app_status, started).await {
@@ -84,7 +85,7 @@ impl Requeue {
         &self,
         lease_id: &str,
         task_id: &str,
-        fencing_token: u64,
+        fencing_token: FencingToken,
     ) {
         for attempt in 0..3u32 {
             match self.locks.release(lease_id, task_id, fencing_token).await {

@@ -104,7 +104,7 @@ impl From<admin::Holder> for proto::LockHolder {
             task_id: h.task_id,
             lease_id: h.lease_id,
             worker_name: h.worker.unwrap_or_default(),
-            fencing_token: h.fencing_token,
+            fencing_token: h.fencing_token.0,
             lease_expires_at: h.lease_expires_at.map(to_timestamp),
             lease_alive: h.lease_alive,
         }

@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use crate::config::LimitArgs;
 use crate::dispatch::{Finish, Grant};
+use crate::ids::FencingToken;
 use crate::leases::OpenLease;
 use crate::proto;
 use crate::ready::is_valid_release;
@@ -33,13 +34,13 @@ fn echo(value: &str) -> String {
 }
 
 /// A fencing token must be one the broker handed out (never 0).
-pub fn fencing_token(token: u64) -> Result<u64, Status> {
+pub fn fencing_token(token: u64) -> Result<FencingToken, Status> {
     if token == 0 {
         return Err(Status::invalid_argument(
             "fencing_token is required: pass the token that came with the task",
         ));
     }
-    Ok(token)
+    Ok(FencingToken(token))
 }
 
 /// An optional, non-negative duration; unset is zero.
@@ -174,7 +175,7 @@ impl From<Grant> for proto::Task {
             name: grant.name,
             exclusive_resources: grant.resources.exclusive,
             shared_resources: grant.resources.shared,
-            fencing_token: grant.fencing_token,
+            fencing_token: grant.fencing_token.0,
             immediate: grant.immediate,
             created_at: Some(to_timestamp(grant.created_at)),
             started_at: grant.started_at.map(to_timestamp),

@@ -2,6 +2,7 @@
 //! and releasing what a holder holds, and the reconciler's list of locked tasks.
 
 use super::*;
+use crate::ids::FencingToken;
 
 /// The outcome of trying to lock a task.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -9,7 +10,7 @@ pub enum Acquire {
     /// Every lock is held now under the lease, with this fencing token.
     Granted {
         /// The token the holder must present to release.
-        fencing_token: u64,
+        fencing_token: FencingToken,
     },
     /// The lease is unknown or expired.
     LeaseGone,
@@ -53,7 +54,9 @@ pub(super) fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
     };
     match (items.first(), items.get(1)) {
         (Some(Value::Int(1)), Some(Value::Int(token))) => Ok(Acquire::Granted {
-            fencing_token: u64::try_from(*token).map_err(|_| protocol("acquire", &reply))?,
+            fencing_token: FencingToken(
+                u64::try_from(*token).map_err(|_| protocol("acquire", &reply))?,
+            ),
         }),
         (Some(Value::Int(0)), Some(reason)) => match text(Some(reason)).as_deref() {
             Some("lease") => Ok(Acquire::LeaseGone),
@@ -120,7 +123,7 @@ impl Locks {
             Acquire::Granted { fencing_token } => {
                 self.known
                     .max_token
-                    .fetch_max(*fencing_token, Ordering::Relaxed);
+                    .fetch_max(fencing_token.0, Ordering::Relaxed);
             }
             Acquire::Blocked(names) if names.is_empty() => return Err(self.state_lost()),
             _ => {}
@@ -134,7 +137,7 @@ impl Locks {
         &self,
         lease_id: &str,
         task_id: &str,
-        fencing_token: u64,
+        fencing_token: FencingToken,
     ) -> Result<(Release, String), Error> {
         let (code, app_status): (i64, String) = self
             .run(
@@ -156,7 +159,7 @@ impl Locks {
         &self,
         lease_id: &str,
         task_id: &str,
-        fencing_token: u64,
+        fencing_token: FencingToken,
     ) -> Result<std::result::Result<String, Release>, Error> {
         let (code, app_status): (i64, String) = self
             .run_reading(

@@ -6,6 +6,7 @@
 use deadpool_redis::redis::Value;
 
 use super::{int, protocol, text, Error, Locks};
+use crate::ids::FencingToken;
 
 /// One held task lock and its holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,7 +16,7 @@ pub struct HeldLock {
     /// The lease holding it.
     pub lease_id: String,
     /// The fencing token of the grant (grants are ordered by it: smaller is older).
-    pub fencing_token: u64,
+    pub fencing_token: FencingToken,
     /// Resources held exclusively.
     pub exclusive: Vec<String>,
     /// Resources held shared.
@@ -92,7 +93,7 @@ impl Locks {
                 HeldLock {
                     task_id: text(r.first()).unwrap_or_default(),
                     lease_id: text(r.get(1)).unwrap_or_default(),
-                    fencing_token: int(r.get(2)).unwrap_or(0).max(0) as u64,
+                    fencing_token: FencingToken(int(r.get(2)).unwrap_or(0).max(0) as u64),
                     exclusive: names(&r[3]),
                     shared: names(&r[4]),
                     worker: (!gone).then_some(worker),
@@ -165,7 +166,7 @@ impl Locks {
         &self,
         task_id: &str,
         lease_id: &str,
-        fencing_token: u64,
+        fencing_token: FencingToken,
     ) -> Result<Option<bool>, Error> {
         let code: i64 = self
             .run(
@@ -177,7 +178,7 @@ impl Locks {
                     .arg(self.keys.tag())
                     .arg(task_id)
                     .arg(lease_id)
-                    .arg(fencing_token),
+                    .arg(fencing_token.0),
             )
             .await?;
         match code {

@@ -8,6 +8,7 @@ use crate::support;
 use std::time::Duration;
 
 use crate::support::{eventually, id, Env};
+use dispatch_broker::ids::FencingToken;
 use dispatch_broker::proto::admin_client::AdminClient;
 use dispatch_broker::proto::*;
 use tonic::metadata::MetadataValue;
@@ -866,7 +867,7 @@ async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
     // The lease lives: refused, nothing done.
     assert_eq!(
         locks
-            .release_orphan(&id, &lease, g.fencing_token)
+            .release_orphan(&id, &lease, FencingToken(g.fencing_token))
             .await
             .unwrap(),
         None
@@ -875,14 +876,14 @@ async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
     let other = Uuid::new_v4().to_string();
     assert_eq!(
         locks
-            .release_orphan(&id, &other, g.fencing_token)
+            .release_orphan(&id, &other, FencingToken(g.fencing_token))
             .await
             .unwrap(),
         Some(false)
     );
     assert_eq!(
         locks
-            .release_orphan(&id, &lease, g.fencing_token + 1)
+            .release_orphan(&id, &lease, FencingToken(g.fencing_token + 1))
             .await
             .unwrap(),
         Some(false)
