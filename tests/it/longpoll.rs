@@ -286,7 +286,17 @@ async fn waiters_over_the_limit_get_resource_exhausted_and_change_nothing() {
 async fn shutdown_answers_waiting_calls_at_once_with_no_task() {
     let mut env = no_polling().await;
     let lease = env.open("w").await;
-    let waiting = spawn_wait(&env, &lease);
+    // It asks to wait three times as long as the test waits for its answer (the longest wait
+    // honoured, --fetch-max-wait): answered in time, it was answered by the shutdown.
+    let mut client = env.client.clone();
+    let request = wait_request(&lease, 3 * LONG);
+    assert!(env.args.fetch.max_wait >= 3 * LONG);
+    let waiting = tokio::spawn(async move {
+        client
+            .fetch_task(request)
+            .await
+            .map(|r| r.into_inner().task)
+    });
     waiting_reach(&env, 1).await;
     let broker = env.broker.take().unwrap();
     let stopping = tokio::spawn(async move { broker.shutdown().await });
