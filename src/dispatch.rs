@@ -990,14 +990,14 @@ impl Dispatch {
         }
         let outcome: Option<Grant> = None; // (the caller's own grant went through `answer`)
         let unbroken = book.unbroken();
-        let still_returned = book.returned.clone();
         let mut hint = book.leave();
         if unbroken {
-            // The hint ends at the last task settled: the page's rest follows it directly.
+            // The hint ends at the last task settled: the page's rest follows it directly, and
+            // the claims put back it checks first are those still waiting (`h.returned`).
             if let (Some(h), Some((rows, held, read_at))) = (hint.as_mut(), rest) {
                 let returned: Vec<TaskRow> = extra_rows
                     .into_iter()
-                    .filter(|r| still_returned.contains(&r.id))
+                    .filter(|r| h.returned.contains(&r.id))
                     .collect();
                 h.carried = Carried::of(rows, (returned, extra_read_at), held, read_at, removals)
                     .map(Arc::new);
