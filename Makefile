@@ -7,13 +7,13 @@ CARGO ?= cargo
 
 demo:
 	@scripts/ensure-services.sh
-	$(CARGO) run --release --quiet -- demo
+	$(CARGO) run --release --quiet -p dispatch-testkit --bin dispatch-demo
 
 test: test-rust test-python test-pulp
 
 test-rust:
 	@scripts/ensure-services.sh
-	$(CARGO) test
+	$(CARGO) test --workspace
 
 # The Python client (clients/python) against the real broker.
 test-python:
@@ -31,11 +31,11 @@ python-stubs:
 	target/python-venv/bin/python clients/python/gen_stubs.py
 
 build:
-	$(CARGO) build --release
+	$(CARGO) build --release --workspace
 
 lint:
 	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 fmt:
 	$(CARGO) fmt

@@ -11,8 +11,8 @@ mod incident;
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_broker::testkit::{Postgres, Redis};
-use dispatch_broker::worker::{FinalState, Worker};
+use dispatch_testkit::{Postgres, Redis};
+use dispatch_worker::{FinalState, Worker};
 use incident::{percentile, quiet};
 
 const OTHERS: i32 = 200;

@@ -22,7 +22,7 @@ mod fleets;
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_broker::testkit::{Postgres, Redis};
+use dispatch_testkit::{Postgres, Redis};
 use fleets::{baseline_fleet, broker_fleet, ms, percentile, ratio, Receipt};
 use tokio::sync::mpsc;
 use uuid::Uuid;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use dispatch_broker::lanes::TRACK_LIMIT;
 use dispatch_broker::metrics::Stats;
 use dispatch_broker::tasks::{LaneReads, Tasks};
-use dispatch_broker::testkit::Postgres;
+use dispatch_testkit::Postgres;
 
 const RUNS: usize = 3;
 
@@ -46,7 +46,7 @@ async fn measure<T>(f: impl std::future::Future<Output = T>) -> (T, Duration, u6
 }
 
 async fn reference(db: &tokio_postgres::Client) -> u64 {
-    dispatch_broker::testkit::reference_lanes(db).await.unwrap()
+    dispatch_testkit::reference_lanes(db).await.unwrap()
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

@@ -25,8 +25,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_broker::testkit::{Postgres, Redis};
-use dispatch_broker::worker::{FinalState, Worker, WorkerConfig};
+use dispatch_testkit::{Postgres, Redis};
+use dispatch_worker::{FinalState, Worker, WorkerConfig};
 use fleets::{baseline_fleet, broker_fleet, ms, percentile, ratio, redis_flush, Fleet, Receipt};
 use plotters::prelude::*;
 use tokio::sync::mpsc;

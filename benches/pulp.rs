@@ -48,8 +48,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_broker::testkit::{Postgres, Redis};
-use dispatch_broker::worker::{FinalState, TaskGuard, Worker, WorkerConfig};
+use dispatch_testkit::{Postgres, Redis};
+use dispatch_worker::{FinalState, TaskGuard, Worker, WorkerConfig};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};

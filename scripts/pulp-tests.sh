@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/ensure-pulp.sh
 venv=target/pulp-venv
-cargo build --quiet --bin dispatch-broker
+cargo build --quiet --workspace --bin dispatch-broker --bin dispatch-sandbox
 cd clients/python
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT

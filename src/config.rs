@@ -30,13 +30,6 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Check a running broker's gRPC health (exit 0 when serving): for container health checks.
     Health(HealthArgs),
-    /// Start throwaway PostgreSQL and Redis servers, the broker, and a scripted exchange of
-    /// workers and tasks that shows the broker at work. Needs nothing configured.
-    Demo(DemoArgs),
-    /// Start throwaway PostgreSQL and Redis servers and a broker on them, print their addresses
-    /// as one JSON line, and serve until SIGTERM, Ctrl-C or the end of stdin: for trying a
-    /// client, and for the Python client's tests.
-    Sandbox(SandboxArgs),
     /// Why is this task not running? Its state and, when it waits, every reason: older tasks
     /// in its way, held locks, workers' versions. (Admin API; needs the admin token.)
     Explain(ExplainArgs),
@@ -241,6 +234,24 @@ pub struct LogArgs {
     /// Log filter in tracing's EnvFilter syntax (e.g. "info", "dispatch_broker=debug").
     #[arg(long, env = "DISPATCH_LOG", default_value = "info", global = true)]
     pub log: String,
+}
+
+impl LogArgs {
+    /// Sends the log to stderr, filtered by `--log`, or by `quiet` when given and `--log` was
+    /// left at its default.
+    pub fn install(&self, quiet: Option<&str>) {
+        let wanted = quiet.unwrap_or(self.log.as_str());
+        let filter = tracing_subscriber::EnvFilter::try_new(wanted)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        if self.log_json {
+            builder.json().init();
+        } else {
+            builder.init();
+        }
+    }
 }
 
 /// Where the task table lives.
@@ -632,44 +643,6 @@ pub struct HealthArgs {
     pub service: String,
 }
 
-/// Options of `sandbox`.
-#[derive(Debug, Clone, Args)]
-pub struct SandboxArgs {
-    /// gRPC address (port 0: any free port).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
-    /// Prometheus address (port 0: any free port).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub metrics_listen: SocketAddr,
-    /// Smallest lease TTL accepted (short TTLs make lease-loss tests quick).
-    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
-    pub lease_min_ttl: Duration,
-    /// How often expired leases are swept.
-    #[arg(long, default_value = "1s", value_parser = parse_duration)]
-    pub sweep_interval: Duration,
-    /// Authentication and TLS, as for `serve`.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-}
-
-/// Options of `demo`.
-#[derive(Debug, Clone, Args)]
-pub struct DemoArgs {
-    /// Tasks queued on the one busy repository (the head-of-line block).
-    #[arg(long, default_value_t = 2000)]
-    pub blocked: usize,
-    /// Simulated workers.
-    #[arg(long, default_value_t = 10)]
-    pub workers: usize,
-    /// Where the demo broker serves /metrics.
-    #[arg(long, default_value = "127.0.0.1:9464")]
-    pub metrics_listen: SocketAddr,
-    /// Keep the broker (gRPC and /metrics) serving after the exchange, for a person to point a
-    /// client at, until Ctrl-C.
-    #[arg(long, alias = "keep-running")]
-    pub keep: bool,
-}
-
 /// Parses "30s", "500ms", "2m", "1h".
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s)
@@ -791,51 +764,46 @@ impl ServeArgs {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::{CommandFactory, FromArgMatches};
+/// Reading the configuration reference (docs/configuration.md) against the command line: the
+/// tests of this crate and of the test kit's binaries use it, so that drift fails CI.
+pub mod reference {
+    use std::collections::BTreeMap;
 
-    #[test]
-    fn cli_is_consistent() {
-        Cli::command().debug_assert();
+    /// Option (`--long`, or `<ID>` for a positional argument) -> environment variable (`none`).
+    pub type Options = BTreeMap<String, String>;
+
+    /// The heading that starts the part of the reference about the test kit's binaries.
+    pub const TESTKIT_HEADING: &str = "# The demo and the sandbox";
+
+    /// The reference split in two: the broker's subcommands, and the test kit's binaries.
+    pub fn parts(doc: &str) -> (&str, &str) {
+        doc.split_once(&format!("\n{TESTKIT_HEADING}"))
+            .expect("docs/configuration.md has a part about the demo and the sandbox")
     }
 
-    /// docs/configuration.md lists every subcommand's options exactly, each with its environment
-    /// variable (or `none`), so the reference cannot drift from the command line.
-    #[test]
-    fn the_configuration_reference_lists_every_option_and_variable() {
-        type Options = std::collections::BTreeMap<String, String>;
-        fn options(cmd: &clap::Command, global: bool) -> Options {
-            cmd.get_arguments()
-                .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
-                .filter(|a| a.is_global_set() == global)
-                .map(|a| {
-                    let option = match a.get_long() {
-                        Some(long) => format!("--{long}"),
-                        None => format!("<{}>", a.get_id().as_str().to_uppercase()),
-                    };
-                    let env = a
-                        .get_env()
-                        .map(|e| e.to_string_lossy().into_owned())
-                        .unwrap_or_else(|| "none".into());
-                    (option, env)
-                })
-                .collect()
-        }
-        let cli = Cli::command();
-        let mut real = std::collections::BTreeMap::new();
-        real.insert("global".to_string(), options(&cli, true));
-        for sub in cli.get_subcommands() {
-            real.insert(sub.get_name().to_string(), options(sub, false));
-        }
+    /// The options of `cmd` that are (`global`) or are not global, as the reference lists them.
+    pub fn command_options(cmd: &clap::Command, global: bool) -> Options {
+        cmd.get_arguments()
+            .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            .filter(|a| a.is_global_set() == global)
+            .map(|a| {
+                let option = match a.get_long() {
+                    Some(long) => format!("--{long}"),
+                    None => format!("<{}>", a.get_id().as_str().to_uppercase()),
+                };
+                let env = a
+                    .get_env()
+                    .map(|e| e.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "none".into());
+                (option, env)
+            })
+            .collect()
+    }
 
-        let doc = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/docs/configuration.md"
-        ))
-        .expect("docs/configuration.md");
-        let mut documented: std::collections::BTreeMap<String, Options> = Default::default();
+    /// Every `## name` section's table (`| option | environment variable | default | meaning |`)
+    /// in `doc`; sections without one are left out.
+    pub fn documented_options(doc: &str) -> BTreeMap<String, Options> {
+        let mut documented: BTreeMap<String, Options> = BTreeMap::new();
         let mut section = None;
         for line in doc.lines() {
             if let Some(name) = line.strip_prefix("## ") {
@@ -851,14 +819,48 @@ mod tests {
                 let table = documented.get_mut(&section).unwrap();
                 assert!(
                     table.insert(option.clone(), env).is_none(),
-                    "{option} is listed twice under {section} in docs/configuration.md"
+                    "{option} is listed twice under {section} in the reference"
                 );
             }
         }
         documented.retain(|_, table| !table.is_empty());
+        documented
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches};
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    /// docs/configuration.md lists every subcommand's options exactly, each with its environment
+    /// variable (or `none`), so the reference cannot drift from the command line.
+    #[test]
+    fn the_configuration_reference_lists_every_option_and_variable() {
+        let cli = Cli::command();
+        let mut real = std::collections::BTreeMap::new();
+        real.insert("global".to_string(), reference::command_options(&cli, true));
+        for sub in cli.get_subcommands() {
+            real.insert(
+                sub.get_name().to_string(),
+                reference::command_options(sub, false),
+            );
+        }
         real.retain(|_, table| !table.is_empty());
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/docs/configuration.md"
+        ))
+        .expect("docs/configuration.md");
+        let (broker, _) = reference::parts(&doc);
         assert_eq!(
-            documented, real,
+            reference::documented_options(broker),
+            real,
             "docs/configuration.md (left) against the command line (right): option and variable"
         );
     }

@@ -24,8 +24,6 @@ pub mod server;
 pub mod shutdown;
 pub mod states;
 pub mod tasks;
-pub mod testkit;
-pub mod worker;
 
 /// Generated protobuf and gRPC code for `dispatch.v1`.
 pub mod proto {

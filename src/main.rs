@@ -1,7 +1,6 @@
 //! The `dispatch-broker` binary: parses the command line, sets up logging, runs the library.
 #![forbid(unsafe_code)]
 
-use clap::parser::ValueSource;
 use clap::FromArgMatches;
 use dispatch_broker::config::{Cli, Command};
 
@@ -13,17 +12,11 @@ async fn main() -> std::process::ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    // The demo draws progress bars: unless a log filter was asked for, it logs warnings only,
-    // so the broker's per-task lines do not scroll them away.
-    let quiet = matches!(cli.command, Command::Demo(_))
-        && matches.value_source("log") == Some(ValueSource::DefaultValue);
-    init_tracing(&cli.log, quiet);
+    cli.log.install(None);
     let outcome = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Migrate(args) => dispatch_broker::tasks::migrate::run(&args).await,
         Command::Health(args) => dispatch_broker::server::probe(&args).await,
-        Command::Demo(args) => dispatch_broker::testkit::demo::run(&args).await,
-        Command::Sandbox(args) => dispatch_broker::testkit::sandbox::run(&args).await,
         Command::Explain(args) => dispatch_broker::cli::explain(&args).await,
         Command::Leases(args) => dispatch_broker::cli::leases(&args).await,
         Command::Locks(args) => dispatch_broker::cli::locks(&args).await,
@@ -45,18 +38,4 @@ async fn serve(args: dispatch_broker::config::ServeArgs) -> anyhow::Result<()> {
     running
         .serve_until(dispatch_broker::shutdown::os_signal())
         .await
-}
-
-fn init_tracing(args: &dispatch_broker::config::LogArgs, quiet: bool) {
-    let wanted = if quiet { "warn" } else { args.log.as_str() };
-    let filter = tracing_subscriber::EnvFilter::try_new(wanted)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if args.log_json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }

@@ -1249,7 +1249,7 @@ mod tests {
     /// runs outside it, with the settings as they were.
     #[tokio::test]
     async fn a_read_under_settings_that_fails_leaves_no_transaction_behind() {
-        let pg = tokio::task::spawn_blocking(crate::testkit::Postgres::start)
+        let pg = tokio::task::spawn_blocking(dispatch_testkit::Postgres::start)
             .await
             .unwrap()
             .expect("start postgres");

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
 use dispatch_broker::states::TaskState;
-use dispatch_broker::testkit::{free_port, Postgres, Redis};
+use dispatch_testkit::{free_port, Postgres, Redis};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;

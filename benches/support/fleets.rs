@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis;
-use dispatch_broker::worker::{FinalState, Worker, WorkerConfig};
+use dispatch_worker::{FinalState, Worker, WorkerConfig};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use uuid::Uuid;

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use dispatch_broker::worker::{TaskGuard, Worker, WorkerConfig};
+use dispatch_worker::{TaskGuard, Worker, WorkerConfig};
 
 /// The seeded incident: the database, the busy worker and the running head.
 pub struct Incident {

@@ -814,7 +814,7 @@ async fn the_cli_explains_lists_and_revokes_against_a_running_broker() {
         "--addr".into(),
         format!(
             "http://127.0.0.1:{}",
-            dispatch_broker::testkit::free_port().unwrap()
+            dispatch_testkit::free_port().unwrap()
         ),
     ])
     .await;

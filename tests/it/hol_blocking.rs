@@ -169,7 +169,7 @@ async fn other_domains_are_served_at_once_and_fetch_cost_does_not_grow_with_the_
 /// statistics (pg_stat_statements), and that Postgres.
 async fn measured(
     tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
-) -> (dispatch_broker::testkit::Postgres, Env) {
+) -> (dispatch_testkit::Postgres, Env) {
     support::measured_env("own", &*support::BROKER_SCHEMA, tweak).await
 }
 
@@ -614,7 +614,7 @@ async fn an_open_writer_does_not_make_passes_count_the_blocked_queue() {
 async fn head_then_five_others(
     blocked: usize,
 ) -> (
-    dispatch_broker::testkit::Postgres,
+    dispatch_testkit::Postgres,
     Env,
     String,
     dispatch_broker::proto::Task,

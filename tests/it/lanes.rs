@@ -16,7 +16,7 @@ use tonic::Code;
 
 /// Pulp's algorithm, loaded all at once (`testkit::reference_lanes`).
 async fn pulp_reference(db: &tokio_postgres::Client) -> u64 {
-    dispatch_broker::testkit::reference_lanes(db).await.unwrap()
+    dispatch_testkit::reference_lanes(db).await.unwrap()
 }
 
 /// A fresh database and a client that inserts tasks as they are (the insert trigger bypassed).
@@ -505,7 +505,7 @@ async fn replicas_share_one_computation_per_interval() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_computing_fails_the_last_value_is_served_with_its_age() {
     let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
         .await
         .unwrap();
     let env = Env::on(url, redis, |a| {
@@ -537,7 +537,7 @@ async fn when_computing_fails_the_last_value_is_served_with_its_age() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_computation_is_counted_on_metrics_and_the_last_value_still_served() {
     let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
         .await
         .unwrap();
     let mut env = Env::on(url.clone(), redis, quick_gauge).await;

@@ -20,7 +20,7 @@ fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recovers() {
     let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
         .await
         .unwrap();
     let mut env = Env::on(url, redis, |a| {
@@ -149,7 +149,7 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
     let env = Env::new().await;
-    let port = dispatch_broker::testkit::free_port().unwrap();
+    let port = dispatch_testkit::free_port().unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
         .args([
             "serve",

@@ -292,7 +292,7 @@ async fn migrate_gin_fastupdate_off_changes_only_the_index_storage_parameter() {
 #[tokio::test]
 async fn the_broker_runs_unchanged_on_a_pulp_database() {
     let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
         .await
         .unwrap();
     let mut env = Env::on(url, redis, |_| {}).await;
@@ -992,10 +992,9 @@ async fn the_next_task_of_a_long_queue_is_looked_up_against_the_older_tasks() {
 async fn the_broker_keeps_the_gin_pending_list_merged() {
     for (interval, merged_by_broker) in [("0s", false), ("100ms", true)] {
         let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
-        let redis =
-            tokio::task::spawn_blocking(|| dispatch_broker::testkit::Redis::start().unwrap())
-                .await
-                .unwrap();
+        let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
+            .await
+            .unwrap();
         let env = Env::on(url, redis, |args| {
             args.gin_clean_interval = humantime::parse_duration(interval).unwrap();
         })
@@ -1016,7 +1015,7 @@ async fn the_broker_keeps_the_gin_pending_list_merged() {
 /// A Pulp database on a Postgres of its own that keeps pg_stat_statements, and a broker on it.
 async fn measured_pulp(
     tweak: impl FnOnce(&mut dispatch_broker::config::ServeArgs),
-) -> (dispatch_broker::testkit::Postgres, Env) {
+) -> (dispatch_testkit::Postgres, Env) {
     support::measured_env("pulp", &[PULP_SCHEMA], tweak).await
 }
 

@@ -6,7 +6,7 @@ use crate::support;
 use std::time::Duration;
 
 use crate::support::Env;
-use dispatch_broker::worker::{Worker, WorkerConfig};
+use dispatch_worker::{Worker, WorkerConfig};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 use tonic::Code;
@@ -52,7 +52,7 @@ fn config(token: Option<&str>, tls: Option<ClientTlsConfig>) -> WorkerConfig {
     let mut config = WorkerConfig::new("w");
     config.token = token.map(str::to_owned);
     config.tls = tls;
-    config.retry = dispatch_broker::worker::RetryPolicy::none();
+    config.retry = dispatch_worker::RetryPolicy::none();
     config.call_timeout = Duration::from_secs(5);
     config
 }
@@ -314,7 +314,7 @@ async fn health_and_the_admin_commands_read_one_set_of_variables_and_the_old_nam
     // Where both are set, the current name wins.
     let nowhere = format!(
         "https://127.0.0.1:{}",
-        dispatch_broker::testkit::free_port().unwrap()
+        dispatch_testkit::free_port().unwrap()
     );
     let out = run(
         &["health", "--timeout", "2s"],

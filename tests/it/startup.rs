@@ -3,7 +3,7 @@
 
 use crate::support::{default_args, fresh_database, shared_pg, Env};
 use dispatch_broker::server;
-use dispatch_broker::testkit::{free_port, Redis};
+use dispatch_testkit::{free_port, Redis};
 
 async fn start_error(postgres: &str, redis: &str) -> String {
     match server::start(&default_args(postgres, redis)).await {

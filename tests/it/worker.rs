@@ -1,4 +1,4 @@
-//! The Rust worker library (`dispatch_broker::worker`) against a real broker on throwaway
+//! The Rust worker library (`dispatch_worker`) against a real broker on throwaway
 //! PostgreSQL and Redis: grants, long polls, cancellation through heartbeats, lease loss (lost
 //! tasks reported, rebuilt tasks adopted), background release of dropped guards, graceful
 //! shutdown, and retrying a broker that is not up yet.
@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::support::{eventually, Env};
-use dispatch_broker::worker::{FinalState, Worker, WorkerConfig, WorkerError, WorkerEvent};
+use dispatch_worker::{FinalState, Worker, WorkerConfig, WorkerError, WorkerEvent};
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(20);
@@ -93,7 +93,8 @@ async fn grants_come_oldest_first_and_finish_or_release_frees_the_locks() {
         worker.next_task(Duration::ZERO).await.unwrap().is_none(),
         "the second task waits behind the first"
     );
-    env.assert_locks(&[guard.task()]).await;
+    env.assert_locks(&[&crate::support::as_sent(guard.task())])
+        .await;
     guard.start().await.unwrap();
     assert_eq!(env.state(first).await, "running");
     let done = guard.finish(FinalState::Completed, None).await.unwrap();
@@ -365,7 +366,7 @@ async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
     // A lease that cannot expire while the test waits (LONG): only the worker's retry can
     // release the locks, not the sweeper ending the lease while the broker was away.
     impatient.ttl = Duration::from_secs(60);
-    impatient.retry = dispatch_broker::worker::RetryPolicy {
+    impatient.retry = dispatch_worker::RetryPolicy {
         initial: Duration::from_millis(20),
         max: Duration::from_millis(50),
         max_elapsed: Duration::from_millis(200),
@@ -387,7 +388,7 @@ async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
 
 #[tokio::test]
 async fn connect_waits_for_a_broker_that_is_still_starting() {
-    let port = dispatch_broker::testkit::free_port().unwrap();
+    let port = dispatch_testkit::free_port().unwrap();
     let connecting = tokio::spawn(Worker::connect(
         format!("http://127.0.0.1:{port}"),
         config("early"),
@@ -427,4 +428,20 @@ async fn errors_name_the_call_and_the_status() {
     let bad = Worker::connect("not a uri", config("x")).await.unwrap_err();
     assert!(matches!(bad, WorkerError::Endpoint { .. }), "{bad}");
     worker.close().await.unwrap();
+}
+
+/// The worker library tells a lost lease from other NOT_FOUNDs by the broker's metadata key: the
+/// two crates spell it the same.
+#[test]
+fn the_worker_library_reads_the_brokers_not_found_key() {
+    assert_eq!(
+        (
+            dispatch_worker::NOT_FOUND_KEY,
+            dispatch_worker::NOT_FOUND_LEASE
+        ),
+        (
+            dispatch_broker::grpc::NOT_FOUND_KEY,
+            dispatch_broker::grpc::NOT_FOUND_LEASE
+        )
+    );
 }

@@ -12,7 +12,7 @@ use dispatch_broker::config::ServeArgs;
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
 use dispatch_broker::server::{self, Running};
-use dispatch_broker::testkit::{Postgres, Redis};
+use dispatch_testkit::{Postgres, Redis};
 use tonic::transport::Channel;
 use uuid::Uuid;
 
@@ -695,6 +695,13 @@ pub fn id(task: &Task) -> Uuid {
     task.task_id.parse().unwrap()
 }
 
+/// A task as the worker library (its own generated code) received it, read as the broker's
+/// message: the same bytes on the wire.
+pub fn as_sent(task: &dispatch_worker::proto::Task) -> Task {
+    use prost::Message;
+    Task::decode(task.encode_to_vec().as_slice()).expect("the same message")
+}
+
 /// Has this cluster load pg_stat_statements (a restart): a database whose statements are counted
 /// then needs `CREATE EXTENSION pg_stat_statements`.
 pub fn preload_pg_stat_statements(pg: &mut Postgres) {
@@ -756,7 +763,7 @@ impl BrokerProcess {
         args: &[&str],
         vars: &[(&str, &str)],
     ) -> BrokerProcess {
-        let port = || dispatch_broker::testkit::free_port().expect("a free port");
+        let port = || dispatch_testkit::free_port().expect("a free port");
         let addr: std::net::SocketAddr = format!("127.0.0.1:{}", port()).parse().unwrap();
         let metrics_addr: std::net::SocketAddr = format!("127.0.0.1:{}", port()).parse().unwrap();
         let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"));

@@ -1,6 +1,6 @@
 """A dispatch-broker worker: lease, heartbeats, fetch, cancellation, clean shutdown.
 
-The same behaviour as the Rust library ``dispatch_broker::worker``:
+The same behaviour as the Rust library ``dispatch_worker`` (clients/rust):
 
 * ``Worker`` opens a lease on ``open()`` (or entering ``with``) and heartbeats every TTL/3,
   jittered, in a daemon thread.

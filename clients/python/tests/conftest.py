@@ -1,4 +1,4 @@
-"""Fixtures: a real broker on throwaway PostgreSQL and Redis (`dispatch-broker sandbox`), a
+"""Fixtures: a real broker on throwaway PostgreSQL and Redis (`dispatch-sandbox`), a
 database connection to insert tasks and read their state, and certificates for TLS tests."""
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ def broker_binary() -> str:
     return path
 
 
+def sandbox_binary() -> str:
+    path = os.environ.get("DISPATCH_SANDBOX_BIN") or str(REPO / "target" / "debug" / "dispatch-sandbox")
+    if not os.path.exists(path):
+        pytest.exit(
+            f"no sandbox binary at {path}: run `cargo build --workspace` first (or set DISPATCH_SANDBOX_BIN)", 2
+        )
+    return path
+
+
 @dataclass
 class Sandbox:
     endpoint: str
@@ -42,7 +51,7 @@ class Sandbox:
 
 def start_sandbox(*extra: str) -> Sandbox:
     process = subprocess.Popen(
-        [broker_binary(), "sandbox", *extra],
+        [sandbox_binary(), *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -51,7 +60,7 @@ def start_sandbox(*extra: str) -> Sandbox:
     assert process.stdout is not None
     line = process.stdout.readline()
     if not line:
-        raise RuntimeError(f"dispatch-broker sandbox exited with {process.wait()} before it served")
+        raise RuntimeError(f"dispatch-sandbox exited with {process.wait()} before it served")
     info = json.loads(line)
     return Sandbox(info["endpoint"], info["address"], info["postgres_url"], info["redis_url"], process)
 

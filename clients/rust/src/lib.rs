@@ -1,4 +1,5 @@
-//! `dispatch_broker::worker`: the worker side of the lease protocol, for workers written in Rust.
+//! `dispatch_worker`: the worker side of dispatch-broker's lease protocol, for workers written in
+//! Rust.
 //!
 //! [`Worker::connect`] opens a lease and keeps it alive with heartbeats (every TTL/3, jittered) in
 //! a background task. [`Worker::next_task`] long-polls `FetchTask` and hands out a [`TaskGuard`]:
@@ -15,6 +16,7 @@
 //! Every call carries a deadline (`call_timeout`, plus the wait of a long poll). `UNAVAILABLE` and
 //! `RESOURCE_EXHAUSTED` are retried with jittered exponential backoff ([`RetryPolicy`]); no other
 //! status is.
+#![forbid(unsafe_code)]
 
 mod retry;
 
@@ -33,8 +35,19 @@ use tonic::{Code, Request, Status};
 
 pub use retry::RetryPolicy;
 
-use crate::grpc::{NOT_FOUND_KEY, NOT_FOUND_LEASE};
-use crate::proto::{self, broker_client::BrokerClient};
+use proto::broker_client::BrokerClient;
+
+/// Generated protobuf and gRPC client code for `dispatch.v1.Broker` (from `proto/`).
+pub mod proto {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("dispatch.v1");
+}
+
+/// The metadata key by which the broker says what a `NOT_FOUND` status did not find; the same as
+/// the broker's `grpc::NOT_FOUND_KEY` (a test of the broker compares them).
+pub const NOT_FOUND_KEY: &str = "dispatch-not-found";
+/// [`NOT_FOUND_KEY`]: the lease is unknown or expired.
+pub const NOT_FOUND_LEASE: &str = "lease";
 
 type Client = BrokerClient<InterceptedService<Channel, Auth>>;
 

@@ -1,9 +1,13 @@
-//! Throwaway PostgreSQL and Redis servers on free ports, for the test suite and the demo.
+//! `dispatch_testkit`: throwaway PostgreSQL and Redis servers on free ports, for the test suite,
+//! the benchmarks, the demo (`dispatch-demo`) and the sandbox (`dispatch-sandbox`). Not part of
+//! the broker's server binary.
 //!
 //! Each server runs from a temporary directory that is removed with it, as a child process that a
 //! test may kill and restart. When the process that started a server dies without cleaning up,
 //! a small watchdog stops the server too. PostgreSQL refuses to run as root, so when we are root
-//! the cluster runs as the `postgres` user. Nothing here is used by `serve`.
+//! the cluster runs as the `postgres` user.
+
+#![forbid(unsafe_code)]
 
 pub mod demo;
 pub mod sandbox;
@@ -427,4 +431,32 @@ fn ping(port: u16) -> bool {
     stream.write_all(b"PING\r\n").is_ok()
         && stream.read_exact(&mut reply).is_ok()
         && &reply == b"+PONG\r\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+    use dispatch_broker::config::reference;
+
+    /// docs/configuration.md's part about the demo and the sandbox lists exactly their options.
+    #[test]
+    fn the_configuration_reference_lists_the_demos_and_the_sandboxs_options() {
+        let mut real = std::collections::BTreeMap::new();
+        for cmd in [super::demo::Cli::command(), super::sandbox::Cli::command()] {
+            let mut options = reference::command_options(&cmd, false);
+            options.extend(reference::command_options(&cmd, true));
+            real.insert(cmd.get_name().to_string(), options);
+        }
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/configuration.md"
+        ))
+        .expect("docs/configuration.md");
+        let (_, testkit) = reference::parts(&doc);
+        assert_eq!(
+            reference::documented_options(testkit),
+            real,
+            "docs/configuration.md (left) against dispatch-demo and dispatch-sandbox (right)"
+        );
+    }
 }

@@ -1,20 +1,51 @@
-//! `dispatch-broker demo`: the head-of-line incident in miniature, on throwaway servers.
+//! `dispatch-demo`: the head-of-line incident in miniature, on throwaway servers.
 //!
 //! Queues 2,000 tasks on one repository, the oldest of them already running on a busy worker, and
-//! a few hundred tasks of other domains behind them; then lets 10 simulated workers (the crate's
-//! worker library) fetch, run and finish tasks, with live progress per domain and the lane
+//! a few hundred tasks of other domains behind them; then lets 10 simulated workers (the
+//! dispatch-worker library) fetch, run and finish tasks, with live progress per domain and the lane
 //! gauge. The other domains' tasks are handed out at once instead of waiting behind the blocked
 //! head. Ends with a summary and what the broker's `/metrics` shows; `--keep` leaves it serving.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tokio::sync::mpsc;
 
-use crate::config::{DemoArgs, ServeArgs};
-use crate::worker::{FinalState, Worker, WorkerConfig};
+use clap::{Args, Parser};
+use dispatch_broker::config::ServeArgs;
+use dispatch_worker::{FinalState, Worker, WorkerConfig};
+
+/// Start throwaway PostgreSQL and Redis servers, the broker, and a scripted exchange of workers
+/// and tasks that shows the broker at work. Needs nothing configured.
+#[derive(Debug, Parser)]
+#[command(name = "dispatch-demo", version)]
+pub struct Cli {
+    #[command(flatten)]
+    pub demo: DemoArgs,
+    #[command(flatten)]
+    pub log: dispatch_broker::config::LogArgs,
+}
+
+/// Options of `dispatch-demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Tasks queued on the one busy repository (the head-of-line block).
+    #[arg(long, default_value_t = 2000)]
+    pub blocked: usize,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 10)]
+    pub workers: usize,
+    /// Where the demo broker serves /metrics.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+    /// Keep the broker (gRPC and /metrics) serving after the exchange, for a person to point a
+    /// client at, until Ctrl-C.
+    #[arg(long, alias = "keep-running")]
+    pub keep: bool,
+}
 
 const REPO: &str = "prn:python.repository:R0";
 
@@ -33,10 +64,11 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     serve.metrics_listen = args.metrics_listen;
     serve.lanes.cutoff = Duration::ZERO;
     serve.lanes.interval = Duration::from_millis(500);
-    let stats = std::sync::Arc::new(crate::metrics::Stats::default());
-    let tasks = crate::tasks::Tasks::connect(&url, 2, Duration::from_secs(10), stats).await?;
+    let stats = std::sync::Arc::new(dispatch_broker::metrics::Stats::default());
+    let tasks =
+        dispatch_broker::tasks::Tasks::connect(&url, 2, Duration::from_secs(10), stats).await?;
     tasks.migrate(false, false, false).await?;
-    let broker = crate::server::start(&serve).await?;
+    let broker = dispatch_broker::server::start(&serve).await?;
     println!(
         "broker: gRPC on {}, metrics on http://{}/metrics",
         broker.addr, broker.metrics_addr
@@ -193,7 +225,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
              dispatch-broker locks --addr http://{addr}",
             addr = broker.addr
         );
-        crate::shutdown::os_signal().await;
+        dispatch_broker::shutdown::os_signal().await;
     }
     head.finish(FinalState::Completed, None).await?;
     busy.close().await?;
