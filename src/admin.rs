@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 use crate::dispatch::Queue;
 use crate::error::{Error, Result};
-use crate::ids::FencingToken;
+use crate::ids::{FencingToken, LeaseId};
 use crate::lanes::Lanes;
 use crate::leases::{from_ms, Leases};
 use crate::locks::{HeldLock, LeaseView, Locks};
@@ -521,7 +521,7 @@ impl Admin {
     pub async fn revoke(
         &self,
         actor: &str,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         reason: &str,
     ) -> Result<(AuditRecord, Released)> {
         let this = self.clone();
@@ -530,7 +530,7 @@ impl Admin {
             intent("revoke_lease", &actor, &lease_id.to_string(), &reason);
             let closed = this
                 .leases
-                .revoke(&lease_id.to_string(), &reason, "revoke")
+                .revoke(lease_id, &reason, "revoke")
                 .await?
                 .ok_or_else(|| Error::NoSuchLease(lease_id.to_string()))?;
             this.waiters.wake();
@@ -611,17 +611,23 @@ impl Admin {
             )));
         }
         let mut released = Released::default();
-        let mut ended_leases: Vec<&str> = Vec::new();
+        let mut ended_leases: Vec<LeaseId> = Vec::new();
         let mut done = Vec::new();
         for h in &holders {
+            let lease_id: LeaseId = h.lease_id.parse().map_err(|_| {
+                Error::Refused(format!(
+                    "the lock of task {} on {resource} names lease {:?}, which is not a lease id                      the broker makes; nothing more was released",
+                    h.task_id, h.lease_id
+                ))
+            })?;
             if h.lease_expires_at.is_some() {
                 // Expired, not yet swept: a heartbeat can no longer revive it, so ending it is
                 // the sweeper's own step, taken now.
-                if !ended_leases.contains(&h.lease_id.as_str()) {
-                    ended_leases.push(&h.lease_id);
+                if !ended_leases.contains(&lease_id) {
+                    ended_leases.push(lease_id);
                     if let Some(closed) = self
                         .leases
-                        .revoke(&h.lease_id, reason, "force_release")
+                        .revoke(lease_id, reason, "force_release")
                         .await?
                     {
                         released.locks += closed.released_locks;
@@ -638,7 +644,7 @@ impl Admin {
             // its claim is still the dead holder's.
             match self
                 .locks
-                .release_orphan(&h.task_id, &h.lease_id, h.fencing_token)
+                .release_orphan(&h.task_id, lease_id, h.fencing_token)
                 .await?
             {
                 Some(true) => {}

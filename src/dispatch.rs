@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::ids::FencingToken;
+use crate::ids::{FencingToken, LeaseId};
 use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
@@ -68,7 +68,7 @@ pub struct Grant {
     /// and waiting for StartTask.
     pub started_at: Option<DateTime<Utc>>,
     /// The lease it was granted to (not sent to the worker).
-    pub lease_id: Uuid,
+    pub lease_id: LeaseId,
     /// The lease's worker row that claimed it (not sent to the worker).
     pub app_status_id: Uuid,
 }
@@ -117,7 +117,7 @@ pub struct FetchPolicy {
 /// its grant starts the task.
 #[derive(Debug, Clone)]
 pub struct Offer {
-    lease_id: Uuid,
+    lease_id: LeaseId,
     lease: Arc<LeaseRecord>,
     skip: Arc<HashSet<Uuid>>,
     start: bool,
@@ -134,7 +134,7 @@ impl Offer {
 /// starts the task.
 #[derive(Debug, Clone)]
 struct Call {
-    lease_id: Uuid,
+    lease_id: LeaseId,
     skip: Arc<HashSet<Uuid>>,
     start: bool,
 }
@@ -197,7 +197,7 @@ pub struct Dispatch {
     /// lease id is never reused): a pass that trusts its hint takes the lease from here and
     /// leaves the check that it is alive to the acquire script, or, when it hands its caller
     /// nothing, to one look-up at its end.
-    leases: Arc<Mutex<HashMap<Uuid, Arc<LeaseRecord>>>>,
+    leases: Arc<Mutex<HashMap<LeaseId, Arc<LeaseRecord>>>>,
     /// The fetch passes running (see [`FetchPolicy::passes`]).
     slots: Arc<PassSlots>,
     /// Background walks that renew an old scan hint (`refresh`).
@@ -527,7 +527,7 @@ impl Dispatch {
     /// run out with nothing ready.
     pub async fn fetch(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         wait: Duration,
         skip: HashSet<Uuid>,
         start: bool,
@@ -560,8 +560,8 @@ impl Dispatch {
             }
         }
         loop {
-            if let Some(waiting) = place.as_mut() {
-                match self.woken(waiting, deadline).await {
+            if let Some(waiter) = place.as_mut() {
+                match self.woken(waiter, deadline).await {
                     None => {
                         self.stats.fetch("none_ready");
                         return Ok(None);
@@ -580,7 +580,7 @@ impl Dispatch {
                         // A pass runs already: it may serve this call, and the turn comes back
                         // when it ends (one pass at a time serves every waiter, instead of
                         // each waiter's pass racing the others for the same rows).
-                        waiting.defer();
+                        waiter.defer();
                         self.defer_to_running();
                         continue;
                     }
@@ -1012,7 +1012,7 @@ impl Dispatch {
 
     /// The first stage of a pass: the lease and the changes since the hint `held`, read together
     /// (one Redis call), or both from memory while the hint is trusted (see [`trusted_until`]).
-    async fn open_pass(&self, lease_id: Uuid, held: Option<&ScanHint>) -> Result<Opening> {
+    async fn open_pass(&self, lease_id: LeaseId, held: Option<&ScanHint>) -> Result<Opening> {
         // Read before the change log is (or an earlier read of it is trusted): a change this
         // replica makes from here on moves it, and the hint this pass leaves is read against the
         // change log again.
@@ -1037,7 +1037,7 @@ impl Dispatch {
                 let checked_at = Instant::now();
                 let Some((lease, changes)) = self
                     .locks
-                    .lease_and_changes(&lease_id.to_string(), held.map(|h| h.seq))
+                    .lease_and_changes(lease_id, held.map(|h| h.seq))
                     .await?
                 else {
                     return Err(self.lease_gone(lease_id));
@@ -1542,7 +1542,7 @@ impl Dispatch {
     }
 
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
-    pub async fn claim(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
+    pub async fn claim(&self, lease_id: LeaseId, task_id: Uuid) -> Result<Option<Grant>> {
         let this = self.clone();
         self.detached(async move { this.claim_once(lease_id, task_id).await })
             .await
@@ -1643,7 +1643,7 @@ impl Dispatch {
             .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
     }
 
-    async fn claim_once(&self, lease_id: Uuid, task_id: Uuid) -> Result<Option<Grant>> {
+    async fn claim_once(&self, lease_id: LeaseId, task_id: Uuid) -> Result<Option<Grant>> {
         let lease = self.live_lease(lease_id).await?;
         let task = self
             .tasks
@@ -1676,15 +1676,15 @@ impl Dispatch {
         }
     }
 
-    async fn live_lease(&self, lease_id: Uuid) -> Result<Arc<LeaseRecord>> {
-        match self.locks.lease(&lease_id.to_string()).await? {
+    async fn live_lease(&self, lease_id: LeaseId) -> Result<Arc<LeaseRecord>> {
+        match self.locks.lease(lease_id).await? {
             Some(lease) => Ok(self.remember_lease(lease_id, lease)),
             None => Err(self.lease_gone(lease_id)),
         }
     }
 
     /// Keeps a lease just read alive.
-    fn remember_lease(&self, lease_id: Uuid, lease: LeaseRecord) -> Arc<LeaseRecord> {
+    fn remember_lease(&self, lease_id: LeaseId, lease: LeaseRecord) -> Arc<LeaseRecord> {
         let lease = Arc::new(lease);
         if let Ok(mut known) = self.leases.lock() {
             if known.len() >= MAX_KNOWN_LEASES && !known.contains_key(&lease_id) {
@@ -1697,14 +1697,14 @@ impl Dispatch {
     }
 
     /// Forgets a lease found ended; the error its caller gets.
-    fn lease_gone(&self, lease_id: Uuid) -> Error {
+    fn lease_gone(&self, lease_id: LeaseId) -> Error {
         if let Ok(mut known) = self.leases.lock() {
             known.remove(&lease_id);
         }
         Error::LeaseNotFound(lease_id.to_string())
     }
 
-    fn known_lease(&self, lease_id: Uuid) -> Option<Arc<LeaseRecord>> {
+    fn known_lease(&self, lease_id: LeaseId) -> Option<Arc<LeaseRecord>> {
         self.leases.lock().ok()?.get(&lease_id).cloned()
     }
 
@@ -1755,12 +1755,11 @@ impl Dispatch {
     /// stays consistent until the lease ends.
     async fn lock_and_claim(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         lease: &LeaseRecord,
         row: &TaskRow,
         start: bool,
     ) -> Result<Attempt> {
-        let lease_str = lease_id.to_string();
         let task_str = row.id.to_string();
         let resources = &row.candidate.resources;
         if resources
@@ -1777,7 +1776,7 @@ impl Dispatch {
                 "lease {lease_id} names no valid core_appstatus row"
             ))
         })?;
-        let acquired = match self.locks.acquire(&lease_str, &task_str, resources).await {
+        let acquired = match self.locks.acquire(lease_id, &task_str, resources).await {
             Ok(acquired) => acquired,
             Err(crate::locks::Error::StateLost) => {
                 return Err(crate::locks::Error::StateLost.into())
@@ -1785,7 +1784,7 @@ impl Dispatch {
             Err(e) => {
                 // The script may have run although the answer was lost: take back whatever this
                 // lease holds for the unclaimed task.
-                if let Err(abort) = self.locks.abort(&lease_str, &task_str).await {
+                if let Err(abort) = self.locks.abort(lease_id, &task_str).await {
                     tracing::error!(task_id = %row.id, error = %abort, "could not take back locks of a failed acquire; they stay until the lease ends");
                 }
                 return Err(e.into());
@@ -1805,13 +1804,11 @@ impl Dispatch {
                 // The lease may have been closed or swept between the lock and the claim; its
                 // clean-up then missed this claim. Hand out only what the live lease still holds.
                 if !matches!(
-                    self.locks
-                        .holder(&lease_str, &task_str, fencing_token)
-                        .await,
+                    self.locks.holder(lease_id, &task_str, fencing_token).await,
                     Ok(Ok(_))
                 ) {
                     self.requeue
-                        .requeue(row.id, app_status, &lease_str, fencing_token, start)
+                        .requeue(row.id, app_status, lease_id, fencing_token, start)
                         .await;
                     return Ok(Attempt::LeaseGone);
                 }
@@ -1831,13 +1828,13 @@ impl Dispatch {
             Ok(None) => {
                 // Canceled, finished or claimed elsewhere since it was read.
                 self.requeue
-                    .release_after_failure(&lease_str, &task_str, fencing_token)
+                    .release_after_failure(lease_id, &task_str, fencing_token)
                     .await;
                 Ok(Attempt::Lost)
             }
             Err(e) if e.certainly_not_applied() => {
                 self.requeue
-                    .release_after_failure(&lease_str, &task_str, fencing_token)
+                    .release_after_failure(lease_id, &task_str, fencing_token)
                     .await;
                 Err(e.into())
             }
@@ -1845,7 +1842,7 @@ impl Dispatch {
                 // The claim may have committed although the answer was lost: put the task back
                 // first, and release only once it is back.
                 self.requeue
-                    .requeue(row.id, app_status, &lease_str, fencing_token, start)
+                    .requeue(row.id, app_status, lease_id, fencing_token, start)
                     .await;
                 Err(e.into())
             }
@@ -1869,7 +1866,7 @@ impl Dispatch {
     /// StartTask: marks a claimed task running, for its holder only.
     pub async fn start(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         task_id: Uuid,
         fencing_token: FencingToken,
     ) -> Result<DateTime<Utc>> {
@@ -1885,7 +1882,7 @@ impl Dispatch {
     /// that reached a final state meanwhile (canceled) keeps that state; its locks are released.
     pub async fn finish(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         task_id: Uuid,
         fencing_token: FencingToken,
         finish: Finish,
@@ -1909,7 +1906,7 @@ impl Dispatch {
         };
         let (released, _) = self
             .locks
-            .release(&lease_id.to_string(), &task_id.to_string(), fencing_token)
+            .release(lease_id, &task_id.to_string(), fencing_token)
             .await?;
         let released = released == Release::Released;
         if !released {
@@ -1925,13 +1922,13 @@ impl Dispatch {
 
     async fn holder(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         task_id: Uuid,
         fencing_token: FencingToken,
     ) -> Result<Uuid> {
         match self
             .locks
-            .holder(&lease_id.to_string(), &task_id.to_string(), fencing_token)
+            .holder(lease_id, &task_id.to_string(), fencing_token)
             .await?
         {
             Ok(app_status) => app_status
@@ -1952,17 +1949,16 @@ impl Dispatch {
     /// half-way leaves it claimed and locked, and a retry completes the release.
     pub async fn release(
         &self,
-        lease_id: Uuid,
+        lease_id: LeaseId,
         task_id: Uuid,
         fencing_token: FencingToken,
     ) -> Result<bool> {
-        let lease = lease_id.to_string();
         let task = task_id.to_string();
         // The claim goes back first, while the locks still cover it. When the holder check
         // fails (Redis slow, or the lease expired but not yet swept), it goes back after the
         // release instead. (A failed check is not fatal: the release below retries.)
         let mut put_back = false;
-        if let Ok(Ok(app_status)) = self.locks.holder(&lease, &task, fencing_token).await {
+        if let Ok(Ok(app_status)) = self.locks.holder(lease_id, &task, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 // A running task keeps its locks until its final state is recorded: released
                 // now, it would run unprotected (and its claim without locks would look like
@@ -1979,7 +1975,7 @@ impl Dispatch {
         }
         let mut attempt = 0u32;
         let (outcome, app_status) = loop {
-            match self.locks.release(&lease, &task, fencing_token).await {
+            match self.locks.release(lease_id, &task, fencing_token).await {
                 Ok(done) => break done,
                 Err(e) if attempt < 2 => {
                     tracing::warn!(%task_id, %lease_id, attempt, error = %e, "release failed; retrying");

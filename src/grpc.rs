@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::config::LimitArgs;
 use crate::dispatch::Dispatch;
 use crate::error::Error;
+use crate::ids::LeaseId;
 use crate::leases::Leases;
 use crate::proto;
 use crate::{locks, tasks};
@@ -134,7 +135,7 @@ impl proto::broker_server::Broker for BrokerService {
         &self,
         request: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
-        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &request.get_ref().lease_id)?);
         let span = rpc_span("Heartbeat");
         span.record("lease_id", tracing::field::display(lease_id));
         let beat = self.leases.heartbeat(lease_id).instrument(span).await?;
@@ -152,7 +153,7 @@ impl proto::broker_server::Broker for BrokerService {
         &self,
         request: Request<proto::CloseLeaseRequest>,
     ) -> Result<Response<proto::CloseLeaseResponse>, Status> {
-        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &request.get_ref().lease_id)?);
         let span = rpc_span("CloseLease");
         span.record("lease_id", tracing::field::display(lease_id));
         let closed = self.leases.close(lease_id).instrument(span).await?;
@@ -169,7 +170,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::FetchTaskRequest>,
     ) -> Result<Response<proto::FetchTaskResponse>, Status> {
         let request = request.into_inner();
-        let lease_id = parse_id("lease_id", &request.lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &request.lease_id)?);
         let wait = duration_or_zero("wait", request.wait)?;
         let skip = convert::skip_ids(&request.skip_task_ids, &self.limits)?;
         let span = rpc_span("FetchTask");
@@ -188,7 +189,7 @@ impl proto::broker_server::Broker for BrokerService {
         &self,
         request: Request<proto::ClaimTaskRequest>,
     ) -> Result<Response<proto::FetchTaskResponse>, Status> {
-        let lease_id = parse_id("lease_id", &request.get_ref().lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &request.get_ref().lease_id)?);
         let task_id = parse_id("task_id", &request.get_ref().task_id)?;
         let span = rpc_span("ClaimTask");
         span.record("lease_id", tracing::field::display(lease_id));
@@ -208,7 +209,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::StartTaskRequest>,
     ) -> Result<Response<proto::StartTaskResponse>, Status> {
         let r = request.get_ref();
-        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
         let task_id = parse_id("task_id", &r.task_id)?;
         let token = convert::fencing_token(r.fencing_token)?;
         let span = rpc_span("StartTask");
@@ -229,7 +230,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::FinishTaskRequest>,
     ) -> Result<Response<proto::FinishTaskResponse>, Status> {
         let r = request.into_inner();
-        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
         let task_id = parse_id("task_id", &r.task_id)?;
         let token = convert::fencing_token(r.fencing_token)?;
         let finish = convert::finish(r.state, r.error, &self.limits)?;
@@ -250,7 +251,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::ReleaseLocksRequest>,
     ) -> Result<Response<proto::ReleaseLocksResponse>, Status> {
         let r = request.get_ref();
-        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
         let task_id = parse_id("task_id", &r.task_id)?;
         let token = convert::fencing_token(r.fencing_token)?;
         let span = rpc_span("ReleaseLocks");

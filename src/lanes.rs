@@ -75,12 +75,12 @@ impl Gauge {
 /// from them).
 pub const SURVEY_KEEP: usize = 100;
 
-/// The survey of blocked resources as stored beside the lane count: `[[resource, waiting,
+/// The survey of blocked resources as stored beside the lane count: `[[resource, behind,
 /// head], ...]`.
 pub fn encode_survey(blocked: &[BlockedResource]) -> String {
     let rows: Vec<serde_json::Value> = blocked
         .iter()
-        .map(|b| serde_json::json!([b.resource, b.waiting, b.head.to_string()]))
+        .map(|b| serde_json::json!([b.resource, b.behind, b.head.to_string()]))
         .collect();
     serde_json::Value::Array(rows).to_string()
 }
@@ -89,10 +89,10 @@ pub fn encode_survey(blocked: &[BlockedResource]) -> String {
 pub fn decode_survey(json: &str) -> Vec<BlockedResource> {
     let rows: Vec<(String, u32, String)> = serde_json::from_str(json).unwrap_or_default();
     rows.into_iter()
-        .filter_map(|(resource, waiting, head)| {
+        .filter_map(|(resource, behind, head)| {
             Some(BlockedResource {
                 resource,
-                waiting,
+                behind,
                 head: head.parse().ok()?,
             })
         })

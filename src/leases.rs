@@ -20,6 +20,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::ids::LeaseId;
 use crate::locks::{Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -46,7 +47,7 @@ pub struct OpenLease {
 #[derive(Debug, Clone)]
 pub struct Lease {
     /// The new, unguessable lease id.
-    pub lease_id: Uuid,
+    pub lease_id: LeaseId,
     /// When it expires unless a heartbeat extends it.
     pub expires_at: DateTime<Utc>,
     /// Its TTL.
@@ -130,7 +131,7 @@ impl Leases {
                 self.ttl.min, self.ttl.max
             )));
         }
-        let lease_id = Uuid::new_v4();
+        let lease_id = LeaseId(Uuid::new_v4());
         let (app_status_id, owned) = match request.app_status_id {
             Some(id) => {
                 if !self.tasks.app_status_exists(id).await? {
@@ -149,7 +150,7 @@ impl Leases {
         let opened = self
             .locks
             .open_lease(&NewLease {
-                lease_id: &lease_id.to_string(),
+                lease_id,
                 ttl,
                 worker_name: &request.worker_name,
                 app_status_id: &app_status_id.to_string(),
@@ -173,7 +174,7 @@ impl Leases {
             Vec::new()
         } else {
             self.locks
-                .adopt(&app_status_id.to_string(), &lease_id.to_string())
+                .adopt(&app_status_id.to_string(), lease_id)
                 .await?
         };
         if !adopted.is_empty() {
@@ -191,10 +192,10 @@ impl Leases {
     }
 
     /// Extends a live lease and reports its tasks that were asked to cancel.
-    pub async fn heartbeat(&self, lease_id: Uuid) -> Result<Beat> {
+    pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Beat> {
         let (expires_at_ms, app_status) = self
             .locks
-            .heartbeat(&lease_id.to_string())
+            .heartbeat(lease_id)
             .await?
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
         let app_status: Uuid = app_status
@@ -236,9 +237,9 @@ impl Leases {
     }
 
     /// CloseLease: ends the lease now, as described in the module docs.
-    pub async fn close(&self, lease_id: Uuid) -> Result<LeaseEnded> {
+    pub async fn close(&self, lease_id: LeaseId) -> Result<LeaseEnded> {
         let closed = self
-            .end(&lease_id.to_string(), CLOSED_WHILE_RUNNING, None, "close")
+            .end(lease_id, CLOSED_WHILE_RUNNING, None, "close")
             .await?
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
         tracing::info!(%lease_id, released = closed.released_locks, requeued = closed.requeued_tasks, failed = closed.failed_tasks, "lease closed");
@@ -250,7 +251,7 @@ impl Leases {
     /// released locks. `None` when the lease is unknown.
     pub async fn revoke(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         reason: &str,
         path: &'static str,
     ) -> Result<Option<LeaseEnded>> {
@@ -262,7 +263,7 @@ impl Leases {
     /// the released locks in the metrics.
     pub(crate) async fn end(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         reason: &str,
         sweeper: Option<&str>,
         path: &'static str,

@@ -30,6 +30,7 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, Value};
 use tokio::sync::Notify;
 
+use crate::ids::LeaseId;
 use crate::metrics::Stats;
 use crate::ready::Resources;
 pub use changes::{Change, Changes, LEFT_PREFIX, REQUEUED_PREFIX};
@@ -38,6 +39,23 @@ pub use keys::Keys;
 pub use leases::{Ending, LeaseRecord, NewLease};
 use scripts::Scripts;
 pub use views::{HeldLock, LeasePage, LeaseView};
+
+/// Lease ids go to Redis as their text: keys and records hold the hyphenated form.
+impl redis::ToRedisArgs for LeaseId {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        out.write_arg(
+            self.0
+                .hyphenated()
+                .encode_lower(&mut uuid::Uuid::encode_buffer())
+                .as_bytes(),
+        );
+    }
+}
+
+impl redis::ToSingleRedisArg for LeaseId {}
 
 /// Failures of the lock store.
 #[derive(Debug, thiserror::Error)]

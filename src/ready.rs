@@ -185,7 +185,7 @@ pub struct BlockedResource {
     /// The resource name (without `shared:`).
     pub resource: String,
     /// Incomplete tasks after the head of its queue that conflict on it.
-    pub waiting: u32,
+    pub behind: u32,
     /// The oldest incomplete task that needs it: the head of its queue.
     pub head: Uuid,
 }

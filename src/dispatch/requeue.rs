@@ -7,7 +7,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{Grant, Passes};
-use crate::ids::FencingToken;
+use crate::ids::{FencingToken, LeaseId};
 use crate::locks::{Locks, Release, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -47,7 +47,7 @@ impl Requeue {
         self.requeue(
             grant.task_id,
             grant.app_status_id,
-            &grant.lease_id.to_string(),
+            grant.lease_id,
             grant.fencing_token,
             grant.started_at.is_some(),
         )
@@ -62,7 +62,7 @@ impl Requeue {
         &self,
         task_id: Uuid,
         app_status: Uuid,
-        lease_id: &str,
+        lease_id: LeaseId,
         fencing_token: FencingToken,
         started: bool,
     ) {
@@ -83,7 +83,7 @@ impl Requeue {
     /// Releases locks taken by a grant that did not complete, retrying a transient failure.
     pub(super) async fn release_after_failure(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         task_id: &str,
         fencing_token: FencingToken,
     ) {

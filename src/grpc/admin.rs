@@ -7,6 +7,7 @@ use tracing::Instrument;
 use super::convert::{parse_id, to_timestamp};
 use crate::admin::{self, Admin};
 use crate::config::LimitArgs;
+use crate::ids::LeaseId;
 use crate::proto;
 use crate::security::Actor;
 
@@ -281,7 +282,7 @@ impl proto::admin_server::Admin for AdminService {
                 .into_iter()
                 .map(|b| proto::BlockedResource {
                     resource: b.survey.resource,
-                    waiting: b.survey.waiting,
+                    waiting: b.survey.behind,
                     head: b.head.map(Into::into),
                 })
                 .collect(),
@@ -296,7 +297,7 @@ impl proto::admin_server::Admin for AdminService {
     ) -> Result<Response<proto::RevokeLeaseResponse>, Status> {
         let actor = actor(&request);
         let r = request.get_ref();
-        let lease_id = parse_id("lease_id", &r.lease_id)?;
+        let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
         let reason = reason(&r.reason, &self.limits)?;
         let (audit, released) = self
             .admin

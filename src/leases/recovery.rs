@@ -23,6 +23,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+use crate::ids::LeaseId;
 use crate::locks::{self, Acquire, Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -107,10 +108,14 @@ impl Recovery {
     /// True when a grant now would be refused although the epoch matches.
     async fn counter_regressed(&self) -> Result<bool> {
         // A probe acquire on a lease that cannot exist: "epoch" means regression, "lease" not.
-        let probe = Uuid::new_v4().to_string();
+        let probe = Uuid::new_v4();
         match self
             .locks
-            .acquire(&probe, &probe, &crate::ready::Resources::default())
+            .acquire(
+                LeaseId(probe),
+                &probe.to_string(),
+                &crate::ready::Resources::default(),
+            )
             .await
         {
             Err(locks::Error::StateLost) => Ok(true),
@@ -137,13 +142,13 @@ impl Recovery {
         }
         self.locks.wipe().await?;
         let claimed = self.tasks.claimed_tasks().await?;
-        let mut leases: HashMap<Uuid, String> = HashMap::new();
+        let mut leases: HashMap<Uuid, LeaseId> = HashMap::new();
         let mut locked = 0usize;
         for task in &claimed {
             let lease_id = match leases.get(&task.app_status_id) {
-                Some(id) => id.clone(),
+                Some(id) => *id,
                 None => {
-                    let id = Uuid::new_v4().to_string();
+                    let id = LeaseId(Uuid::new_v4());
                     // A full TTL from now for every worker, fresh or not: its heartbeats may have
                     // failed only because Redis was gone. A worker that is really dead is swept
                     // one TTL later, as usual.
@@ -153,7 +158,7 @@ impl Recovery {
                         .open_lease_in(
                             &building,
                             &NewLease {
-                                lease_id: &id,
+                                lease_id: id,
                                 ttl,
                                 worker_name: &task.worker_name,
                                 app_status_id: &app_status,
@@ -162,8 +167,8 @@ impl Recovery {
                             },
                         )
                         .await?;
-                    self.locks.mark_recovered(&app_status, &id).await?;
-                    leases.insert(task.app_status_id, id.clone());
+                    self.locks.mark_recovered(&app_status, id).await?;
+                    leases.insert(task.app_status_id, id);
                     id
                 }
             };
@@ -172,7 +177,7 @@ impl Recovery {
                 .acquire_in(
                     &building,
                     0,
-                    &lease_id,
+                    lease_id,
                     &task.task_id.to_string(),
                     &task.resources,
                 )

@@ -74,7 +74,7 @@ impl Sweeper {
         for lease in expired {
             match self
                 .leases
-                .end(&lease, WORKER_MISSING, Some(&self.replica), "sweep")
+                .end(lease, WORKER_MISSING, Some(&self.replica), "sweep")
                 .await
             {
                 Ok(Some(closed)) => {

@@ -86,7 +86,7 @@ impl Locks {
     /// Reads a live lease together with what changed since a scan hint's change sequence.
     pub async fn lease_and_changes(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         since: Option<u64>,
     ) -> Result<Option<(LeaseRecord, Changes)>, Error> {
         let sent = std::time::Instant::now();

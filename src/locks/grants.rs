@@ -75,7 +75,7 @@ impl Locks {
     /// Locks every resource of a task for a lease in one atomic step, or nothing.
     pub async fn acquire(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         task_id: &str,
         resources: &Resources,
     ) -> Result<Acquire, Error> {
@@ -90,7 +90,7 @@ impl Locks {
         &self,
         epoch: &str,
         token_floor: u64,
-        lease_id: &str,
+        lease_id: LeaseId,
         task_id: &str,
         resources: &Resources,
     ) -> Result<Acquire, Error> {
@@ -135,7 +135,7 @@ impl Locks {
     /// caller's lease's `core_appstatus` row ("" when the lease is gone).
     pub async fn release(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         task_id: &str,
         fencing_token: FencingToken,
     ) -> Result<(Release, String), Error> {
@@ -157,7 +157,7 @@ impl Locks {
     /// it does, `Ok(Err(why))` when it does not (`Release::NotHeld` standing for "lease gone").
     pub async fn holder(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         task_id: &str,
         fencing_token: FencingToken,
     ) -> Result<std::result::Result<String, Release>, Error> {
@@ -180,7 +180,7 @@ impl Locks {
 
     /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own
     /// unclaimed grants whose acquire outcome is unknown); true when something was released.
-    pub async fn abort(&self, lease_id: &str, task_id: &str) -> Result<bool, Error> {
+    pub async fn abort(&self, lease_id: LeaseId, task_id: &str) -> Result<bool, Error> {
         let released: i64 = self
             .run(
                 self.scripts

@@ -3,6 +3,8 @@
 //! Every key starts with the configured prefix wrapped in braces, `{prefix}`, so all of them hash
 //! to one Redis Cluster slot and every multi-key script runs unchanged on a cluster.
 
+use crate::ids::LeaseId;
+
 /// Builds the broker's Redis keys for one prefix.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -29,12 +31,12 @@ impl Keys {
     }
 
     /// Hash describing one lease.
-    pub fn lease(&self, lease_id: &str) -> String {
+    pub fn lease(&self, lease_id: LeaseId) -> String {
         format!("{}:lease:{lease_id}", self.tag)
     }
 
     /// Set of task ids whose locks a lease holds: the per-lease registry.
-    pub fn lease_tasks(&self, lease_id: &str) -> String {
+    pub fn lease_tasks(&self, lease_id: LeaseId) -> String {
         format!("{}:lease:{lease_id}:tasks", self.tag)
     }
 
@@ -123,10 +125,11 @@ mod tests {
     #[test]
     fn every_key_carries_the_hash_tag() {
         let k = Keys::new("dispatch");
+        let l = LeaseId(uuid::Uuid::nil());
         let keys = [
             k.leases(),
-            k.lease("l"),
-            k.lease_tasks("l"),
+            k.lease(l),
+            k.lease_tasks(l),
             k.task("t"),
             k.exclusive("prn:core.domain:1"),
             k.shared("r"),
@@ -156,6 +159,9 @@ mod tests {
         assert_eq!(k.exclusive("a"), "{dispatch}:x:a");
         assert_eq!(k.shared("a"), "{dispatch}:s:a");
         assert_eq!(k.task("t"), "{dispatch}:task:t");
-        assert_eq!(k.lease_tasks("l"), "{dispatch}:lease:l:tasks");
+        assert_eq!(
+            k.lease_tasks(l),
+            "{dispatch}:lease:00000000-0000-0000-0000-000000000000:tasks"
+        );
     }
 }

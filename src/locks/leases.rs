@@ -20,7 +20,7 @@ pub struct LeaseRecord {
 #[derive(Debug, Clone)]
 pub struct NewLease<'a> {
     /// The new lease's id.
-    pub lease_id: &'a str,
+    pub lease_id: LeaseId,
     /// Time to live.
     pub ttl: Duration,
     /// The worker's name.
@@ -85,7 +85,7 @@ impl Locks {
     pub async fn adopt(
         &self,
         app_status_id: &str,
-        lease_id: &str,
+        lease_id: LeaseId,
     ) -> Result<Vec<(String, u64)>, Error> {
         let flat: Vec<String> = self
             .run(
@@ -111,7 +111,7 @@ impl Locks {
 
     /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id))`, or `None` when the
     /// lease is unknown or expired.
-    pub async fn heartbeat(&self, lease_id: &str) -> Result<Option<(i64, String)>, Error> {
+    pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Option<(i64, String)>, Error> {
         let reply: Vec<Value> = self
             .run_reading(
                 self.scripts
@@ -136,7 +136,7 @@ impl Locks {
     }
 
     /// Reads a live lease; `None` when it is unknown or expired.
-    pub async fn lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, Error> {
+    pub async fn lease(&self, lease_id: LeaseId) -> Result<Option<LeaseRecord>, Error> {
         Ok(self
             .lease_and_changes(lease_id, None)
             .await?
@@ -145,7 +145,11 @@ impl Locks {
 
     /// Ends a lease's life now (no more grants or heartbeats) and returns what it held; `None`
     /// when the lease is unknown. `rotate` moves an already expired lease behind the others.
-    pub async fn expire_now(&self, lease_id: &str, rotate: bool) -> Result<Option<Ending>, Error> {
+    pub async fn expire_now(
+        &self,
+        lease_id: LeaseId,
+        rotate: bool,
+    ) -> Result<Option<Ending>, Error> {
         let reply: Vec<String> = self
             .run(
                 self.scripts
@@ -174,7 +178,7 @@ impl Locks {
     /// sweeper lock (`Some(None)` otherwise: nothing changed).
     pub async fn close_lease(
         &self,
-        lease_id: &str,
+        lease_id: LeaseId,
         sweeper: Option<&str>,
     ) -> Result<Option<Option<u32>>, Error> {
         let released: i64 = self
@@ -204,7 +208,7 @@ impl Locks {
         sweeper: &str,
         lock_ttl: Duration,
         limit: usize,
-    ) -> Result<Option<Vec<String>>, Error> {
+    ) -> Result<Option<Vec<LeaseId>>, Error> {
         let reply: Vec<Value> = self
             .run_reading(
                 self.scripts
@@ -217,16 +221,31 @@ impl Locks {
             )
             .await?;
         match reply.first() {
-            Some(Value::Int(1)) => Ok(Some(
-                reply[1..].iter().filter_map(|v| text(Some(v))).collect(),
-            )),
+            Some(Value::Int(1)) => {
+                let mut expired = Vec::new();
+                for id in reply[1..].iter().filter_map(|v| text(Some(v))) {
+                    match id.parse() {
+                        Ok(lease_id) => expired.push(lease_id),
+                        Err(_) => {
+                            // Not a lease the broker opened (they are UUIDs): nothing of it can
+                            // be held, so only its entry goes, or it would come back every sweep.
+                            tracing::warn!(entry = %id, "dropping an expiry entry that is not a lease id");
+                            self.command::<i64>(
+                                redis::cmd("ZREM").arg(self.keys.leases()).arg(&id),
+                            )
+                            .await?;
+                        }
+                    }
+                }
+                Ok(Some(expired))
+            }
             Some(Value::Int(0)) => Ok(None),
             _ => Err(protocol("expired", &reply)),
         }
     }
 
     /// Drops a lease id from the expiry set when nothing else of it exists (a leftover).
-    pub async fn forget_lease(&self, lease_id: &str) -> Result<(), Error> {
+    pub async fn forget_lease(&self, lease_id: LeaseId) -> Result<(), Error> {
         self.command::<i64>(redis::cmd("ZREM").arg(self.keys.leases()).arg(lease_id))
             .await
             .map(|_| ())

@@ -140,7 +140,11 @@ impl Locks {
     }
 
     /// Marks a rebuilt lease as the one to hand to the worker that reopens with `app_status_id`.
-    pub async fn mark_recovered(&self, app_status_id: &str, lease_id: &str) -> Result<(), Error> {
+    pub async fn mark_recovered(
+        &self,
+        app_status_id: &str,
+        lease_id: LeaseId,
+    ) -> Result<(), Error> {
         self.command::<()>(
             redis::cmd("SET")
                 .arg(self.keys.recovered(app_status_id))

@@ -6,7 +6,7 @@
 use deadpool_redis::redis::Value;
 
 use super::{int, protocol, text, Error, Locks};
-use crate::ids::FencingToken;
+use crate::ids::{FencingToken, LeaseId};
 
 /// One held task lock and its holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,7 +165,7 @@ impl Locks {
     pub async fn release_orphan(
         &self,
         task_id: &str,
-        lease_id: &str,
+        lease_id: LeaseId,
         fencing_token: FencingToken,
     ) -> Result<Option<bool>, Error> {
         let code: i64 = self

@@ -323,13 +323,13 @@ impl LaneCounter {
             .filter(|(_, p)| p.behind > 0)
             .map(|(name, p)| BlockedResource {
                 resource: name.clone(),
-                waiting: p.behind,
+                behind: p.behind,
                 head: p.first.1,
             })
             .collect();
         blocked.sort_unstable_by(|a, b| {
-            b.waiting
-                .cmp(&a.waiting)
+            b.behind
+                .cmp(&a.behind)
                 .then_with(|| a.resource.cmp(&b.resource))
         });
         blocked.truncate(n);

@@ -259,12 +259,12 @@ fn the_survey_finds_the_head_of_line_blocking_resource() {
         vec![
             BlockedResource {
                 resource: "R0".into(),
-                waiting: 4,
+                behind: 4,
                 head: ids[0]
             },
             BlockedResource {
                 resource: "R1".into(),
-                waiting: 1,
+                behind: 1,
                 head: ids[5]
             },
         ]
@@ -315,9 +315,9 @@ proptest! {
             let mut v: Vec<BlockedResource> = survey_reference(&queue)
                 .into_iter()
                 .filter(|(_, (waiting, _))| *waiting > 0)
-                .map(|(resource, (waiting, head))| BlockedResource { resource, waiting, head: ids[head] })
+                .map(|(resource, (waiting, head))| BlockedResource { resource, behind: waiting, head: ids[head] })
                 .collect();
-            v.sort_by(|a, b| b.waiting.cmp(&a.waiting).then_with(|| a.resource.cmp(&b.resource)));
+            v.sort_by(|a, b| b.behind.cmp(&a.behind).then_with(|| a.resource.cmp(&b.resource)));
             v
         };
         prop_assert_eq!(counter.most_blocked(usize::MAX), expected);

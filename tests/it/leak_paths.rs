@@ -541,7 +541,7 @@ async fn a_lock_left_on_an_unclaimed_task_is_reconciled() {
     let granted = env
         .broker()
         .locks
-        .acquire(&lease, &task.to_string(), &resources)
+        .acquire(lease.parse().unwrap(), &task.to_string(), &resources)
         .await
         .unwrap();
     assert!(matches!(
