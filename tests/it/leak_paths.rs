@@ -621,3 +621,60 @@ async fn a_task_run_by_a_pulp_api_process_is_left_alone() {
     env.assert_locks(&[]).await;
     env.shutdown().await;
 }
+
+/// An entry of the lease expiry set that is not a lease id (the broker only writes UUIDs; this
+/// one came from elsewhere) is dropped by a sweep, and the sweep goes on: a real expired lease
+/// behind it is swept too.
+#[tokio::test]
+async fn an_expiry_entry_that_is_not_a_lease_id_is_dropped_and_the_sweep_goes_on() {
+    use deadpool_redis::redis;
+    let mut env = reconciling_env().await;
+    let task = env.task(&["a"]).await;
+    let lease = env
+        .open_with(
+            "w",
+            &[("core", "3.123.1")],
+            Some(Duration::from_millis(200)),
+        )
+        .await;
+    let granted = env.fetch(&lease).await.expect("the task");
+    assert_eq!(support::id(&granted), task);
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Expired long before the real lease, so it comes first in the sweep's batch.
+    let _: i64 = redis::cmd("ZADD")
+        .arg("{dispatch}:leases")
+        .arg(1)
+        .arg("not-a-lease")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let dropped = support::eventually(Duration::from_secs(15), || {
+        let mut conn = conn.clone();
+        async move {
+            let score: Option<f64> = redis::cmd("ZSCORE")
+                .arg("{dispatch}:leases")
+                .arg("not-a-lease")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            score.is_none()
+        }
+    })
+    .await;
+    assert!(dropped.is_some(), "the entry stayed in the expiry set");
+    // The real lease expired meanwhile (no heartbeats): swept, its claim requeued, no lock left.
+    let requeued = support::eventually(Duration::from_secs(15), || async {
+        env.db
+            .query_one(
+                "SELECT app_lock_id IS NULL FROM core_task WHERE pulp_id = $1",
+                &[&task],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    })
+    .await;
+    assert!(requeued.is_some(), "the expired lease's claim was requeued");
+    env.assert_locks(&[]).await;
+}
