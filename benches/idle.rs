@@ -139,7 +139,7 @@ async fn broker_burst(
     let took = burst(db, &mut rx, workers).await;
     let spent = broker.stats.snapshot() - before;
     fleet.stop().await;
-    (took, spent.fetches, spent.shared)
+    (took, spent.fetch_passes, spent.shared)
 }
 
 #[tokio::main]

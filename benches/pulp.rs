@@ -370,7 +370,7 @@ async fn broker_rounds(
     }
     let counted = stats.snapshot() - before;
     let mut costs = broker_costs(db).await;
-    costs.passes = counted.fetches;
+    costs.passes = counted.fetch_passes;
     costs.pass_redis_calls = counted.fetch_redis_calls;
     costs.hints_trusted = counted.hints_trusted;
     costs.pages_carried = counted.pages_carried;

@@ -307,7 +307,7 @@ pub struct Stats {
     redis_calls: AtomicU64,
     fetch_postgres_statements: AtomicU64,
     fetch_redis_calls: AtomicU64,
-    fetches: AtomicU64,
+    fetch_passes: AtomicU64,
     shared: AtomicU64,
     stalls: AtomicU64,
     leases_swept: AtomicU64,
@@ -331,8 +331,9 @@ pub struct StatsSnapshot {
     pub fetch_postgres_statements: u64,
     /// Redis calls made by fetch passes themselves.
     pub fetch_redis_calls: u64,
-    /// FetchTask passes run.
-    pub fetches: u64,
+    /// Fetch passes run: what the count of `dispatch_fetch_postgres_statements` (one
+    /// observation per pass) shows once no pass runs.
+    pub fetch_passes: u64,
     /// Tasks passes handed to other waiting calls than their own.
     pub shared: u64,
     /// Passes still running after `--fetch-pass-stall`.
@@ -375,7 +376,7 @@ impl Stats {
 
     /// Counts one pass over the queue (a waiting FetchTask makes several).
     pub fn fetch_pass(&self) {
-        self.fetches.fetch_add(1, Ordering::Relaxed);
+        self.fetch_passes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one task a pass handed to another waiting call than its own.
@@ -449,7 +450,7 @@ impl Stats {
             redis_calls: self.redis_calls.load(Ordering::Relaxed),
             fetch_postgres_statements: self.fetch_postgres_statements.load(Ordering::Relaxed),
             fetch_redis_calls: self.fetch_redis_calls.load(Ordering::Relaxed),
-            fetches: self.fetches.load(Ordering::Relaxed),
+            fetch_passes: self.fetch_passes.load(Ordering::Relaxed),
             shared: self.shared.load(Ordering::Relaxed),
             stalls: self.stalls.load(Ordering::Relaxed),
             leases_swept: self.leases_swept.load(Ordering::Relaxed),
@@ -472,7 +473,7 @@ impl std::ops::Sub for StatsSnapshot {
             fetch_postgres_statements: self.fetch_postgres_statements
                 - earlier.fetch_postgres_statements,
             fetch_redis_calls: self.fetch_redis_calls - earlier.fetch_redis_calls,
-            fetches: self.fetches - earlier.fetches,
+            fetch_passes: self.fetch_passes - earlier.fetch_passes,
             shared: self.shared - earlier.shared,
             stalls: self.stalls - earlier.stalls,
             leases_swept: self.leases_swept - earlier.leases_swept,

@@ -188,7 +188,7 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
         handles.push(spawn_wait(&env, &lease));
     }
     waiting_reach(&env, WAITERS as usize).await;
-    let idle_start = env.broker().stats.snapshot().fetches;
+    let idle_start = env.broker().stats.snapshot().fetch_passes;
     let wakes_start = env.broker().waiters.generation();
     // Ten wake-ups (safety ticks) go by with nothing to hand out: counted by the broker, not
     // by the clock.
@@ -197,7 +197,7 @@ async fn an_idle_fleet_costs_one_pass_per_wake_up_not_one_per_waiter() {
     })
     .await
     .expect("ten wake-ups");
-    let idle_passes = env.broker().stats.snapshot().fetches - idle_start;
+    let idle_passes = env.broker().stats.snapshot().fetch_passes - idle_start;
     let wakes = env.broker().waiters.generation() - wakes_start;
     assert!(
         (1..=wakes + 2).contains(&idle_passes),
@@ -312,10 +312,10 @@ async fn shutdown_answers_waiting_calls_at_once_with_no_task() {
 async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
     let mut env = no_polling().await;
     let first = env.open("first").await;
-    let before = env.broker().stats.snapshot().fetches;
+    let before = env.broker().stats.snapshot().fetch_passes;
     let _first = spawn_wait(&env, &first);
     waiting_reach(&env, 1).await;
-    assert_eq!(env.broker().stats.snapshot().fetches, before + 1);
+    assert_eq!(env.broker().stats.snapshot().fetch_passes, before + 1);
     let mut rest = Vec::new();
     for n in 0..10 {
         let lease = env.open(&format!("w{n}")).await;
@@ -323,7 +323,7 @@ async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
     }
     waiting_reach(&env, 11).await;
     assert_eq!(
-        env.broker().stats.snapshot().fetches,
+        env.broker().stats.snapshot().fetch_passes,
         before + 1,
         "nothing woke the queue since the first pass found nothing: no new pass"
     );
@@ -395,9 +395,9 @@ async fn one_pass_hands_a_burst_of_ready_tasks_to_every_waiter_oldest_to_longest
         "one pass served the other waiters"
     );
     assert!(
-        spent.fetches <= 2,
+        spent.fetch_passes <= 2,
         "{} passes for a burst of {N}: one scan serves them all",
-        spent.fetches
+        spent.fetch_passes
     );
     env.shutdown().await;
 }
@@ -413,7 +413,7 @@ async fn without_sharing_each_waiter_of_a_burst_makes_its_own_pass() {
     .await;
     let spent = serve_burst(&mut env, N).await;
     assert_eq!(spent.shared, 0);
-    assert!(spent.fetches >= N as u64, "{} passes", spent.fetches);
+    assert!(spent.fetch_passes >= N as u64, "{} passes", spent.fetch_passes);
     env.shutdown().await;
 }
 
@@ -633,7 +633,7 @@ async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass(
         .expect("served although its first attempt failed (nothing else wakes it)");
     assert_eq!(id(&granted), second);
     assert_eq!(
-        env.broker().stats.snapshot().fetches - before.fetches,
+        env.broker().stats.snapshot().fetch_passes - before.fetch_passes,
         1,
         "one pass"
     );
@@ -748,9 +748,9 @@ async fn calls_arriving_while_a_pass_runs_wait_for_it_and_one_pass_serves_them_a
     );
     // One pass after the held-up one serves all; a second may look once more for its caller.
     assert!(
-        spent.fetches <= 3,
+        spent.fetch_passes <= 3,
         "{} passes for {N} calls that arrived together: one scan serves them all",
-        spent.fetches
+        spent.fetch_passes
     );
     assert!(spent.shared >= N as u64 - 1, "shared: {}", spent.shared);
 }
@@ -763,7 +763,7 @@ async fn without_a_pass_limit_each_arriving_call_makes_its_own_pass() {
         served_meanwhile, N,
         "each call was served by its own pass at once"
     );
-    assert!(spent.fetches >= N as u64, "{} passes", spent.fetches);
+    assert!(spent.fetch_passes >= N as u64, "{} passes", spent.fetch_passes);
 }
 
 #[tokio::test]
@@ -863,7 +863,7 @@ async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
         served_meanwhile, 0,
         "the turn waited for the running pass instead of starting a second one"
     );
-    assert_eq!(env.broker().stats.snapshot().fetches, before.fetches);
+    assert_eq!(env.broker().stats.snapshot().fetch_passes, before.fetch_passes);
     // Nothing else wakes the queue: the pass's end gives the deferred turn back.
     blocker.rollback().await;
     assert_eq!(id(&got(held_up).await.expect("served")), first);
@@ -879,7 +879,7 @@ async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
     let expected: Vec<String> = (1..=N).map(|i| format!("t{i}")).collect();
     assert_eq!(names, expected, "oldest task to the longest waiter");
     let spent = env.broker().stats.snapshot() - before;
-    assert!(spent.fetches <= 2, "{} passes", spent.fetches);
+    assert!(spent.fetch_passes <= 2, "{} passes", spent.fetch_passes);
     env.shutdown().await;
 }
 

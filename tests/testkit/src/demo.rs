@@ -194,7 +194,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     );
     println!(
         "broker: {} fetch passes, {} postgres statements, {} redis calls; lane gauge {}",
-        s.fetches,
+        s.fetch_passes,
         s.postgres_statements,
         s.redis_calls,
         broker.lanes.current().lanes
