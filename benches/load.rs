@@ -471,7 +471,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
         (
             rpc.postgres_statements + background.postgres_statements,
             rpc.redis_calls + background.redis_calls,
-            rpc.fetches,
+            rpc.fetch_passes,
             rpc.shared,
         )
     };

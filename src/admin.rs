@@ -14,11 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use uuid::Uuid;
 
 use crate::dispatch::Queue;
 use crate::error::{Error, Result};
-use crate::ids::{FencingToken, LeaseId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::lanes::Lanes;
 use crate::leases::{from_ms, Leases};
 use crate::locks::{HeldLock, LeaseView, Locks};
@@ -99,7 +98,7 @@ pub struct ResourceLock {
 #[derive(Debug, Clone)]
 pub struct Older {
     /// `pulp_id`.
-    pub id: Uuid,
+    pub id: TaskId,
     /// `state`.
     pub state: TaskState,
     /// `name`.
@@ -115,7 +114,7 @@ pub struct Older {
 #[derive(Debug, Clone)]
 pub struct Explanation {
     /// `pulp_id`.
-    pub task_id: Uuid,
+    pub task_id: TaskId,
     /// `name`.
     pub name: String,
     /// `state`.
@@ -266,14 +265,14 @@ impl Admin {
     }
 
     /// ExplainTask: listing at most `max_older` older conflicting tasks.
-    pub async fn explain(&self, task_id: Uuid, max_older: usize) -> Result<Explanation> {
+    pub async fn explain(&self, task_id: TaskId, max_older: usize) -> Result<Explanation> {
         let facts = self.facts().await?;
         self.explain_with(task_id, max_older, &facts).await
     }
 
     async fn explain_with(
         &self,
-        task_id: Uuid,
+        task_id: TaskId,
         max_older: usize,
         facts: &Facts,
     ) -> Result<Explanation> {
@@ -614,12 +613,15 @@ impl Admin {
         let mut ended_leases: Vec<LeaseId> = Vec::new();
         let mut done = Vec::new();
         for h in &holders {
-            let lease_id: LeaseId = h.lease_id.parse().map_err(|_| {
-                Error::Refused(format!(
-                    "the lock of task {} on {resource} names lease {:?}, which is not a lease id                      the broker makes; nothing more was released",
+            let (Ok(lease_id), Ok(task)) =
+                (h.lease_id.parse::<LeaseId>(), h.task_id.parse::<TaskId>())
+            else {
+                return Err(Error::Refused(format!(
+                    "the lock on {resource} names task {:?} and lease {:?}, which are not ids \
+                     the broker makes; nothing more was released",
                     h.task_id, h.lease_id
-                ))
-            })?;
+                )));
+            };
             if h.lease_expires_at.is_some() {
                 // Expired, not yet swept: a heartbeat can no longer revive it, so ending it is
                 // the sweeper's own step, taken now.
@@ -644,7 +646,7 @@ impl Admin {
             // its claim is still the dead holder's.
             match self
                 .locks
-                .release_orphan(&h.task_id, lease_id, h.fencing_token)
+                .release_orphan(task, lease_id, h.fencing_token)
                 .await?
             {
                 Some(true) => {}
@@ -660,9 +662,6 @@ impl Admin {
             released.locks += 1;
             self.stats.locks_released("force_release", 1);
             done.push(h.clone());
-            let Ok(task) = h.task_id.parse::<Uuid>() else {
-                continue;
-            };
             if let Some((_, Some(app_status))) = self.tasks.state(task).await? {
                 let ended = self
                     .tasks

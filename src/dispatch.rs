@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::ids::{FencingToken, LeaseId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release};
 use crate::metrics::Stats;
 use crate::ready::{self, Reservations, Resources, Verdict, SHARED_PREFIX};
@@ -53,7 +53,7 @@ use waiters::{Full, Place, Woken};
 #[derive(Debug, Clone)]
 pub struct Grant {
     /// `pulp_id`.
-    pub task_id: Uuid,
+    pub task_id: TaskId,
     /// `name`.
     pub name: String,
     /// The task's resources.
@@ -119,7 +119,7 @@ pub struct FetchPolicy {
 pub struct Offer {
     lease_id: LeaseId,
     lease: Arc<LeaseRecord>,
-    skip: Arc<HashSet<Uuid>>,
+    skip: Arc<HashSet<TaskId>>,
     start: bool,
 }
 
@@ -135,7 +135,7 @@ impl Offer {
 #[derive(Debug, Clone)]
 struct Call {
     lease_id: LeaseId,
-    skip: Arc<HashSet<Uuid>>,
+    skip: Arc<HashSet<TaskId>>,
     start: bool,
 }
 
@@ -186,7 +186,7 @@ pub struct Dispatch {
     passes: Arc<Passes>,
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
-    in_flight: Arc<Mutex<HashSet<Uuid>>>,
+    in_flight: Arc<Mutex<HashSet<TaskId>>>,
     /// Tasks this replica granted in the last [`RECENT`], with when: a pass whose page was read
     /// before such a grant committed leaves them alone instead of locking and claiming them
     /// again (with short tasks they are often finished by then, and the claim would find them
@@ -239,12 +239,12 @@ const RECENT: Duration = Duration::from_secs(1);
 /// Task ids granted recently (noted once the claim committed), forgotten after [`RECENT`].
 #[derive(Debug, Default)]
 struct Recent {
-    granted: HashMap<Uuid, Instant>,
+    granted: HashMap<TaskId, Instant>,
     pruned: Option<Instant>,
 }
 
 impl Recent {
-    fn note(&mut self, id: Uuid) {
+    fn note(&mut self, id: TaskId) {
         let now = Instant::now();
         if self.pruned.is_none_or(|p| now.duration_since(p) >= RECENT) {
             self.granted
@@ -255,7 +255,7 @@ impl Recent {
     }
 
     /// True when `id` was granted after `read_at` (when a page showing it waiting was read).
-    fn granted_after(&self, id: &Uuid, read_at: Instant) -> bool {
+    fn granted_after(&self, id: &TaskId, read_at: Instant) -> bool {
         self.granted.get(id).is_some_and(|at| *at > read_at)
     }
 }
@@ -278,16 +278,16 @@ struct Opening {
     /// The lock state.
     epoch: String,
     /// Claims put back since the hint.
-    requeued: Vec<Uuid>,
+    requeued: Vec<TaskId>,
 }
 
 /// A scan hint's position and the held names known to hide tasks before it.
-type KnownHiding = ((DateTime<Utc>, Uuid), HashSet<String>);
+type KnownHiding = ((DateTime<Utc>, TaskId), HashSet<String>);
 
 /// Where a pass starts and what it knows there ([`Dispatch::plan_pass`]).
 struct Plan {
     /// The position the pass reads on from (`None`: the head of the queue).
-    after: Option<(DateTime<Utc>, Uuid)>,
+    after: Option<(DateTime<Utc>, TaskId)>,
     /// What the tasks before `after` that were left waiting (or held locks) reserve.
     reserved: Reservations,
     /// Their conflict keys: the page skips tasks with these.
@@ -297,7 +297,7 @@ struct Plan {
     /// The used hint's position and the names it knew to hide tasks before it.
     hiding: Option<KnownHiding>,
     /// Claims put back that the pass checks first.
-    returned: Vec<Uuid>,
+    returned: Vec<TaskId>,
     /// The tasks the hint carries, when the pass may judge them instead of reading a page.
     carried: Option<Arc<Carried>>,
     /// With carried tasks after reading the changes: the names whose locks those released.
@@ -315,7 +315,7 @@ struct FirstReads {
     /// The first page (`None`: read it when the pass gets there).
     first_page: Option<crate::tasks::Page>,
     /// Every claim put back the pass judges (before the hint's position or in the page).
-    returned_ids: HashSet<Uuid>,
+    returned_ids: HashSet<TaskId>,
     /// When the first page was read.
     first_read_at: Instant,
     /// When the claims put back were read.
@@ -458,13 +458,13 @@ impl Passes {
 
 /// A task this replica is trying to grant; dropping it lets other passes try the task again.
 struct InFlight {
-    set: Arc<Mutex<HashSet<Uuid>>>,
-    id: Uuid,
+    set: Arc<Mutex<HashSet<TaskId>>>,
+    id: TaskId,
 }
 
 impl InFlight {
     /// Marks `id` in flight, or `None` when another pass has it.
-    fn take(set: &Arc<Mutex<HashSet<Uuid>>>, id: Uuid) -> Option<InFlight> {
+    fn take(set: &Arc<Mutex<HashSet<TaskId>>>, id: TaskId) -> Option<InFlight> {
         let mut tasks = set.lock().ok()?;
         tasks.insert(id).then(|| InFlight {
             set: Arc::clone(set),
@@ -529,7 +529,7 @@ impl Dispatch {
         &self,
         lease_id: LeaseId,
         wait: Duration,
-        skip: HashSet<Uuid>,
+        skip: HashSet<TaskId>,
         start: bool,
     ) -> Result<Option<Grant>> {
         let wait = wait.min(self.policy.max_wait);
@@ -692,7 +692,7 @@ impl Dispatch {
         }
     }
 
-    fn granted_after(&self, id: &Uuid, read_at: Instant) -> bool {
+    fn granted_after(&self, id: &TaskId, read_at: Instant) -> bool {
         self.recent
             .lock()
             .is_ok_and(|r| r.granted_after(id, read_at))
@@ -716,7 +716,7 @@ impl Dispatch {
 
     /// Where the resource queues say a scan may start, or go on after `from` (see
     /// `queues::Queues::start`). A failure only costs reading from the hint or the head.
-    async fn queue_start(&self, from: Option<(DateTime<Utc>, Uuid)>) -> Option<ready::Start> {
+    async fn queue_start(&self, from: Option<(DateTime<Utc>, TaskId)>) -> Option<ready::Start> {
         match self.queues.start(from.map(position_key)).await {
             Ok(start) => start,
             Err(e) => {
@@ -831,7 +831,7 @@ impl Dispatch {
         // The held entries of a carried page were read before this pass began: what the hint
         // this pass leaves relies on is judged against the queues' removals since then.
         let removals = carried_removals.unwrap_or(removals);
-        let extra_ids: HashSet<Uuid> = extra.iter().map(|r| r.id).collect();
+        let extra_ids: HashSet<TaskId> = extra.iter().map(|r| r.id).collect();
         // As read: what the hint this pass leaves carries of those still waiting.
         let extra_rows: Vec<TaskRow> = extra.clone();
         // What the hint this pass leaves keeps: the same, without the tasks it hands out.
@@ -1054,7 +1054,7 @@ impl Dispatch {
         let removals = self.queues.removals();
         let epoch = self.locks.epoch();
         // Claims put back since the hint: checked first, not a reason to drop it.
-        let requeued: Vec<Uuid> = changes
+        let requeued: Vec<TaskId> = changes
             .changed
             .iter()
             .flatten()
@@ -1085,7 +1085,7 @@ impl Dispatch {
         held: Option<ScanHint>,
         changes: &crate::locks::Changes,
         epoch: &str,
-        requeued: &[Uuid],
+        requeued: &[TaskId],
         trusting: bool,
     ) -> Plan {
         let had_hint = held.is_some();
@@ -1139,7 +1139,7 @@ impl Dispatch {
         let mut hint_taken = Instant::now();
         let mut hiding = None;
         // Claims put back behind the hint's position: judged before its page.
-        let mut returned: Vec<Uuid> = Vec::new();
+        let mut returned: Vec<TaskId> = Vec::new();
         // The rest of the page the hint's pass read, when this pass may judge it (see
         // `Carried`).
         let mut carried: Option<Arc<Carried>> = None;
@@ -1225,9 +1225,9 @@ impl Dispatch {
     async fn first_reads(
         &self,
         carried: Option<&Carried>,
-        returned: &[Uuid],
+        returned: &[TaskId],
         excluded: &[String],
-        after: Option<(DateTime<Utc>, Uuid)>,
+        after: Option<(DateTime<Utc>, TaskId)>,
         near: &crate::tasks::Near,
         page: i64,
     ) -> Result<FirstReads> {
@@ -1261,7 +1261,7 @@ impl Dispatch {
         let carried_returned = carried_returned.map(|(rows, _)| rows);
         // Every claim put back that the pass judges, before the hint's position or past it (in
         // the carried page): judged as of their own read.
-        let mut returned_ids: HashSet<Uuid> = HashSet::new();
+        let mut returned_ids: HashSet<TaskId> = HashSet::new();
         let (extra, first_page) = if returned.is_empty() {
             (Vec::new(), carried_page)
         } else {
@@ -1286,7 +1286,7 @@ impl Dispatch {
             // Those past the hint's position: a page read now reaches them in order; a carried
             // one, read before they were put back, holds them in order.
             if page_carried && !past.is_empty() {
-                let known: HashSet<Uuid> = found.tasks.iter().map(|r| r.id).collect();
+                let known: HashSet<TaskId> = found.tasks.iter().map(|r| r.id).collect();
                 found
                     .tasks
                     .extend(past.into_iter().filter(|r| !known.contains(&r.id)));
@@ -1542,7 +1542,7 @@ impl Dispatch {
     }
 
     /// ClaimTask: locks and claims exactly this task if it is ready for this lease now.
-    pub async fn claim(&self, lease_id: LeaseId, task_id: Uuid) -> Result<Option<Grant>> {
+    pub async fn claim(&self, lease_id: LeaseId, task_id: TaskId) -> Result<Option<Grant>> {
         let this = self.clone();
         self.detached(async move { this.claim_once(lease_id, task_id).await })
             .await
@@ -1643,7 +1643,7 @@ impl Dispatch {
             .map_err(|_| Error::Internal("a fetch step ended without an answer".into()))?
     }
 
-    async fn claim_once(&self, lease_id: LeaseId, task_id: Uuid) -> Result<Option<Grant>> {
+    async fn claim_once(&self, lease_id: LeaseId, task_id: TaskId) -> Result<Option<Grant>> {
         let lease = self.live_lease(lease_id).await?;
         let task = self
             .tasks
@@ -1760,7 +1760,6 @@ impl Dispatch {
         row: &TaskRow,
         start: bool,
     ) -> Result<Attempt> {
-        let task_str = row.id.to_string();
         let resources = &row.candidate.resources;
         if resources
             .exclusive
@@ -1776,7 +1775,7 @@ impl Dispatch {
                 "lease {lease_id} names no valid core_appstatus row"
             ))
         })?;
-        let acquired = match self.locks.acquire(lease_id, &task_str, resources).await {
+        let acquired = match self.locks.acquire(lease_id, row.id, resources).await {
             Ok(acquired) => acquired,
             Err(crate::locks::Error::StateLost) => {
                 return Err(crate::locks::Error::StateLost.into())
@@ -1784,7 +1783,7 @@ impl Dispatch {
             Err(e) => {
                 // The script may have run although the answer was lost: take back whatever this
                 // lease holds for the unclaimed task.
-                if let Err(abort) = self.locks.abort(lease_id, &task_str).await {
+                if let Err(abort) = self.locks.abort(lease_id, row.id).await {
                     tracing::error!(task_id = %row.id, error = %abort, "could not take back locks of a failed acquire; they stay until the lease ends");
                 }
                 return Err(e.into());
@@ -1804,7 +1803,7 @@ impl Dispatch {
                 // The lease may have been closed or swept between the lock and the claim; its
                 // clean-up then missed this claim. Hand out only what the live lease still holds.
                 if !matches!(
-                    self.locks.holder(lease_id, &task_str, fencing_token).await,
+                    self.locks.holder(lease_id, row.id, fencing_token).await,
                     Ok(Ok(_))
                 ) {
                     self.requeue
@@ -1828,13 +1827,13 @@ impl Dispatch {
             Ok(None) => {
                 // Canceled, finished or claimed elsewhere since it was read.
                 self.requeue
-                    .release_after_failure(lease_id, &task_str, fencing_token)
+                    .release_after_failure(lease_id, row.id, fencing_token)
                     .await;
                 Ok(Attempt::Lost)
             }
             Err(e) if e.certainly_not_applied() => {
                 self.requeue
-                    .release_after_failure(lease_id, &task_str, fencing_token)
+                    .release_after_failure(lease_id, row.id, fencing_token)
                     .await;
                 Err(e.into())
             }
@@ -1851,7 +1850,7 @@ impl Dispatch {
 
     /// Puts a claimed task that never started back in the queue (no-op otherwise); true when
     /// the task is running (or canceling) under `app_status` instead, and so was left alone.
-    async fn requeue_claim(&self, task_id: Uuid, app_status: Uuid) -> Result<bool> {
+    async fn requeue_claim(&self, task_id: TaskId, app_status: Uuid) -> Result<bool> {
         let (requeued, running) = self
             .tasks
             .requeue_unless_running(task_id, app_status)
@@ -1867,7 +1866,7 @@ impl Dispatch {
     pub async fn start(
         &self,
         lease_id: LeaseId,
-        task_id: Uuid,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<DateTime<Utc>> {
         let app_status = self.holder(lease_id, task_id, fencing_token).await?;
@@ -1883,7 +1882,7 @@ impl Dispatch {
     pub async fn finish(
         &self,
         lease_id: LeaseId,
-        task_id: Uuid,
+        task_id: TaskId,
         fencing_token: FencingToken,
         finish: Finish,
     ) -> Result<(String, bool)> {
@@ -1904,10 +1903,7 @@ impl Dispatch {
                 .map(|(state, _)| state)
                 .ok_or(Error::TaskNotFound(task_id))?,
         };
-        let (released, _) = self
-            .locks
-            .release(lease_id, &task_id.to_string(), fencing_token)
-            .await?;
+        let (released, _) = self.locks.release(lease_id, task_id, fencing_token).await?;
         let released = released == Release::Released;
         if !released {
             // Final now, with no lock to release (and so none recorded): tasks behind it may be
@@ -1923,12 +1919,12 @@ impl Dispatch {
     async fn holder(
         &self,
         lease_id: LeaseId,
-        task_id: Uuid,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<Uuid> {
         match self
             .locks
-            .holder(lease_id, &task_id.to_string(), fencing_token)
+            .holder(lease_id, task_id, fencing_token)
             .await?
         {
             Ok(app_status) => app_status
@@ -1950,15 +1946,14 @@ impl Dispatch {
     pub async fn release(
         &self,
         lease_id: LeaseId,
-        task_id: Uuid,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<bool> {
-        let task = task_id.to_string();
         // The claim goes back first, while the locks still cover it. When the holder check
         // fails (Redis slow, or the lease expired but not yet swept), it goes back after the
         // release instead. (A failed check is not fatal: the release below retries.)
         let mut put_back = false;
-        if let Ok(Ok(app_status)) = self.locks.holder(lease_id, &task, fencing_token).await {
+        if let Ok(Ok(app_status)) = self.locks.holder(lease_id, task_id, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 // A running task keeps its locks until its final state is recorded: released
                 // now, it would run unprotected (and its claim without locks would look like
@@ -1975,7 +1970,7 @@ impl Dispatch {
         }
         let mut attempt = 0u32;
         let (outcome, app_status) = loop {
-            match self.locks.release(lease_id, &task, fencing_token).await {
+            match self.locks.release(lease_id, task_id, fencing_token).await {
                 Ok(done) => break done,
                 Err(e) if attempt < 2 => {
                     tracing::warn!(%task_id, %lease_id, attempt, error = %e, "release failed; retrying");
@@ -2009,21 +2004,21 @@ impl Dispatch {
     /// any locks held for it; a running one becomes canceling and its holder hears of it in the
     /// next heartbeat reply; a final task is unchanged (and any lock left for it is released, so
     /// a retry after a failure half-way completes the cancel).
-    pub async fn cancel(&self, task_id: Uuid) -> Result<(TaskState, bool)> {
+    pub async fn cancel(&self, task_id: TaskId) -> Result<(TaskState, bool)> {
         let this = self.clone();
         tokio::spawn(async move { this.cancel_once(task_id).await })
             .await
             .map_err(|e| Error::Internal(format!("cancel: {e}")))?
     }
 
-    async fn cancel_once(&self, task_id: Uuid) -> Result<(TaskState, bool)> {
+    async fn cancel_once(&self, task_id: TaskId) -> Result<(TaskState, bool)> {
         let cancel = self
             .tasks
             .cancel(task_id)
             .await?
             .ok_or(Error::TaskNotFound(task_id))?;
         if cancel.after.is_final() {
-            match self.locks.force_release(&task_id.to_string()).await? {
+            match self.locks.force_release(task_id).await? {
                 Some(holder) => {
                     self.stats.locks_released("cancel", 1);
                     tracing::info!(%task_id, lease_id = %holder, "locks of a canceled task released");

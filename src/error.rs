@@ -15,7 +15,7 @@ pub enum Error {
     LeaseNotFound(String),
     /// The task does not exist.
     #[error("task {0} does not exist")]
-    TaskNotFound(Uuid),
+    TaskNotFound(crate::ids::TaskId),
     /// The core_appstatus row named in OpenLease does not exist.
     #[error(
         "core_appstatus row {0} does not exist; pass an existing row or leave app_status_id empty"

@@ -14,7 +14,7 @@ use tracing::Instrument;
 use crate::config::LimitArgs;
 use crate::dispatch::Dispatch;
 use crate::error::Error;
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 use crate::leases::Leases;
 use crate::proto;
 use crate::{locks, tasks};
@@ -190,7 +190,7 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::ClaimTaskRequest>,
     ) -> Result<Response<proto::FetchTaskResponse>, Status> {
         let lease_id = LeaseId(parse_id("lease_id", &request.get_ref().lease_id)?);
-        let task_id = parse_id("task_id", &request.get_ref().task_id)?;
+        let task_id = TaskId(parse_id("task_id", &request.get_ref().task_id)?);
         let span = rpc_span("ClaimTask");
         span.record("lease_id", tracing::field::display(lease_id));
         span.record("task_id", tracing::field::display(task_id));
@@ -210,7 +210,7 @@ impl proto::broker_server::Broker for BrokerService {
     ) -> Result<Response<proto::StartTaskResponse>, Status> {
         let r = request.get_ref();
         let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
-        let task_id = parse_id("task_id", &r.task_id)?;
+        let task_id = TaskId(parse_id("task_id", &r.task_id)?);
         let token = convert::fencing_token(r.fencing_token)?;
         let span = rpc_span("StartTask");
         span.record("lease_id", tracing::field::display(lease_id));
@@ -231,7 +231,7 @@ impl proto::broker_server::Broker for BrokerService {
     ) -> Result<Response<proto::FinishTaskResponse>, Status> {
         let r = request.into_inner();
         let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
-        let task_id = parse_id("task_id", &r.task_id)?;
+        let task_id = TaskId(parse_id("task_id", &r.task_id)?);
         let token = convert::fencing_token(r.fencing_token)?;
         let finish = convert::finish(r.state, r.error, &self.limits)?;
         let span = rpc_span("FinishTask");
@@ -252,7 +252,7 @@ impl proto::broker_server::Broker for BrokerService {
     ) -> Result<Response<proto::ReleaseLocksResponse>, Status> {
         let r = request.get_ref();
         let lease_id = LeaseId(parse_id("lease_id", &r.lease_id)?);
-        let task_id = parse_id("task_id", &r.task_id)?;
+        let task_id = TaskId(parse_id("task_id", &r.task_id)?);
         let token = convert::fencing_token(r.fencing_token)?;
         let span = rpc_span("ReleaseLocks");
         span.record("lease_id", tracing::field::display(lease_id));
@@ -270,7 +270,7 @@ impl proto::broker_server::Broker for BrokerService {
         &self,
         request: Request<proto::CancelTaskRequest>,
     ) -> Result<Response<proto::CancelTaskResponse>, Status> {
-        let task_id = parse_id("task_id", &request.get_ref().task_id)?;
+        let task_id = TaskId(parse_id("task_id", &request.get_ref().task_id)?);
         let span = rpc_span("CancelTask");
         span.record("task_id", tracing::field::display(task_id));
         let (state, holder_notified) = self.dispatch.cancel(task_id).instrument(span).await?;

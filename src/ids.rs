@@ -34,3 +34,58 @@ impl std::str::FromStr for LeaseId {
         s.parse().map(Self)
     }
 }
+
+/// A task's id: `core_task.pulp_id`. Postgres reads and writes it as a `uuid`; Redis keys,
+/// records and the proto carry it as text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TaskId(pub Uuid);
+
+impl TaskId {
+    /// The greatest id: with a `pulp_created`, a position after every task created then.
+    pub const MAX: TaskId = TaskId(Uuid::max());
+    /// The least id: with a `pulp_created`, a position before every task created then.
+    pub const NIL: TaskId = TaskId(Uuid::nil());
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::str::FromStr for TaskId {
+    type Err = uuid::Error;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.parse().map(Self)
+    }
+}
+
+impl tokio_postgres::types::ToSql for TaskId {
+    fn to_sql(
+        &self,
+        ty: &tokio_postgres::types::Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        self.0.to_sql(ty, out)
+    }
+
+    fn accepts(ty: &tokio_postgres::types::Type) -> bool {
+        <Uuid as tokio_postgres::types::ToSql>::accepts(ty)
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+impl<'a> tokio_postgres::types::FromSql<'a> for TaskId {
+    fn from_sql(
+        ty: &tokio_postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Uuid::from_sql(ty, raw).map(Self)
+    }
+
+    fn accepts(ty: &tokio_postgres::types::Type) -> bool {
+        <Uuid as tokio_postgres::types::FromSql>::accepts(ty)
+    }
+}

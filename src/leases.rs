@@ -20,7 +20,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 use crate::locks::{Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -64,7 +64,7 @@ pub struct Beat {
     /// The new expiry.
     pub expires_at: DateTime<Utc>,
     /// Tasks of the lease that were asked to cancel.
-    pub cancel_task_ids: Vec<Uuid>,
+    pub cancel_task_ids: Vec<TaskId>,
 }
 
 /// What ending a lease did.
@@ -106,7 +106,7 @@ const CANCEL_CACHE_AGE: Duration = Duration::from_secs(1);
 #[derive(Default)]
 struct CancelCache {
     read_at: Option<std::time::Instant>,
-    by_row: HashMap<Uuid, Vec<Uuid>>,
+    by_row: HashMap<Uuid, Vec<TaskId>>,
 }
 
 impl Leases {
@@ -211,7 +211,7 @@ impl Leases {
 
     /// The tasks claimed by `app_status` that were asked to cancel: from one read per second for
     /// all heartbeats of this replica (concurrent heartbeats wait for that one read).
-    async fn canceling_for(&self, app_status: Uuid) -> Result<Vec<Uuid>> {
+    async fn canceling_for(&self, app_status: Uuid) -> Result<Vec<TaskId>> {
         let mut cache = self.canceling.lock().await;
         if cache
             .read_at
@@ -222,7 +222,7 @@ impl Leases {
             cache.read_at = Some(std::time::Instant::now());
             match self.tasks.canceling().await {
                 Ok(rows) => {
-                    let mut by_row: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+                    let mut by_row: HashMap<Uuid, Vec<TaskId>> = HashMap::new();
                     for (task, row) in rows {
                         by_row.entry(row).or_default().push(task);
                     }
@@ -280,7 +280,7 @@ impl Leases {
                 "lease {lease_id} names no valid core_appstatus row"
             ))
         })?;
-        let task_ids: Vec<Uuid> = ending
+        let task_ids: Vec<TaskId> = ending
             .task_ids
             .iter()
             .filter_map(|t| t.parse().ok())

@@ -30,7 +30,7 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, Value};
 use tokio::sync::Notify;
 
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 use crate::metrics::Stats;
 use crate::ready::Resources;
 pub use changes::{Change, Changes, LEFT_PREFIX, REQUEUED_PREFIX};
@@ -40,22 +40,28 @@ pub use leases::{Ending, LeaseRecord, NewLease};
 use scripts::Scripts;
 pub use views::{HeldLock, LeasePage, LeaseView};
 
-/// Lease ids go to Redis as their text: keys and records hold the hyphenated form.
-impl redis::ToRedisArgs for LeaseId {
-    fn write_redis_args<W>(&self, out: &mut W)
-    where
-        W: ?Sized + redis::RedisWrite,
-    {
-        out.write_arg(
-            self.0
-                .hyphenated()
-                .encode_lower(&mut uuid::Uuid::encode_buffer())
-                .as_bytes(),
-        );
-    }
+/// Ids go to Redis as their text: keys and records hold the hyphenated form.
+macro_rules! redis_text_arg {
+    ($($id:ty),*) => {$(
+        impl redis::ToRedisArgs for $id {
+            fn write_redis_args<W>(&self, out: &mut W)
+            where
+                W: ?Sized + redis::RedisWrite,
+            {
+                out.write_arg(
+                    self.0
+                        .hyphenated()
+                        .encode_lower(&mut uuid::Uuid::encode_buffer())
+                        .as_bytes(),
+                );
+            }
+        }
+
+        impl redis::ToSingleRedisArg for $id {}
+    )*};
 }
 
-impl redis::ToSingleRedisArg for LeaseId {}
+redis_text_arg!(LeaseId, TaskId);
 
 /// Failures of the lock store.
 #[derive(Debug, thiserror::Error)]

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 /// The prefix that marks shared access in `reserved_resources_record`.
 pub const SHARED_PREFIX: &str = "shared:";
@@ -187,7 +187,7 @@ pub struct BlockedResource {
     /// Incomplete tasks after the head of its queue that conflict on it.
     pub behind: u32,
     /// The oldest incomplete task that needs it: the head of its queue.
-    pub head: Uuid,
+    pub head: TaskId,
 }
 
 /// What dispatch knows about one waiting, unclaimed task while it walks the queue.

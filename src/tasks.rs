@@ -20,6 +20,8 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
+use crate::ids::TaskId;
+
 use crate::metrics::Stats;
 use crate::ready::{Candidate, Key, LaneCounter, Repair, Resources, Seen};
 use crate::states::TaskState;
@@ -223,7 +225,7 @@ impl Error {
 #[derive(Debug, Clone)]
 pub struct TaskRow {
     /// `pulp_id`.
-    pub id: Uuid,
+    pub id: TaskId,
     /// `pulp_created`.
     pub created: DateTime<Utc>,
     /// `name`.
@@ -269,7 +271,7 @@ pub struct LeaseTasksEnded {
 #[derive(Debug, Clone)]
 pub struct ClaimedTask {
     /// `pulp_id`.
-    pub task_id: Uuid,
+    pub task_id: TaskId,
     /// Its resources.
     pub resources: Resources,
     /// `app_lock_id`: the worker row that claimed it.
@@ -286,7 +288,7 @@ pub struct ClaimedTask {
 #[derive(Debug, Clone)]
 pub struct OlderTask {
     /// `pulp_id`.
-    pub id: Uuid,
+    pub id: TaskId,
     /// `state`.
     pub state: TaskState,
     /// `name`.
@@ -301,7 +303,7 @@ pub struct OlderTask {
 const LANE_PAGE_ROWS: usize = 512;
 
 /// A counter's key as the statements take it.
-pub fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
+pub fn key_bound(key: Key) -> (DateTime<Utc>, TaskId) {
     (
         DateTime::from_timestamp_micros(key.0).unwrap_or(DateTime::UNIX_EPOCH),
         key.1,
@@ -312,7 +314,7 @@ pub fn key_bound(key: Key) -> (DateTime<Utc>, Uuid) {
 /// borrowed from the row.
 fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
     let record: Option<Vec<&str>> = row.try_get(0)?;
-    let id: Uuid = row.try_get(1)?;
+    let id: TaskId = row.try_get(1)?;
     let created: DateTime<Utc> = row.try_get(2)?;
     Ok(((created.timestamp_micros(), id), record.unwrap_or_default()))
 }
@@ -324,7 +326,7 @@ fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
 #[derive(Debug, Clone, Default)]
 pub struct Near {
     /// The end of the queue's head (None: not known).
-    pub head_end: Option<(DateTime<Utc>, Uuid)>,
+    pub head_end: Option<(DateTime<Utc>, TaskId)>,
     /// The record entries of long queues, and at the same index how many tasks carry each
     /// (candidates.sql's $6 and $7).
     pub long_entries: Vec<String>,
@@ -333,7 +335,7 @@ pub struct Near {
 
 impl Near {
     /// `head_end`, and the long queues as `ResourceQueues::long_queues` lists them.
-    pub fn new(head_end: Option<(DateTime<Utc>, Uuid)>, long: Vec<(String, usize)>) -> Near {
+    pub fn new(head_end: Option<(DateTime<Utc>, TaskId)>, long: Vec<(String, usize)>) -> Near {
         let (long_entries, long_users) = long
             .into_iter()
             .map(|(entry, users)| (entry, i32::try_from(users).unwrap_or(i32::MAX)))
@@ -346,7 +348,7 @@ impl Near {
     }
 
     /// The end of the queue's head as the statements take it: its time and its id.
-    fn head_end_params(&self) -> (Option<DateTime<Utc>>, Option<Uuid>) {
+    fn head_end_params(&self) -> (Option<DateTime<Utc>>, Option<TaskId>) {
         (self.head_end.map(|a| a.0), self.head_end.map(|a| a.1))
     }
 }
@@ -592,7 +594,7 @@ impl Tasks {
     pub async fn candidates(
         &self,
         excluded: &[String],
-        after: Option<(DateTime<Utc>, Uuid)>,
+        after: Option<(DateTime<Utc>, TaskId)>,
         near: &Near,
         limit: i64,
     ) -> Result<Page, Error> {
@@ -617,7 +619,7 @@ impl Tasks {
         let closing = rows
             .pop()
             .ok_or_else(|| Error::Unexpected("candidates.sql returned no closing row".into()))?;
-        let id: Option<Uuid> = closing.try_get(0)?;
+        let id: Option<TaskId> = closing.try_get(0)?;
         if id.is_some() {
             return Err(Error::Unexpected(
                 "candidates.sql's last row is not its closing row".into(),
@@ -634,7 +636,7 @@ impl Tasks {
 
     /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first: the
     /// claims put back that a scan hint checks first (task.sql).
-    pub async fn returned(&self, ids: &[Uuid], near: &Near) -> Result<Vec<TaskRow>, Error> {
+    pub async fn returned(&self, ids: &[TaskId], near: &Near) -> Result<Vec<TaskRow>, Error> {
         let mut rows: Vec<TaskRow> = self
             .tasks_looked_up(ids, near)
             .await?
@@ -647,7 +649,7 @@ impl Tasks {
     }
 
     /// One task with its state and readiness facts; `None` for an unknown task.
-    pub async fn task(&self, id: Uuid, near: &Near) -> Result<Option<TaskWithState>, Error> {
+    pub async fn task(&self, id: TaskId, near: &Near) -> Result<Option<TaskWithState>, Error> {
         Ok(self.tasks_looked_up(&[id], near).await?.into_iter().next())
     }
 
@@ -655,7 +657,7 @@ impl Tasks {
     /// candidates.sql's does), under candidates.sql's planner settings.
     async fn tasks_looked_up(
         &self,
-        ids: &[Uuid],
+        ids: &[TaskId],
         near: &Near,
     ) -> Result<Vec<TaskWithState>, Error> {
         let (near_created, near_id) = near.head_end_params();
@@ -677,7 +679,7 @@ impl Tasks {
 
     /// [`Tasks::task`] without the readiness look-up (`older_conflicts` is 0): for a task that
     /// is not waiting, cheap whatever its queues.
-    pub async fn task_facts(&self, id: Uuid) -> Result<Option<TaskWithState>, Error> {
+    pub async fn task_facts(&self, id: TaskId) -> Result<Option<TaskWithState>, Error> {
         Ok(self
             .tasks_by(sql::TASK_FACTS, &[id])
             .await?
@@ -685,7 +687,7 @@ impl Tasks {
             .next())
     }
 
-    async fn tasks_by(&self, statement: &str, ids: &[Uuid]) -> Result<Vec<TaskWithState>, Error> {
+    async fn tasks_by(&self, statement: &str, ids: &[TaskId]) -> Result<Vec<TaskWithState>, Error> {
         let rows = self.query_read(statement, &[&ids]).await?;
         rows.iter().map(task_with_state).collect()
     }
@@ -694,7 +696,7 @@ impl Tasks {
     /// `None` when it was not claimable, else when it started (`None` without `start`).
     pub async fn claim(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
         start: bool,
     ) -> Result<Option<Option<DateTime<Utc>>>, Error> {
@@ -712,7 +714,7 @@ impl Tasks {
     /// back too); otherwise only a task that has not started does.
     pub async fn requeue(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
         started: bool,
     ) -> Result<bool, Error> {
@@ -723,7 +725,7 @@ impl Tasks {
     /// worker row, in which case it was left alone: `(requeued, running_here)`.
     pub async fn requeue_unless_running(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
     ) -> Result<(bool, bool), Error> {
         self.requeue_rows(task, app_status, false).await
@@ -731,7 +733,7 @@ impl Tasks {
 
     async fn requeue_rows(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
         started: bool,
     ) -> Result<(bool, bool), Error> {
@@ -747,7 +749,7 @@ impl Tasks {
     /// Marks a claimed task running; `None` when it is not this holder's waiting task.
     pub async fn start(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
     ) -> Result<Option<DateTime<Utc>>, Error> {
         let rows = self.query(sql::START, &[&task, &app_status]).await?;
@@ -760,7 +762,7 @@ impl Tasks {
     /// Records a final state; `None` when the task is not this holder's incomplete task.
     pub async fn finish(
         &self,
-        task: Uuid,
+        task: TaskId,
         app_status: Uuid,
         state: TaskState,
         error: Option<serde_json::Value>,
@@ -775,7 +777,7 @@ impl Tasks {
     }
 
     /// A task's state and claim, without locking; `None` when unknown.
-    pub async fn state(&self, task: Uuid) -> Result<Option<(String, Option<Uuid>)>, Error> {
+    pub async fn state(&self, task: TaskId) -> Result<Option<(String, Option<Uuid>)>, Error> {
         let client = self.client().await?;
         let prepared = client.prepare_cached(sql::TASK_STATE).await?;
         let rows = self.timed(client.query(&prepared, &[&task])).await?;
@@ -785,7 +787,7 @@ impl Tasks {
     }
 
     /// Cancels a task in one transaction; `None` for an unknown task.
-    pub async fn cancel(&self, task: Uuid) -> Result<Option<Cancel>, Error> {
+    pub async fn cancel(&self, task: TaskId) -> Result<Option<Cancel>, Error> {
         let mut client = self.client().await?;
         let state_stmt = client.prepare_cached(sql::TASK_STATE).await?;
         let cancel_stmt = client.prepare_cached(sql::CANCEL).await?;
@@ -849,7 +851,7 @@ impl Tasks {
     }
 
     /// Every claimed task asked to cancel, with the row that claimed it.
-    pub async fn canceling(&self) -> Result<Vec<(Uuid, Uuid)>, Error> {
+    pub async fn canceling(&self) -> Result<Vec<(TaskId, Uuid)>, Error> {
         let rows = self.query_read(sql::CANCELING, &[]).await?;
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
@@ -864,7 +866,7 @@ impl Tasks {
     pub async fn end_lease_tasks(
         &self,
         app_status: Uuid,
-        task_ids: &[Uuid],
+        task_ids: &[TaskId],
         reason: &str,
         owned_row: bool,
     ) -> Result<LeaseTasksEnded, Error> {
@@ -902,7 +904,7 @@ impl Tasks {
 
     /// Among locked tasks, those whose lock serves no one: `(id, true)` when the task is final
     /// or gone, `(id, false)` when it is waiting and unclaimed.
-    pub async fn lock_targets(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, bool)>, Error> {
+    pub async fn lock_targets(&self, ids: &[TaskId]) -> Result<Vec<(TaskId, bool)>, Error> {
         let rows = self.query_read(&sql::LOCK_TARGETS, &[&ids]).await?;
         rows.iter()
             .map(|r| {
@@ -916,7 +918,7 @@ impl Tasks {
     pub async fn claimed_since(
         &self,
         quiet: Duration,
-    ) -> Result<Vec<(Uuid, TaskState, Uuid)>, Error> {
+    ) -> Result<Vec<(TaskId, TaskState, Uuid)>, Error> {
         let secs = quiet.as_secs_f64();
         let rows = self.query_read(&sql::CLAIMED_SINCE, &[&secs]).await?;
         rows.iter()
@@ -928,7 +930,7 @@ impl Tasks {
     /// conflict keys), for ExplainTask.
     pub async fn older_conflicts(
         &self,
-        task: Uuid,
+        task: TaskId,
         keys: &[String],
         limit: i64,
     ) -> Result<Vec<OlderTask>, Error> {
@@ -953,7 +955,7 @@ impl Tasks {
     /// than `position`.
     pub async fn hiding(
         &self,
-        position: (DateTime<Utc>, Uuid),
+        position: (DateTime<Utc>, TaskId),
         held: &[String],
     ) -> Result<Vec<String>, Error> {
         let rows = self
@@ -990,15 +992,15 @@ impl Tasks {
             None => None,
         };
         // (The last position of the previous microsecond: a task stamped at `at` is not known.)
-        Ok(at.map(|at| (at.timestamp_micros() - 1, Uuid::max())))
+        Ok(at.map(|at| (at.timestamp_micros() - 1, TaskId::MAX)))
     }
 
     /// What each task is now (task_seen.sql).
-    pub async fn seen(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, Seen>, Error> {
+    pub async fn seen(&self, ids: &[TaskId]) -> Result<HashMap<TaskId, Seen>, Error> {
         let rows = self.query_read(&sql::TASK_SEEN, &[&ids]).await?;
         rows.iter()
             .map(|row| {
-                let id: Uuid = row.try_get(0)?;
+                let id: TaskId = row.try_get(0)?;
                 let seen = match row.try_get::<_, &str>(1)? {
                     "waiting" => Seen::Waiting,
                     "held" => Seen::Held,
@@ -1182,11 +1184,11 @@ pub struct Page {
 impl Page {
     /// When the page is not full, the queue position every waiting task it did not return lies
     /// at or before (skipped), or `None`.
-    pub fn end(&self) -> Option<(DateTime<Utc>, Uuid)> {
+    pub fn end(&self) -> Option<(DateTime<Utc>, TaskId)> {
         if self.full {
             return None;
         }
-        self.tail.map(|tail| (tail, Uuid::max()))
+        self.tail.map(|tail| (tail, TaskId::MAX))
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 use super::queues;
 use crate::locks::Change;
@@ -116,8 +116,8 @@ impl Carried {
     }
 
     /// The carried claims put back, when they are exactly those of `ids` (in any order).
-    pub(super) fn returned_if(&self, ids: &[Uuid]) -> Option<Vec<TaskRow>> {
-        let carried: HashSet<Uuid> = self.returned.iter().map(|r| r.id).collect();
+    pub(super) fn returned_if(&self, ids: &[TaskId]) -> Option<Vec<TaskRow>> {
+        let carried: HashSet<TaskId> = self.returned.iter().map(|r| r.id).collect();
         (carried.len() == ids.len() && ids.iter().all(|id| carried.contains(id)))
             .then(|| self.returned.clone())
     }

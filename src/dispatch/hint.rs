@@ -5,8 +5,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::ids::TaskId;
 use chrono::{DateTime, Utc};
-use uuid::Uuid;
 
 use super::carried::Carried;
 use crate::locks::Change;
@@ -33,7 +33,7 @@ pub(super) struct ScanHint {
     /// [`crate::locks::Locks::changes_made`] before that read.
     pub(super) made: u64,
     pub(super) taken: Instant,
-    pub(super) after: (DateTime<Utc>, Uuid),
+    pub(super) after: (DateTime<Utc>, TaskId),
     /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
     /// ready, or passed over). A task the pass handed out is not among them: once claimed it is
     /// skipped by candidates.sql's `held` and counted by every newer task's exact look-up, so
@@ -47,7 +47,7 @@ pub(super) struct ScanHint {
     /// [`crate::locks::REQUEUED_PREFIX`]): they may sit before `after`, so every pass that uses the hint
     /// checks them first (`Tasks::returned`), until one is handed out or leaves the queue. At most
     /// [`MAX_RETURNED`]; beyond that the hint is dropped.
-    pub(super) returned: Vec<Uuid>,
+    pub(super) returned: Vec<TaskId>,
     /// The rest of the page the pass that left the hint read, and the claims put back it
     /// checks first, for the next pass (see [`Carried`]).
     pub(super) carried: Option<Arc<Carried>>,
@@ -121,13 +121,13 @@ pub(super) fn released_names(changed: &[String]) -> HashSet<String> {
 }
 
 /// A position as the resource queues key it (`ready::Key`).
-pub(super) fn position_key(position: (DateTime<Utc>, Uuid)) -> ready::Key {
+pub(super) fn position_key(position: (DateTime<Utc>, TaskId)) -> ready::Key {
     (position.0.timestamp_micros(), position.1)
 }
 
 /// The queue position just before a task's: a scan hint that starts there starts with the task.
 /// (Positions are `(pulp_created, pulp_id)`; no id lies between an id and its predecessor.)
-pub(super) fn just_before(created: DateTime<Utc>, id: Uuid) -> (DateTime<Utc>, Uuid) {
+pub(super) fn just_before(created: DateTime<Utc>, id: TaskId) -> (DateTime<Utc>, TaskId) {
     crate::tasks::key_bound(ready::queues::before(position_key((created, id))))
 }
 
@@ -145,13 +145,13 @@ pub(super) struct HintBook {
     /// When the hint the pass started from was taken (its age carries over).
     taken: Instant,
     /// The last position settled (the pass reads its next page from here too).
-    pub(super) after: Option<(DateTime<Utc>, Uuid)>,
+    pub(super) after: Option<(DateTime<Utc>, TaskId)>,
     /// What the tasks before `after` that were left waiting reserve (not those handed out).
     pub(super) reserved: Reservations,
     /// Their conflict keys.
     pub(super) excluded: Vec<String>,
     /// The claims put back that are still waiting, oldest first.
-    pub(super) returned: Vec<Uuid>,
+    pub(super) returned: Vec<TaskId>,
     safe: bool,
     ended: Option<ScanHint>,
 }
@@ -183,10 +183,10 @@ impl HintBook {
     pub(super) fn new(
         read: ReadAgainst,
         taken: Instant,
-        after: Option<(DateTime<Utc>, Uuid)>,
+        after: Option<(DateTime<Utc>, TaskId)>,
         reserved: Reservations,
         excluded: Vec<String>,
-        returned: Vec<Uuid>,
+        returned: Vec<TaskId>,
     ) -> HintBook {
         HintBook {
             read,
@@ -206,7 +206,7 @@ impl HintBook {
         self.safe
     }
 
-    fn snapshot(&self, at: Option<(DateTime<Utc>, Uuid)>) -> Option<ScanHint> {
+    fn snapshot(&self, at: Option<(DateTime<Utc>, TaskId)>) -> Option<ScanHint> {
         at.map(|after| ScanHint {
             epoch: self.read.epoch.clone(),
             seq: self.read.seq,
@@ -231,7 +231,7 @@ impl HintBook {
     /// The hint ends at `at` (at the latest just before the row being settled: the tasks the
     /// page skipped before that row are hidden by held locks or by the reservations the hint
     /// keeps); what the pass settles from there on is not in it.
-    pub(super) fn end_here(&mut self, at: Option<(DateTime<Utc>, Uuid)>) {
+    pub(super) fn end_here(&mut self, at: Option<(DateTime<Utc>, TaskId)>) {
         if self.safe {
             self.ended = self.snapshot(at);
             self.safe = false;
@@ -302,6 +302,7 @@ mod tests {
     use crate::locks::{LEFT_PREFIX, REQUEUED_PREFIX};
     use crate::ready::Resources;
     use crate::tasks::TaskRow;
+    use uuid::Uuid;
 
     fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
         ScanHint {
@@ -310,7 +311,7 @@ mod tests {
             checked_at,
             made,
             taken: checked_at,
-            after: (DateTime::<Utc>::MIN_UTC, Uuid::nil()),
+            after: (DateTime::<Utc>::MIN_UTC, TaskId::NIL),
             excluded: Vec::new(),
             reserved: Reservations::default(),
             hiding: HashSet::new(),
@@ -323,7 +324,7 @@ mod tests {
 
     fn row(record: &[&str]) -> TaskRow {
         TaskRow {
-            id: Uuid::new_v4(),
+            id: TaskId(Uuid::new_v4()),
             created: Utc::now(),
             name: "t".to_owned(),
             immediate: false,
@@ -432,7 +433,7 @@ mod tests {
         // A held lock released: a task it hid may be handed out after the carried ones.
         assert!(c.untouched_by(&changed(&["held"])));
         // A claim put back: checked first by the pass itself.
-        assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", Uuid::new_v4())]));
+        assert!(c.untouched_by(&[format!("{REQUEUED_PREFIX}{}", TaskId(Uuid::new_v4()))]));
         for touching in ["a", "shared:a", "b", "r", "shared:r", "*"] {
             assert!(!c.untouched_by(&changed(&[touching])), "{touching}");
         }
@@ -455,7 +456,8 @@ mod tests {
             "one was handed out: read"
         );
         assert!(
-            c.returned_if(&[r1.id, r2.id, Uuid::new_v4()]).is_none(),
+            c.returned_if(&[r1.id, r2.id, TaskId(Uuid::new_v4())])
+                .is_none(),
             "one more put back: read"
         );
         assert!(try_carried(Vec::new(), Vec::new()).is_none());

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 use crate::ready::{Key, ResourceQueues, Seen, Start, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
@@ -300,7 +300,7 @@ impl Queues {
         if self.task_count().is_none() {
             return Ok(None);
         }
-        let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+        let mut seen: HashMap<TaskId, Seen> = HashMap::new();
         let mut start = None;
         for limit in CHECK_ROUNDS {
             let Some(ids) = self.read(|queues| queues.to_check(&seen, limit, from)) else {

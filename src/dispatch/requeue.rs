@@ -7,7 +7,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{Grant, Passes};
-use crate::ids::{FencingToken, LeaseId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::locks::{Locks, Release, REQUEUED_PREFIX};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -60,7 +60,7 @@ impl Requeue {
     /// lease ends or the reconciler finds it.
     pub(super) async fn requeue(
         &self,
-        task_id: Uuid,
+        task_id: TaskId,
         app_status: Uuid,
         lease_id: LeaseId,
         fencing_token: FencingToken,
@@ -71,7 +71,7 @@ impl Requeue {
                 if requeued {
                     self.note_requeue(task_id).await;
                 }
-                self.release_after_failure(lease_id, &task_id.to_string(), fencing_token)
+                self.release_after_failure(lease_id, task_id, fencing_token)
                     .await
             }
             Err(e) => {
@@ -84,7 +84,7 @@ impl Requeue {
     pub(super) async fn release_after_failure(
         &self,
         lease_id: LeaseId,
-        task_id: &str,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) {
         for attempt in 0..3u32 {
@@ -105,7 +105,7 @@ impl Requeue {
 
     /// Records that a claimed task went back to the queue: scan hints may have passed it, and
     /// check it first from now on (`ScanHint::returned`).
-    pub(super) async fn note_requeue(&self, task_id: Uuid) {
+    pub(super) async fn note_requeue(&self, task_id: TaskId) {
         let change = format!("{REQUEUED_PREFIX}{task_id}");
         if let Err(e) = self.locks.note_changes(&[change.as_str()]).await {
             tracing::warn!(error = %e, "could not record a requeue; scan hints find the task when they are renewed");

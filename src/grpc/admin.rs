@@ -7,7 +7,7 @@ use tracing::Instrument;
 use super::convert::{parse_id, to_timestamp};
 use crate::admin::{self, Admin};
 use crate::config::LimitArgs;
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 use crate::proto;
 use crate::security::Actor;
 
@@ -185,7 +185,7 @@ impl proto::admin_server::Admin for AdminService {
     ) -> Result<Response<proto::Explanation>, Status> {
         let actor = actor(&request);
         let r = request.get_ref();
-        let task_id = parse_id("task_id", &r.task_id)?;
+        let task_id = TaskId(parse_id("task_id", &r.task_id)?);
         let max = bounded("max_conflicts", r.max_conflicts, 10, 100)?;
         let explanation = self
             .admin

@@ -8,6 +8,8 @@ use chrono::{DateTime, Utc};
 use tonic::Status;
 use uuid::Uuid;
 
+use crate::ids::TaskId;
+
 use crate::config::LimitArgs;
 use crate::dispatch::{Finish, Grant};
 use crate::ids::FencingToken;
@@ -129,7 +131,7 @@ pub fn open_lease(
 }
 
 /// Validates FetchTask's `skip_task_ids`.
-pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<Uuid>, Status> {
+pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<TaskId>, Status> {
     if ids.len() > limits.skip_ids {
         return Err(Status::invalid_argument(format!(
             "skip_task_ids has {} ids; at most {} are accepted (--max-skip-ids)",
@@ -137,7 +139,9 @@ pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<Uuid>, Sta
             limits.skip_ids
         )));
     }
-    ids.iter().map(|id| parse_id("skip_task_ids", id)).collect()
+    ids.iter()
+        .map(|id| parse_id("skip_task_ids", id).map(TaskId))
+        .collect()
 }
 
 /// Validates FinishTask's state and error.

@@ -23,7 +23,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 use crate::locks::{self, Acquire, Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -113,7 +113,7 @@ impl Recovery {
             .locks
             .acquire(
                 LeaseId(probe),
-                &probe.to_string(),
+                TaskId(probe),
                 &crate::ready::Resources::default(),
             )
             .await
@@ -174,13 +174,7 @@ impl Recovery {
             };
             match self
                 .locks
-                .acquire_in(
-                    &building,
-                    0,
-                    lease_id,
-                    &task.task_id.to_string(),
-                    &task.resources,
-                )
+                .acquire_in(&building, 0, lease_id, task.task_id, &task.resources)
                 .await?
             {
                 Acquire::Granted { .. } => locked += 1,

@@ -21,7 +21,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 use super::recovery::Recovery;
 use super::{Leases, WORKER_MISSING};
@@ -56,7 +56,7 @@ pub struct Sweeper {
     /// How long a claim must be untouched before a missing lock counts as lost.
     pub claim_grace: Duration,
     /// Locked tasks seen waiting and unclaimed in the previous turn.
-    pub unclaimed_last_turn: Mutex<HashSet<Uuid>>,
+    pub unclaimed_last_turn: Mutex<HashSet<TaskId>>,
 }
 
 impl Sweeper {
@@ -92,7 +92,7 @@ impl Sweeper {
 
     /// Releases the locks that serve no one (see the module docs), then checks claims.
     async fn reconcile(&self) -> Result<()> {
-        let locked: Vec<Uuid> = self
+        let locked: Vec<TaskId> = self
             .locks
             .locked_task_ids()
             .await?
@@ -114,7 +114,7 @@ impl Sweeper {
                 if !release {
                     continue;
                 }
-                if let Some(lease) = self.locks.force_release(&task.to_string()).await? {
+                if let Some(lease) = self.locks.force_release(task).await? {
                     self.stats.lock_reconciled();
                     let why = if finished {
                         "the task is finished"
@@ -148,7 +148,7 @@ impl Sweeper {
     async fn claims_without_locks(&self) -> Result<()> {
         let claimed = self.tasks.claimed_since(self.claim_grace).await?;
         for chunk in claimed.chunks(RECONCILE_BATCH) {
-            let ids: Vec<String> = chunk.iter().map(|(id, _, _)| id.to_string()).collect();
+            let ids: Vec<TaskId> = chunk.iter().map(|(id, _, _)| *id).collect();
             let locked = self.locks.are_locked(&ids).await?;
             let mut lost_running = false;
             for ((task, state, app_status), has_lock) in chunk.iter().zip(locked) {

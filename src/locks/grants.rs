@@ -2,7 +2,7 @@
 //! and releasing what a holder holds, and the reconciler's list of locked tasks.
 
 use super::*;
-use crate::ids::FencingToken;
+use crate::ids::{FencingToken, TaskId};
 
 /// The outcome of trying to lock a task.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,7 +76,7 @@ impl Locks {
     pub async fn acquire(
         &self,
         lease_id: LeaseId,
-        task_id: &str,
+        task_id: TaskId,
         resources: &Resources,
     ) -> Result<Acquire, Error> {
         let epoch = self.epoch();
@@ -91,7 +91,7 @@ impl Locks {
         epoch: &str,
         token_floor: u64,
         lease_id: LeaseId,
-        task_id: &str,
+        task_id: TaskId,
         resources: &Resources,
     ) -> Result<Acquire, Error> {
         let mut invocation = self.scripts.acquire.prepare_invoke();
@@ -136,7 +136,7 @@ impl Locks {
     pub async fn release(
         &self,
         lease_id: LeaseId,
-        task_id: &str,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<(Release, String), Error> {
         let (code, app_status): (i64, String) = self
@@ -158,7 +158,7 @@ impl Locks {
     pub async fn holder(
         &self,
         lease_id: LeaseId,
-        task_id: &str,
+        task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<std::result::Result<String, Release>, Error> {
         let (code, app_status): (i64, String) = self
@@ -180,7 +180,7 @@ impl Locks {
 
     /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own
     /// unclaimed grants whose acquire outcome is unknown); true when something was released.
-    pub async fn abort(&self, lease_id: LeaseId, task_id: &str) -> Result<bool, Error> {
+    pub async fn abort(&self, lease_id: LeaseId, task_id: TaskId) -> Result<bool, Error> {
         let released: i64 = self
             .run(
                 self.scripts
@@ -196,7 +196,7 @@ impl Locks {
 
     /// Releases a task's locks whoever holds them; returns the holding lease, if any. Only for
     /// tasks that are over (canceled, final).
-    pub async fn force_release(&self, task_id: &str) -> Result<Option<String>, Error> {
+    pub async fn force_release(&self, task_id: TaskId) -> Result<Option<String>, Error> {
         self.run(
             self.scripts
                 .force_release
@@ -214,7 +214,7 @@ impl Locks {
     }
 
     /// Which of these tasks hold a lock.
-    pub async fn are_locked(&self, task_ids: &[String]) -> Result<Vec<bool>, Error> {
+    pub async fn are_locked(&self, task_ids: &[TaskId]) -> Result<Vec<bool>, Error> {
         if task_ids.is_empty() {
             return Ok(Vec::new());
         }

@@ -3,7 +3,7 @@
 //! Every key starts with the configured prefix wrapped in braces, `{prefix}`, so all of them hash
 //! to one Redis Cluster slot and every multi-key script runs unchanged on a cluster.
 
-use crate::ids::LeaseId;
+use crate::ids::{LeaseId, TaskId};
 
 /// Builds the broker's Redis keys for one prefix.
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ impl Keys {
     }
 
     /// Hash {lease, token, x, s}: the lock of one task.
-    pub fn task(&self, task_id: &str) -> String {
+    pub fn task(&self, task_id: TaskId) -> String {
         format!("{}:task:{task_id}", self.tag)
     }
 
@@ -130,7 +130,7 @@ mod tests {
             k.leases(),
             k.lease(l),
             k.lease_tasks(l),
-            k.task("t"),
+            k.task(TaskId(uuid::Uuid::nil())),
             k.exclusive("prn:core.domain:1"),
             k.shared("r"),
             k.fence(),
@@ -158,7 +158,10 @@ mod tests {
         }
         assert_eq!(k.exclusive("a"), "{dispatch}:x:a");
         assert_eq!(k.shared("a"), "{dispatch}:s:a");
-        assert_eq!(k.task("t"), "{dispatch}:task:t");
+        assert_eq!(
+            k.task(TaskId(uuid::Uuid::nil())),
+            "{dispatch}:task:00000000-0000-0000-0000-000000000000"
+        );
         assert_eq!(
             k.lease_tasks(l),
             "{dispatch}:lease:00000000-0000-0000-0000-000000000000:tasks"

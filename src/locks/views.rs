@@ -6,7 +6,7 @@
 use deadpool_redis::redis::Value;
 
 use super::{int, protocol, text, Error, Locks};
-use crate::ids::{FencingToken, LeaseId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 
 /// One held task lock and its holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,7 +164,7 @@ impl Locks {
     /// lock is gone or another holder's now, `None` the lease lives (nothing done either way).
     pub async fn release_orphan(
         &self,
-        task_id: &str,
+        task_id: TaskId,
         lease_id: LeaseId,
         fencing_token: FencingToken,
     ) -> Result<Option<bool>, Error> {

@@ -17,12 +17,12 @@
 
 use std::collections::HashMap;
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 use super::{BlockedResource, Resources, SHARED_PREFIX};
 
 /// A task's place in the queue: `pulp_created` (microseconds since the epoch), then `pulp_id`.
-pub type Key = (i64, Uuid);
+pub type Key = (i64, TaskId);
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -53,7 +53,7 @@ struct Tracked {
 #[derive(Debug)]
 pub struct LaneCounter {
     places: Map<String, Places>,
-    tracked: Map<Uuid, Tracked>,
+    tracked: Map<TaskId, Tracked>,
     lanes: u64,
     watermark: Option<Key>,
     /// Tasks fed since the counter was made.
@@ -123,7 +123,7 @@ impl LaneCounter {
 
     /// The tracked tasks: the ones whose end changes the count. Ask which are no longer
     /// incomplete and pass those to [`LaneCounter::gone`].
-    pub fn tracked_ids(&self) -> impl Iterator<Item = Uuid> + '_ {
+    pub fn tracked_ids(&self) -> impl Iterator<Item = TaskId> + '_ {
         self.tracked.keys().copied()
     }
 
@@ -206,7 +206,7 @@ impl LaneCounter {
     /// lanes among them and returns the repair of the places they held, to be fed the incomplete
     /// tasks that need its [`Repair::entries`], oldest first, and then passed to
     /// [`LaneCounter::repair`]. Ids that are not tracked are ignored.
-    pub fn gone(&mut self, ids: &[Uuid]) -> Repair {
+    pub fn gone(&mut self, ids: &[TaskId]) -> Repair {
         let mut repair = Repair::default();
         for id in ids {
             let Some(t) = self.tracked.remove(id) else {
@@ -366,7 +366,7 @@ impl Need {
 pub struct Repair {
     needs: Map<String, Need>,
     /// Tasks that took a place or may have become lanes.
-    candidates: Map<Uuid, (i64, Resources)>,
+    candidates: Map<TaskId, (i64, Resources)>,
 }
 
 impl Repair {

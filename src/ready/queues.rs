@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
 
-use uuid::Uuid;
+use crate::ids::TaskId;
 
 use super::{Key, Resources};
 
@@ -77,7 +77,7 @@ pub struct ResourceQueues {
     /// Interned names by id.
     spelled: Vec<String>,
     queues: Map<u32, Queue>,
-    tasks: Map<Uuid, Entry>,
+    tasks: Map<TaskId, Entry>,
     /// Every task, in queue order.
     order: BTreeSet<Key>,
     /// Tasks that are lanes by the rule over the queues.
@@ -250,7 +250,7 @@ impl ResourceQueues {
 
     /// Removes a task that is no longer incomplete; the tasks behind it may become lanes. Returns
     /// false when it was not in the queues.
-    pub fn remove(&mut self, id: &Uuid) -> bool {
+    pub fn remove(&mut self, id: &TaskId) -> bool {
         let Some(entry) = self.tasks.remove(id) else {
             return false;
         };
@@ -372,10 +372,10 @@ impl ResourceQueues {
     /// does not name yet.
     pub fn to_check(
         &self,
-        seen: &HashMap<Uuid, Seen>,
+        seen: &HashMap<TaskId, Seen>,
         limit: usize,
         from: Option<Key>,
-    ) -> Vec<Uuid> {
+    ) -> Vec<TaskId> {
         let Some(known) = self.known else {
             return Vec::new();
         };
@@ -415,7 +415,7 @@ impl ResourceQueues {
     /// to `from` may go on from there): the waiting tasks between `from` and the position are not
     /// ready, for the same reason. The holders are still every one from the head (a task after
     /// `from` may wait for one before it).
-    pub fn start(&self, seen: &HashMap<Uuid, Seen>, from: Option<Key>) -> Option<Start> {
+    pub fn start(&self, seen: &HashMap<TaskId, Seen>, from: Option<Key>) -> Option<Start> {
         let known = self.known?;
         // Holders and lanes are sorted: the first one that stops a run stops it.
         let holder = self
@@ -525,9 +525,9 @@ impl Start {
 /// The position just before a task's (no id lies between an id and its predecessor; for the
 /// nil id, the last position of the previous microsecond, Postgres' resolution).
 pub fn before(key: Key) -> Key {
-    match key.1.as_u128().checked_sub(1) {
-        Some(previous) => (key.0, Uuid::from_u128(previous)),
-        None => (key.0 - 1, Uuid::max()),
+    match key.1 .0.as_u128().checked_sub(1) {
+        Some(previous) => (key.0, TaskId(uuid::Uuid::from_u128(previous))),
+        None => (key.0 - 1, TaskId::MAX),
     }
 }
 

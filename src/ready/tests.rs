@@ -1,6 +1,7 @@
 use super::*;
 use proptest::prelude::*;
 use std::cmp::Ordering;
+use uuid::Uuid;
 
 fn res(record: &[&str]) -> Resources {
     Resources::from_record(record)
@@ -158,7 +159,7 @@ proptest! {
     fn lane_counter_matches_the_pairwise_reference(queue in arb_queue()) {
         let mut counter = LaneCounter::default();
         for (i, task) in queue.iter().enumerate() {
-            counter.push_task((i as i64, Uuid::new_v4()), &record_of(task));
+            counter.push_task((i as i64, TaskId(Uuid::new_v4())), &record_of(task));
         }
         prop_assert_eq!(counter.lanes(), lanes_reference(&queue));
     }
@@ -168,8 +169,8 @@ proptest! {
         let mut by_resources = LaneCounter::default();
         let mut by_record = LaneCounter::default();
         for (i, record) in queue.iter().enumerate() {
-            by_resources.push_task((i as i64, Uuid::new_v4()), &record_of(&Resources::from_record(record)));
-            by_record.push_task((i as i64, Uuid::new_v4()), record);
+            by_resources.push_task((i as i64, TaskId(Uuid::new_v4())), &record_of(&Resources::from_record(record)));
+            by_record.push_task((i as i64, TaskId(Uuid::new_v4())), record);
         }
         prop_assert_eq!(by_record.lanes(), by_resources.lanes());
     }
@@ -245,7 +246,7 @@ fn obstacles_report_every_reason_and_the_verdict_takes_the_first() {
 #[test]
 fn the_survey_finds_the_head_of_line_blocking_resource() {
     // The incident: R0's head runs, many tasks wait behind it; another domain flows freely.
-    let ids: Vec<Uuid> = (0..8).map(|_| Uuid::new_v4()).collect();
+    let ids: Vec<TaskId> = (0..8).map(|_| TaskId(Uuid::new_v4())).collect();
     let mut counter = LaneCounter::default();
     for (i, id) in ids[..5].iter().enumerate() {
         counter.push_task((i as i64, *id), &["R0", "shared:dom-a"]);
@@ -306,7 +307,7 @@ fn survey_reference(queue: &[Resources]) -> BTreeMap<String, (u32, usize)> {
 proptest! {
     #[test]
     fn the_survey_matches_its_reference(queue in arb_queue()) {
-        let ids: Vec<Uuid> = queue.iter().map(|_| Uuid::new_v4()).collect();
+        let ids: Vec<TaskId> = queue.iter().map(|_| TaskId(Uuid::new_v4())).collect();
         let mut counter = LaneCounter::default();
         for (i, (id, t)) in ids.iter().zip(&queue).enumerate() {
             counter.push_task((i as i64, *id), &record_of(t));

@@ -96,7 +96,7 @@ impl Tasks {
             return Ok(None);
         }
         // A counter that has seen no task yet takes every task as an arrival.
-        let watermark = counter.watermark().unwrap_or((0, Uuid::nil()));
+        let watermark = counter.watermark().unwrap_or((0, TaskId::NIL));
         let upto = key_bound(watermark);
         let mut client = self.client().await?;
         let gone_statement = client.prepare_cached(sql::LANES_GONE).await?;
@@ -113,8 +113,8 @@ impl Tasks {
             )
             .await?;
         self.timed(tx.batch_execute(sql::ORDERED_SCANS)).await?;
-        let tracked: Vec<Uuid> = counter.tracked_ids().collect();
-        let gone: Vec<Uuid> = self
+        let tracked: Vec<TaskId> = counter.tracked_ids().collect();
+        let gone: Vec<TaskId> = self
             .timed(tx.query(&gone_statement, &[&tracked]))
             .await?
             .iter()
@@ -234,7 +234,7 @@ impl Tasks {
         tx: &deadpool_postgres::Transaction<'_>,
         counter: &mut LaneCounter,
         cutoff: Duration,
-        after: Option<(DateTime<Utc>, Uuid)>,
+        after: Option<(DateTime<Utc>, TaskId)>,
     ) -> Result<(), Error> {
         use futures::TryStreamExt;
         let secs = cutoff.as_secs_f64();

@@ -8,7 +8,7 @@ use crate::support;
 use std::time::Duration;
 
 use crate::support::{eventually, id, Env};
-use dispatch_broker::ids::{FencingToken, LeaseId};
+use dispatch_broker::ids::{FencingToken, LeaseId, TaskId};
 use dispatch_broker::proto::admin_client::AdminClient;
 use dispatch_broker::proto::*;
 use tonic::metadata::MetadataValue;
@@ -863,12 +863,12 @@ async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
     let lease = env.open("w").await;
     let g = env.fetch(&lease).await.unwrap();
     let locks = &env.broker().locks;
-    let id = task.to_string();
+    let id = TaskId(task);
     let lease: LeaseId = lease.parse().unwrap();
     // The lease lives: refused, nothing done.
     assert_eq!(
         locks
-            .release_orphan(&id, lease, FencingToken(g.fencing_token))
+            .release_orphan(id, lease, FencingToken(g.fencing_token))
             .await
             .unwrap(),
         None
@@ -877,14 +877,14 @@ async fn an_orphan_release_only_frees_the_lock_the_operator_saw() {
     let other = LeaseId(Uuid::new_v4());
     assert_eq!(
         locks
-            .release_orphan(&id, other, FencingToken(g.fencing_token))
+            .release_orphan(id, other, FencingToken(g.fencing_token))
             .await
             .unwrap(),
         Some(false)
     );
     assert_eq!(
         locks
-            .release_orphan(&id, lease, FencingToken(g.fencing_token + 1))
+            .release_orphan(id, lease, FencingToken(g.fencing_token + 1))
             .await
             .unwrap(),
         Some(false)

@@ -7,6 +7,7 @@ use crate::support;
 use std::time::Duration;
 
 use crate::support::{eventually, id, kill_waiting_broker_sessions, Env};
+use dispatch_broker::ids::TaskId;
 use dispatch_broker::proto::*;
 use tonic::Code;
 
@@ -541,7 +542,7 @@ async fn a_lock_left_on_an_unclaimed_task_is_reconciled() {
     let granted = env
         .broker()
         .locks
-        .acquire(lease.parse().unwrap(), &task.to_string(), &resources)
+        .acquire(lease.parse().unwrap(), TaskId(task), &resources)
         .await
         .unwrap();
     assert!(matches!(
@@ -575,7 +576,11 @@ async fn claims_without_locks_are_requeued_or_locked_again() {
     env.start(&lease, &t2).await;
     let rebuilds = env.broker().background_stats.snapshot().rebuilds;
     for t in [&t1, &t2] {
-        env.broker().locks.force_release(&t.task_id).await.unwrap();
+        env.broker()
+            .locks
+            .force_release(t.task_id.parse().unwrap())
+            .await
+            .unwrap();
     }
     let env_ref = &env;
     eventually(Duration::from_secs(20), || async {

@@ -413,7 +413,11 @@ async fn without_sharing_each_waiter_of_a_burst_makes_its_own_pass() {
     .await;
     let spent = serve_burst(&mut env, N).await;
     assert_eq!(spent.shared, 0);
-    assert!(spent.fetch_passes >= N as u64, "{} passes", spent.fetch_passes);
+    assert!(
+        spent.fetch_passes >= N as u64,
+        "{} passes",
+        spent.fetch_passes
+    );
     env.shutdown().await;
 }
 
@@ -763,7 +767,11 @@ async fn without_a_pass_limit_each_arriving_call_makes_its_own_pass() {
         served_meanwhile, N,
         "each call was served by its own pass at once"
     );
-    assert!(spent.fetch_passes >= N as u64, "{} passes", spent.fetch_passes);
+    assert!(
+        spent.fetch_passes >= N as u64,
+        "{} passes",
+        spent.fetch_passes
+    );
 }
 
 #[tokio::test]
@@ -863,7 +871,10 @@ async fn a_waiter_whose_turn_comes_while_a_pass_runs_waits_for_that_pass() {
         served_meanwhile, 0,
         "the turn waited for the running pass instead of starting a second one"
     );
-    assert_eq!(env.broker().stats.snapshot().fetch_passes, before.fetch_passes);
+    assert_eq!(
+        env.broker().stats.snapshot().fetch_passes,
+        before.fetch_passes
+    );
     // Nothing else wakes the queue: the pass's end gives the deferred turn back.
     blocker.rollback().await;
     assert_eq!(id(&got(held_up).await.expect("served")), first);

@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use uuid::Uuid;
 
 /// The rule, pairwise: a task is a lane when no older task conflicts with it.
 fn reference(queue: &[(Key, Vec<String>)]) -> u64 {
@@ -69,8 +70,8 @@ enum Reader {
 /// gauge does: tracked tasks that left, a repair fed the tasks up to the watermark, then the
 /// tasks newer than the watermark.
 fn maintain(counter: &mut LaneCounter, queue: &[(Key, Vec<String>)], reader: Reader) {
-    let present: std::collections::HashSet<Uuid> = queue.iter().map(|(k, _)| k.1).collect();
-    let gone: Vec<Uuid> = counter
+    let present: std::collections::HashSet<TaskId> = queue.iter().map(|(k, _)| k.1).collect();
+    let gone: Vec<TaskId> = counter
         .tracked_ids()
         .filter(|id| !present.contains(id))
         .collect();
@@ -108,7 +109,7 @@ fn keyed(records: Vec<Vec<String>>, first_created: i64) -> Vec<(Key, Vec<String>
     let mut queue: Vec<(Key, Vec<String>)> = records
         .into_iter()
         .enumerate()
-        .map(|(i, r)| ((first_created + i as i64 / 3, Uuid::new_v4()), r))
+        .map(|(i, r)| ((first_created + i as i64 / 3, TaskId(Uuid::new_v4())), r))
         .collect();
     queue.sort_by_key(|(k, _)| *k);
     queue
@@ -160,7 +161,7 @@ proptest! {
 }
 
 fn k(created: i64) -> Key {
-    (created, Uuid::from_u128(created as u128 + 1))
+    (created, TaskId(Uuid::from_u128(created as u128 + 1)))
 }
 
 fn rec(entries: &[&str]) -> Vec<String> {

@@ -1,8 +1,9 @@
 use super::*;
 use proptest::prelude::*;
+use uuid::Uuid;
 
 fn key(n: u8) -> Key {
-    (i64::from(n), Uuid::from_u128(u128::from(n) + 1))
+    (i64::from(n), TaskId(Uuid::from_u128(u128::from(n) + 1)))
 }
 
 fn record(entries: &[&str]) -> Vec<String> {
@@ -81,7 +82,7 @@ fn a_late_task_takes_the_places_of_newer_ones() {
 fn the_start_is_just_before_the_first_waiting_lane_once_the_holders_are_checked() {
     let mut q = blocked_r0();
     q.know_up_to(key(70));
-    let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+    let mut seen: HashMap<TaskId, Seen> = HashMap::new();
     // Nothing checked: the first holder (the running head) stops the start.
     let start = q.start(&seen, None).unwrap();
     assert_eq!((start.after, start.unchecked), (before(key(1)), true));
@@ -221,7 +222,7 @@ proptest! {
         }
         q.know_up_to(key(known));
         let state = |k: &Key| if held[k.0 as usize] { Seen::Held } else { Seen::Waiting };
-        let mut seen: HashMap<Uuid, Seen> = HashMap::new();
+        let mut seen: HashMap<TaskId, Seen> = HashMap::new();
         for limit in [holders, lanes] {
             for id in q.to_check(&seen, limit, from) {
                 let k = present.keys().find(|k| k.1 == id).copied().unwrap();
@@ -250,7 +251,7 @@ proptest! {
 #[test]
 fn a_resource_with_a_long_queue_is_named_by_mode_until_it_is_short_again() {
     let mut q = ResourceQueues::default();
-    let wide = |n: usize| (n as i64, Uuid::from_u128(n as u128 + 1));
+    let wide = |n: usize| (n as i64, TaskId(Uuid::from_u128(n as u128 + 1)));
     for n in 0..LONG_QUEUE - 1 {
         q.insert(wide(n), &record(&["R0", "shared:D"]));
     }
