@@ -237,14 +237,16 @@ pub struct LogArgs {
 }
 
 impl LogArgs {
-    /// Sends the log to stderr, filtered by `--log`, or by `quiet` when given and `--log` was
-    /// left at its default.
+    /// Sends the log to stderr, filtered by `--log` (or by `quiet` when given), in colour only
+    /// when stderr is a terminal.
     pub fn install(&self, quiet: Option<&str>) {
         let wanted = quiet.unwrap_or(self.log.as_str());
         let filter = tracing_subscriber::EnvFilter::try_new(wanted)
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // Colours only on a terminal: a log sent to a file or a collector stays plain text.
         let builder = tracing_subscriber::fmt()
             .with_env_filter(filter)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_writer(std::io::stderr);
         if self.log_json {
             builder.json().init();

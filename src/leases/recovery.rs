@@ -127,6 +127,9 @@ impl Recovery {
     /// Rebuilds the lock state from Postgres (see the module docs).
     pub async fn rebuild(&self) -> Result<()> {
         let _one_at_a_time = self.busy.lock().await;
+        // This replica never worked in a lock state: its first start, or Redis lost the state
+        // before it came. Only what a rebuild restores tells the two apart.
+        let first_start = self.locks.epoch().is_empty();
         let lost = || Error::Redis(locks::Error::StateLost);
         if !self
             .locks
@@ -192,8 +195,14 @@ impl Recovery {
             return Err(lost());
         }
         self.locks.set_epoch(&epoch);
-        self.stats.rebuild();
-        tracing::warn!(%epoch, leases = leases.len(), locks = locked, "lock state rebuilt from postgres");
+        if first_start && leases.is_empty() && locked == 0 {
+            // Nothing was claimed, so nothing was lost: a broker's first start on an empty Redis
+            // (not counted as a rebuild of lost state).
+            tracing::info!(%epoch, "lock state started in an empty redis: no claimed task to restore");
+        } else {
+            self.stats.rebuild();
+            tracing::warn!(%epoch, leases = leases.len(), locks = locked, "lock state rebuilt from postgres");
+        }
         Ok(())
     }
 }

@@ -260,3 +260,77 @@ async fn an_exposed_broker_without_authentication_refuses_to_start_unless_told()
     assert!(guarded.broker().addr.ip().is_unspecified());
     guarded.shutdown().await;
 }
+
+/// What the log says about the lock state at start, as an operator reads it: a first start on an
+/// empty Redis is not a warning (nothing was claimed, so nothing was lost); a start after Redis
+/// lost the locks of a claimed task rebuilds them and warns, naming what it restored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_start_on_an_empty_redis_is_no_warning_and_a_rebuild_after_a_loss_is_one() {
+    use crate::support::{eventually, BrokerProcess};
+    use deadpool_redis::redis;
+    let db_url = fresh_database();
+    let redis_server = tokio::task::spawn_blocking(Redis::start)
+        .await
+        .unwrap()
+        .expect("start redis");
+    let lock_state_line = |log: &str| {
+        log.lines()
+            .find(|l| l.contains("lock state"))
+            .map(str::to_owned)
+    };
+    let first = BrokerProcess::start(&db_url, &redis_server.url(), &[], &[]).await;
+    let line = eventually(std::time::Duration::from_secs(30), || async {
+        lock_state_line(&first.log()).is_some()
+    })
+    .await;
+    assert!(line.is_some(), "no lock state line:\n{}", first.log());
+    let log = first.log();
+    let line = lock_state_line(&log).unwrap();
+    assert!(
+        line.contains("INFO") && line.contains("started in an empty redis"),
+        "{log}"
+    );
+    assert!(!log.contains("WARN"), "a first start warned:\n{log}");
+
+    // A claimed, locked task; then the broker stops and Redis loses everything.
+    let (db, conn) = tokio_postgres::connect(&db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.execute(
+        "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record) \
+         VALUES (gen_random_uuid(), 'test.task', 'waiting', '{R}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut client = first.client().await;
+    let lease = crate::support::open_on(&mut client, "w").await;
+    let task = crate::support::fetch_on(&mut client, &lease)
+        .await
+        .expect("the task");
+    drop(first);
+    let client = redis::Client::open(redis_server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+
+    let second = BrokerProcess::start(&db_url, &redis_server.url(), &[], &[]).await;
+    let line = eventually(std::time::Duration::from_secs(30), || async {
+        lock_state_line(&second.log()).is_some()
+    })
+    .await;
+    assert!(line.is_some(), "no lock state line:\n{}", second.log());
+    let log = second.log();
+    let line = lock_state_line(&log).unwrap();
+    assert!(
+        line.contains("WARN") && line.contains("rebuilt from postgres") && line.contains("locks=1"),
+        "{log}"
+    );
+    // The restored lock is the task's.
+    let locked: bool = redis::cmd("EXISTS")
+        .arg(format!("{{dispatch}}:task:{}", task.task_id))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(locked, "the claimed task's lock was not restored");
+}

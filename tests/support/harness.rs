@@ -747,6 +747,8 @@ pub fn no_fetch_reads_more_at_20_000(case: &str, small: &[i64], large: &[i64]) {
 /// so `/metrics` shows this broker's series only). Killed when dropped.
 pub struct BrokerProcess {
     child: std::process::Child,
+    /// Where its stderr (the log) goes.
+    log: tempfile::NamedTempFile,
     /// Its gRPC address.
     pub addr: std::net::SocketAddr,
     /// Its metrics address.
@@ -772,14 +774,16 @@ impl BrokerProcess {
             .args(["--listen", &addr.to_string()])
             .args(["--metrics-listen", &metrics_addr.to_string()])
             .args(args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
+            .stdout(std::process::Stdio::null());
+        let log = tempfile::NamedTempFile::new().expect("a log file");
+        serve.stderr(log.reopen().expect("the log file"));
         for (name, _) in std::env::vars().filter(|(n, _)| n.starts_with("DISPATCH_")) {
             serve.env_remove(name);
         }
         serve.envs(vars.iter().copied());
         let process = BrokerProcess {
             child: serve.spawn().expect("start the server binary"),
+            log,
             addr,
             metrics_addr,
         };
@@ -791,6 +795,12 @@ impl BrokerProcess {
             .expect("the broker process listens");
         }
         process
+    }
+
+    /// What it has logged so far (its stderr; `DISPATCH_LOG` as the test sets it in `vars`,
+    /// `info` by default).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).expect("read the log")
     }
 
     /// A client of it.
