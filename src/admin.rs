@@ -708,17 +708,39 @@ struct Facts {
 /// The one line an explanation of a waiting, unclaimed task opens with.
 fn summary(e: &Explanation) -> String {
     let mut reasons = Vec::new();
+    // Each reason names its first blocker: the oldest conflicting task and where it conflicts,
+    // or the first conflicting lock and who holds it.
     if e.older_total > 0 {
+        let first = e.older.first().map_or_else(String::new, |o| {
+            let on = o
+                .conflicts
+                .first()
+                .map_or_else(String::new, |(resource, _, _)| format!(" on {resource}"));
+            format!(" (the oldest: task {}, {}{on})", o.id, o.state)
+        });
         reasons.push(format!(
-            "waiting behind {} older conflicting task{}",
+            "waiting behind {} older conflicting task{}{first}",
             e.older_total,
             if e.older_total == 1 { "" } else { "s" }
         ));
     }
     let locks: usize = e.conflicting_locks.iter().map(|l| l.holders.len()).sum();
     if locks > 0 {
+        let first = e
+            .conflicting_locks
+            .iter()
+            .find_map(|l| l.holders.first().map(|h| (l, h)))
+            .map_or_else(String::new, |(l, h)| {
+                format!(
+                    " ({} held {} for task {} by {})",
+                    l.resource,
+                    l.mode.as_str(),
+                    h.task_id,
+                    h.describe()
+                )
+            });
         reasons.push(format!(
-            "{locks} held lock{} conflict{}",
+            "{locks} held lock{} conflict{}{first}",
             if locks == 1 { "" } else { "s" },
             if locks == 1 { "s" } else { "" }
         ));

@@ -86,9 +86,11 @@ async fn an_older_conflicting_task_is_named_with_the_resource_and_both_modes() {
             held: "exclusive".into()
         }]
     );
+    // The one line names the first blocker: the older task and where it conflicts.
     assert!(
-        e.summary
-            .contains("waiting behind 1 older conflicting task"),
+        e.summary.contains(&format!(
+            "waiting behind 1 older conflicting task (the oldest: task {t1}, waiting on A)"
+        )),
         "{}",
         e.summary
     );
@@ -124,7 +126,16 @@ async fn a_held_exclusive_lock_is_named_with_its_lease_worker_and_token() {
     assert_eq!(holder.worker_name, "worker-one");
     assert_eq!(holder.fencing_token, granted.fencing_token);
     assert!(holder.lease_alive && holder.lease_expires_at.is_some());
-    assert!(e.summary.contains("1 held lock conflicts"), "{}", e.summary);
+    // The one line names the first blocker: the lock, its task and its holder.
+    assert!(
+        e.summary.contains(&format!(
+            "1 held lock conflicts (A held exclusive for task {t1} by worker worker-one (lease \
+             {lease}, fencing token {}, alive until",
+            granted.fencing_token
+        )),
+        "{}",
+        e.summary
+    );
 
     // The holder's own explanation names its holder.
     let held = explain(&mut admin, t1).await;
