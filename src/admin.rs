@@ -38,6 +38,7 @@ pub struct Admin {
     lanes: Arc<Lanes>,
     waiters: Arc<Queue>,
     stats: Arc<Stats>,
+    queues: Arc<crate::dispatch::queues::Queues>,
 }
 
 /// Who holds a lock (or has a task).
@@ -177,10 +178,32 @@ pub struct Blocked {
 /// The survey of blocked resources.
 #[derive(Debug, Clone)]
 pub struct BlockedReport {
-    /// Most waiting first.
+    /// Most tasks behind first.
     pub resources: Vec<Blocked>,
     /// How old the survey is.
     pub age: Duration,
+    /// Where it comes from.
+    pub source: SurveySource,
+}
+
+/// Where BlockedResources' counts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SurveySource {
+    /// This replica's resource queues: every incomplete task, read from the task table within
+    /// a second of its arrival.
+    ResourceQueues,
+    /// The lane gauge's last full pass (tasks younger than `--lane-cutoff` not counted).
+    LaneGauge,
+}
+
+impl SurveySource {
+    /// `resource_queues` or `lane_gauge`, as the API says it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SurveySource::ResourceQueues => "resource_queues",
+            SurveySource::LaneGauge => "lane_gauge",
+        }
+    }
 }
 
 /// What an audited action did, as logged, counted and returned.
@@ -225,7 +248,8 @@ fn audit(record: &AuditRecord) {
 }
 
 impl Admin {
-    /// The operator's view over these stores; `waiters` are woken after a release.
+    /// The operator's view over these stores; `waiters` are woken after a release; `queues`
+    /// (this replica's resource queues) count the blocked resources when they are kept.
     pub fn new(
         tasks: Tasks,
         locks: Locks,
@@ -233,6 +257,7 @@ impl Admin {
         lanes: Arc<Lanes>,
         waiters: Arc<Queue>,
         stats: Arc<Stats>,
+        queues: Arc<crate::dispatch::queues::Queues>,
     ) -> Self {
         Admin {
             tasks,
@@ -241,6 +266,7 @@ impl Admin {
             lanes,
             waiters,
             stats,
+            queues,
         }
     }
 
@@ -492,13 +518,21 @@ impl Admin {
 
     /// BlockedResources: the survey of the gauge's last pass, each head explained now.
     pub async fn blocked(&self, limit: usize) -> Result<BlockedReport> {
-        let Some((resources, age)) = self.lanes.survey().await? else {
-            return Err(Error::NotYet(
-                "the lane gauge has not surveyed the queue yet (it does within a second of the \
-                 broker starting, then with every full count, every --lane-full-interval); retry shortly"
-                    .into(),
-            ));
-        };
+        // This replica's resource queues know every arrival within a second; without them (off,
+        // or not loaded yet) the lane gauge's last full pass surveyed the queue.
+        let (resources, age, source) =
+            match self.queues.most_blocked(limit) {
+                Some((resources, age)) => (resources, age, SurveySource::ResourceQueues),
+                None => match self.lanes.survey().await? {
+                    Some((resources, age)) => (resources, age, SurveySource::LaneGauge),
+                    None => return Err(Error::NotYet(
+                        "the lane gauge has not surveyed the queue yet (it does within a second \
+                         of the broker starting, then with every full count, every \
+                         --lane-full-interval); retry shortly"
+                            .into(),
+                    )),
+                },
+            };
         let facts = self.facts().await?;
         let mut out = Vec::new();
         for survey in resources.into_iter().take(limit) {
@@ -512,6 +546,7 @@ impl Admin {
         Ok(BlockedReport {
             resources: out,
             age,
+            source,
         })
     }
 

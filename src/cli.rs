@@ -445,6 +445,7 @@ pub async fn blocked(args: &BlockedArgs) -> anyhow::Result<()> {
             })).collect::<Vec<_>>(),
             "computed_at": time(&report.computed_at),
             "age": span(&report.age),
+            "source": report.source,
         }));
         return Ok(());
     }
@@ -469,10 +470,20 @@ pub async fn blocked(args: &BlockedArgs) -> anyhow::Result<()> {
         ]);
     }
     println!("{t}");
+    let counted = if report.source == "lane_gauge" {
+        "counted by the lane gauge's last full pass"
+    } else {
+        "counted from this broker's resource queues"
+    };
     println!(
-        "counted by the lane gauge {} ago (tasks younger than its cut-off are not counted); \
-         `dispatch-broker explain TASK` for the whole story",
-        span(&report.age)
+        "{counted}, which read the task table {} ago{}; `dispatch-broker explain TASK` for the \
+         whole story",
+        span(&report.age),
+        if report.source == "lane_gauge" {
+            " (tasks younger than its cut-off are not counted)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

@@ -213,6 +213,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     let scaler = Scaler::new(Arc::clone(&lanes), tasks.clone(), shutdown.clone());
     let waiters = dispatch.waiters();
     let passes = dispatch.passes();
+    let resource_queues = dispatch.resource_queues();
     let admin = AdminService::new(
         crate::admin::Admin::new(
             tasks.clone(),
@@ -221,10 +222,10 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             Arc::clone(&lanes),
             Arc::clone(&waiters),
             Arc::clone(&stats),
+            Arc::clone(&resource_queues),
         ),
         args.limits,
     );
-    let resource_queues = dispatch.resource_queues();
     let service = BrokerService::new(leases, dispatch, args.limits);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

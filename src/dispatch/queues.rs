@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::ids::TaskId;
 
-use crate::ready::{Key, ResourceQueues, Seen, Start, SHARED_PREFIX};
+use crate::ready::{BlockedResource, Key, ResourceQueues, Seen, Start, SHARED_PREFIX};
 use crate::shutdown::Shutdown;
 use crate::tasks::{self, Tasks, QUEUE_PAGE_ROWS};
 
@@ -72,6 +72,8 @@ pub struct Queues {
     /// One load or catch-up at a time (a test's or a bench's `settle` waits for the running one
     /// instead of reading the same tasks beside it).
     reading: tokio::sync::Mutex<()>,
+    /// When the background last read the task table into them (a load or a catch-up).
+    read_at: Mutex<Option<Instant>>,
 }
 
 impl Queues {
@@ -83,6 +85,7 @@ impl Queues {
             generation: AtomicU64::new(0),
             last_read: Mutex::new(None),
             reading: tokio::sync::Mutex::new(()),
+            read_at: Mutex::new(None),
         }
     }
 
@@ -97,6 +100,20 @@ impl Queues {
         let mut state = self.state.lock().ok()?;
         let queues = state.as_mut()?;
         (self.generation.load(Ordering::SeqCst) == generation).then(|| f(queues))
+    }
+
+    /// The `n` resources with the most tasks behind the head of their queue (see
+    /// [`ResourceQueues::most_blocked`]), and how long ago the background last read the task
+    /// table into the queues. None before the first load, or when the queues are not kept.
+    pub fn most_blocked(&self, n: usize) -> Option<(Vec<BlockedResource>, Duration)> {
+        let age = (*self.read_at.lock().ok()?)?.elapsed();
+        Some((self.read(|q| q.most_blocked(n))?, age))
+    }
+
+    fn note_read(&self) {
+        if let Ok(mut at) = self.read_at.lock() {
+            *at = Some(Instant::now());
+        }
     }
 
     /// How many tasks the queues hold (None before the first load).
@@ -128,6 +145,7 @@ impl Queues {
                 let started = Instant::now();
                 match self.load(&shutdown).await {
                     Ok(n) => {
+                        self.note_read();
                         let took = started.elapsed();
                         tracing::debug!(tasks = n, ?took, "resource queues loaded");
                         next_load = Instant::now() + RELOAD_AFTER.max(took * 30);
@@ -144,8 +162,13 @@ impl Queues {
                         next_load = Instant::now() + RELOAD_AFTER;
                     }
                 }
-            } else if let Err(e) = self.catch_up(usize::MAX).await {
-                tracing::debug!(error = %e, "catching up with arrivals failed; retrying");
+            } else {
+                match self.catch_up(usize::MAX).await {
+                    Ok(()) => self.note_read(),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "catching up with arrivals failed; retrying")
+                    }
+                }
             }
         }
     }

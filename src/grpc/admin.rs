@@ -288,6 +288,7 @@ impl proto::admin_server::Admin for AdminService {
                 .collect(),
             computed_at: Some(to_timestamp(computed_at)),
             age: duration(report.age),
+            source: report.source.as_str().into(),
         }))
     }
 

@@ -140,8 +140,17 @@ impl LaneCounter {
         });
         let lane = !blocked;
         let mut holds = false;
+        // A record that names a resource twice (or both ways) is one use of it, exclusive if
+        // any of them is: one task behind its head.
+        let mut uses: Vec<(&str, bool)> = Vec::with_capacity(record.len());
         for entry in record {
             let (name, exclusive) = entry_name(entry.as_ref());
+            match uses.iter_mut().find(|(n, _)| *n == name) {
+                Some(used) => used.1 |= exclusive,
+                None => uses.push((name, exclusive)),
+            }
+        }
+        for (name, exclusive) in uses {
             match self.places.get_mut(name) {
                 Some(p) => {
                     if p.first.1 != key.1 {

@@ -22,7 +22,7 @@ use std::ops::Bound;
 
 use crate::ids::TaskId;
 
-use super::{Key, Resources};
+use super::{BlockedResource, Key, Resources};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 type Set<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
@@ -171,6 +171,41 @@ impl ResourceQueues {
                 })
             })
             .collect()
+    }
+
+    /// The `n` resources with the most tasks behind the head of their queue that conflict with
+    /// it (most first, then by name), as [`super::LaneCounter::most_blocked`] counts them over
+    /// the same tasks: every user after the head that needs the resource exclusively, or comes
+    /// at or after its first exclusive user. Reads every queue once.
+    pub fn most_blocked(&self, n: usize) -> Vec<BlockedResource> {
+        let mut blocked: Vec<BlockedResource> = self
+            .queues
+            .iter()
+            .filter_map(|(&name, queue)| {
+                let head = *queue.users.first()?;
+                let first_exclusive = *queue.exclusive.first()?;
+                // The shared users before the first exclusive one conflict with nothing older;
+                // the head is not behind itself.
+                let free = if head == first_exclusive {
+                    1
+                } else {
+                    queue.users.range(..first_exclusive).count()
+                };
+                let behind = queue.users.len() - free;
+                (behind > 0).then(|| BlockedResource {
+                    resource: self.spelled[name as usize].clone(),
+                    behind: u32::try_from(behind).unwrap_or(u32::MAX),
+                    head: head.1,
+                })
+            })
+            .collect();
+        blocked.sort_unstable_by(|a, b| {
+            b.behind
+                .cmp(&a.behind)
+                .then_with(|| a.resource.cmp(&b.resource))
+        });
+        blocked.truncate(n);
+        blocked
     }
 
     /// The position of the `n`th task in queue order (1-based), if there are that many.

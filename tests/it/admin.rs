@@ -278,20 +278,22 @@ async fn hol_blocking(env: &mut Env) -> (Uuid, String) {
     assert_eq!(id(&g), head);
     env.start(&lease, &g).await;
     env.broker().lanes.compute_now().await.unwrap();
+    // The resource queues have read the tasks (as they have a second after they arrived).
+    env.settle_queues().await;
     (head, lease)
 }
 
-#[tokio::test]
-async fn blocked_resources_show_the_head_of_line_blocking_resource_first() {
-    let mut env = Env::with(|a| a.lanes.cutoff = Duration::ZERO).await;
-    let (head, lease) = hol_blocking(&mut env).await;
-    let mut admin = admin(&env).await;
+/// BlockedResources on the incident of [`hol_blocking`], counted by `source`.
+async fn incident_report(env: &mut Env, source: &str) {
+    let (head, lease) = hol_blocking(env).await;
+    let mut admin = admin(env).await;
 
     let report = admin
         .blocked_resources(BlockedResourcesRequest { limit: 5 })
         .await
         .unwrap()
         .into_inner();
+    assert_eq!(report.source, source);
     let top = &report.resources[0];
     assert_eq!(top.resource, "R0");
     assert_eq!(top.waiting, 40);
@@ -307,6 +309,59 @@ async fn blocked_resources_show_the_head_of_line_blocking_resource_first() {
         "shared users of dom-a/dom-b do not wait"
     );
     assert!(report.age.is_some() && report.computed_at.is_some());
+}
+
+#[tokio::test]
+async fn blocked_resources_show_the_head_of_line_blocking_resource_first() {
+    let mut env = Env::with(|a| a.lanes.cutoff = Duration::ZERO).await;
+    incident_report(&mut env, "resource_queues").await;
+}
+
+/// Without the resource queues, the lane gauge's last full pass counts them, the same way.
+#[tokio::test]
+async fn without_the_resource_queues_the_lane_gauge_counts_the_blocked_resources() {
+    let mut env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.fetch.resource_queues = false;
+    })
+    .await;
+    incident_report(&mut env, "lane_gauge").await;
+}
+
+/// Tasks that arrive after the lane gauge's last full pass show at once (the resource queues
+/// read them within a second), not a full interval later: the full pass at start saw nothing.
+#[tokio::test]
+async fn blocked_resources_show_tasks_that_arrived_after_the_gauges_full_pass() {
+    let env = Env::with(|a| {
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.full_interval = Duration::from_secs(3600);
+    })
+    .await;
+    env.broker().lanes.compute_now().await.unwrap();
+    let (survey, _) = env.broker().lanes.survey().await.unwrap().unwrap();
+    assert!(survey.is_empty(), "{survey:?}");
+    let head = env.task(&["R0"]).await;
+    env.tasks_bulk(30, &["R0"]).await;
+    env.settle_queues().await;
+    let mut admin = admin(&env).await;
+    let report = admin
+        .blocked_resources(BlockedResourcesRequest { limit: 5 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(report.source, "resource_queues");
+    assert_eq!(
+        report
+            .resources
+            .iter()
+            .map(|b| (b.resource.as_str(), b.waiting))
+            .collect::<Vec<_>>(),
+        vec![("R0", 30)]
+    );
+    assert_eq!(
+        report.resources[0].head.as_ref().unwrap().task_id,
+        head.to_string()
+    );
 }
 
 #[tokio::test]

@@ -193,6 +193,35 @@ proptest! {
         }
     }
 
+    /// In any order of arrivals and removals, the blocked resources are those the lane
+    /// counter's survey finds over the tasks present, with the same heads and counts.
+    #[test]
+    fn the_most_blocked_resources_are_the_lane_counters_over_the_tasks_present(
+        ops in proptest::collection::vec(op(), 1..80),
+    ) {
+        let mut q = ResourceQueues::default();
+        let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Insert(n, uses) => {
+                    let record = entries(&uses);
+                    q.insert(key(n), &record);
+                    present.entry(key(n)).or_insert(record);
+                }
+                Op::Remove(n) => {
+                    q.remove(&key(n).1);
+                    present.remove(&key(n));
+                }
+            }
+            let mut counter = crate::ready::LaneCounter::default();
+            for (k, record) in &present {
+                counter.push_task(*k, record);
+            }
+            prop_assert_eq!(q.most_blocked(usize::MAX), counter.most_blocked(usize::MAX));
+            prop_assert_eq!(q.most_blocked(2), counter.most_blocked(2));
+        }
+    }
+
     /// Whatever was checked, no waiting task at or before the start (and after `from`, for a
     /// start after a position) is ready by the rule.
     #[test]
