@@ -107,6 +107,8 @@ async fn main() {
             .await
             .unwrap();
         let admin = AdminClient::new(channel);
+        // BlockedResources counts from the resource queues once they have read every task.
+        broker.resource_queues.settle().await.unwrap();
         let gauge = {
             let lanes = broker.lanes.clone();
             measure(|| {
@@ -168,7 +170,7 @@ async fn main() {
                 .await,
             ),
             (
-                "BlockedResources (10, heads explained)".to_owned(),
+                "BlockedResources (10, heads explained; from the resource queues)".to_owned(),
                 measure(|| {
                     let mut admin = admin.clone();
                     async move {
