@@ -644,19 +644,35 @@ impl Admin {
                 live.lease_id
             )));
         }
+        // Every holder's ids as the broker writes them (canonical UUID text), checked before
+        // anything is released: a lock that names something else is refused, and nothing
+        // changes.
+        let mut ids = Vec::with_capacity(holders.len());
+        for h in &holders {
+            match (
+                canonical::<TaskId>(&h.task_id),
+                canonical::<LeaseId>(&h.lease_id),
+            ) {
+                (Some(task), Some(lease_id)) => ids.push((task, lease_id)),
+                (task, _) => {
+                    return Err(Error::Refused(format!(
+                        "the lock on {resource} names {} {:?}, which is not an id the broker \
+                         makes; nothing was released (look with `dispatch-broker locks \
+                         {resource}`)",
+                        if task.is_none() { "task" } else { "lease" },
+                        if task.is_none() {
+                            &h.task_id
+                        } else {
+                            &h.lease_id
+                        }
+                    )))
+                }
+            }
+        }
         let mut released = Released::default();
         let mut ended_leases: Vec<LeaseId> = Vec::new();
         let mut done = Vec::new();
-        for h in &holders {
-            let (Ok(lease_id), Ok(task)) =
-                (h.lease_id.parse::<LeaseId>(), h.task_id.parse::<TaskId>())
-            else {
-                return Err(Error::Refused(format!(
-                    "the lock on {resource} names task {:?} and lease {:?}, which are not ids \
-                     the broker makes; nothing more was released",
-                    h.task_id, h.lease_id
-                )));
-            };
+        for (h, (task, lease_id)) in holders.iter().zip(ids) {
             if h.lease_expires_at.is_some() {
                 // Expired, not yet swept: a heartbeat can no longer revive it, so ending it is
                 // the sweeper's own step, taken now.
@@ -738,6 +754,11 @@ struct Facts {
     held: Vec<HeldLock>,
     live_leases: u32,
     versions: Vec<BTreeMap<String, String>>,
+}
+
+/// `text` as an id, when it is one spelled as the broker writes it (hyphenated lowercase).
+fn canonical<T: std::str::FromStr + std::fmt::Display>(text: &str) -> Option<T> {
+    text.parse().ok().filter(|id: &T| id.to_string() == text)
 }
 
 /// The one line an explanation of a waiting, unclaimed task opens with.

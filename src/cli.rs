@@ -470,7 +470,9 @@ pub async fn blocked(args: &BlockedArgs) -> anyhow::Result<()> {
         ]);
     }
     println!("{t}");
-    let counted = if report.source == "lane_gauge" {
+    // (A broker from before `source` sends none: it counted with the lane gauge.)
+    let gauge = matches!(report.source.as_str(), "lane_gauge" | "");
+    let counted = if gauge {
         "counted by the lane gauge's last full pass"
     } else {
         "counted from this broker's resource queues"
@@ -479,7 +481,7 @@ pub async fn blocked(args: &BlockedArgs) -> anyhow::Result<()> {
         "{counted}, which read the task table {} ago{}; `dispatch-broker explain TASK` for the \
          whole story",
         span(&report.age),
-        if report.source == "lane_gauge" {
+        if gauge {
             " (tasks younger than its cut-off are not counted)"
         } else {
             ""

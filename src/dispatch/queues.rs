@@ -164,7 +164,11 @@ impl Queues {
                 }
             } else {
                 match self.catch_up(usize::MAX).await {
-                    Ok(()) => self.note_read(),
+                    // (A catch-up reads nothing while nothing is known: see above.)
+                    Ok(()) if self.read(ResourceQueues::known).flatten().is_some() => {
+                        self.note_read()
+                    }
+                    Ok(()) => {}
                     Err(e) => {
                         tracing::debug!(error = %e, "catching up with arrivals failed; retrying")
                     }

@@ -646,28 +646,40 @@ async fn an_expiry_entry_that_is_not_a_lease_id_is_dropped_and_the_sweep_goes_on
     assert_eq!(support::id(&granted), task);
     let client = redis::Client::open(env.redis.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    // Expired long before the real lease, so it comes first in the sweep's batch.
-    let _: i64 = redis::cmd("ZADD")
-        .arg("{dispatch}:leases")
-        .arg(1)
-        .arg("not-a-lease")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    // Expired long before the real lease, so they come first in the sweep's batch: text that is
+    // no UUID, and a UUID spelled otherwise than the broker writes it.
+    let odd = [
+        "not-a-lease".to_owned(),
+        uuid::Uuid::new_v4().to_string().to_uppercase(),
+    ];
+    for entry in &odd {
+        let _: i64 = redis::cmd("ZADD")
+            .arg("{dispatch}:leases")
+            .arg(1)
+            .arg(entry)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
     let dropped = support::eventually(Duration::from_secs(15), || {
-        let mut conn = conn.clone();
+        let (mut conn, odd) = (conn.clone(), odd.clone());
         async move {
-            let score: Option<f64> = redis::cmd("ZSCORE")
-                .arg("{dispatch}:leases")
-                .arg("not-a-lease")
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            score.is_none()
+            for entry in &odd {
+                let score: Option<f64> = redis::cmd("ZSCORE")
+                    .arg("{dispatch}:leases")
+                    .arg(entry)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                if score.is_some() {
+                    return false;
+                }
+            }
+            true
         }
     })
     .await;
-    assert!(dropped.is_some(), "the entry stayed in the expiry set");
+    assert!(dropped.is_some(), "an entry stayed in the expiry set");
     // The real lease expired meanwhile (no heartbeats): swept, its claim requeued, no lock left.
     let requeued = support::eventually(Duration::from_secs(15), || async {
         env.db
