@@ -436,6 +436,66 @@ async fn revoke_takes_the_sweepers_path_with_the_reason_and_is_audited() {
     assert_eq!(id(&env.fetch(&next).await.unwrap()), id(&claimed));
 }
 
+/// A lock that names a task the broker never writes (not its UUID text) makes ForceRelease refuse
+/// before it releases anything: the expired holder beside it keeps its lock and its task.
+#[tokio::test]
+async fn force_release_refuses_a_lock_it_cannot_read_and_changes_nothing() {
+    use deadpool_redis::redis;
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(3600)).await;
+    env.task(&["A"]).await;
+    let lease = env
+        .open_with(
+            "gone-worker",
+            &[("core", "3.123.1")],
+            Some(Duration::from_millis(300)),
+        )
+        .await;
+    let g = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &g).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg("{dispatch}:locked")
+        .arg("NOT-A-TASK")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("HSET")
+        .arg("{dispatch}:task:NOT-A-TASK")
+        .arg("lease")
+        .arg(Uuid::new_v4().to_string())
+        .arg("token")
+        .arg(1)
+        .arg("x")
+        .arg("A")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut admin = admin(&env).await;
+    let err = admin
+        .force_release(ForceReleaseRequest {
+            resource: "A".into(),
+            reason: "worker unreachable".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("task \"NOT-A-TASK\"")
+            && err.message().contains("nothing was released"),
+        "{}",
+        err.message()
+    );
+    let held: bool = redis::cmd("EXISTS")
+        .arg(format!("{{dispatch}}:task:{}", g.task_id))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(held, "the expired holder's lock was released");
+    assert_eq!(env.state(id(&g)).await, "running");
+}
+
 #[tokio::test]
 async fn force_release_refuses_a_live_holder_and_frees_an_expired_ones_locks() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(3600)).await;
