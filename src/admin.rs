@@ -650,8 +650,8 @@ impl Admin {
         let mut ids = Vec::with_capacity(holders.len());
         for h in &holders {
             match (
-                canonical::<TaskId>(&h.task_id),
-                canonical::<LeaseId>(&h.lease_id),
+                h.task_id.parse::<TaskId>().ok(),
+                h.lease_id.parse::<LeaseId>().ok(),
             ) {
                 (Some(task), Some(lease_id)) => ids.push((task, lease_id)),
                 (task, _) => {
@@ -754,11 +754,6 @@ struct Facts {
     held: Vec<HeldLock>,
     live_leases: u32,
     versions: Vec<BTreeMap<String, String>>,
-}
-
-/// `text` as an id, when it is one spelled as the broker writes it (hyphenated lowercase).
-fn canonical<T: std::str::FromStr + std::fmt::Display>(text: &str) -> Option<T> {
-    text.parse().ok().filter(|id: &T| id.to_string() == text)
 }
 
 /// The one line an explanation of a waiting, unclaimed task opens with.

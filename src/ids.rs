@@ -16,24 +16,48 @@ impl fmt::Display for FencingToken {
     }
 }
 
+/// An id in text that is not spelled as the broker writes ids (a UUID, hyphenated, lowercase).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotAnId(pub String);
+
+impl fmt::Display for NotAnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} is not an id as the broker writes them", self.0)
+    }
+}
+
+impl std::error::Error for NotAnId {}
+
+/// Text for the UUID ids: `Display` writes them hyphenated and lowercase, and `FromStr` reads
+/// only that spelling back. Other spellings of the same UUID are refused: keys and records built
+/// from the id would not be the ones such text names (Redis compares bytes).
+macro_rules! uuid_text {
+    ($($id:ident),*) => {$(
+        impl fmt::Display for $id {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl std::str::FromStr for $id {
+            type Err = NotAnId;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match Uuid::parse_str(s) {
+                    Ok(id) if id.hyphenated().to_string() == s => Ok(Self(id)),
+                    _ => Err(NotAnId(s.to_owned())),
+                }
+            }
+        }
+    )*};
+}
+
+uuid_text!(LeaseId, TaskId);
+
 /// A lease's id: a random UUID, new for every lease, so a restarted worker never inherits a dead
 /// incarnation's locks. Redis keys and the proto carry it as text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LeaseId(pub Uuid);
-
-impl fmt::Display for LeaseId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::str::FromStr for LeaseId {
-    type Err = uuid::Error;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        s.parse().map(Self)
-    }
-}
 
 /// A task's id: `core_task.pulp_id`. Postgres reads and writes it as a `uuid`; Redis keys,
 /// records and the proto carry it as text.
@@ -45,20 +69,6 @@ impl TaskId {
     pub const MAX: TaskId = TaskId(Uuid::max());
     /// The least id: with a `pulp_created`, a position before every task created then.
     pub const NIL: TaskId = TaskId(Uuid::nil());
-}
-
-impl fmt::Display for TaskId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::str::FromStr for TaskId {
-    type Err = uuid::Error;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        s.parse().map(Self)
-    }
 }
 
 impl tokio_postgres::types::ToSql for TaskId {

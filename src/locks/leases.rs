@@ -225,11 +225,9 @@ impl Locks {
                 let mut expired = Vec::new();
                 for id in reply[1..].iter().filter_map(|v| text(Some(v))) {
                     match id.parse::<LeaseId>() {
-                        // Only as the broker writes it: other text would not find the lease's
-                        // keys, and its entry would stay.
-                        Ok(lease_id) if lease_id.to_string() == id => expired.push(lease_id),
-                        _ => {
-                            // Not a lease the broker opened (they are UUIDs): nothing of it can
+                        Ok(lease_id) => expired.push(lease_id),
+                        Err(_) => {
+                            // Not a lease id as the broker writes them: nothing of it can
                             // be held, so only its entry goes, or it would come back every sweep.
                             tracing::warn!(entry = %id, "dropping an expiry entry that is not a lease id");
                             self.command::<i64>(

@@ -45,6 +45,31 @@ async fn admin_with(env: &Env, token: Option<&str>) -> Admin {
 }
 
 /// A broker with no authentication: the admin API is open.
+/// A worker API client of `env`'s broker that sends `token` as its bearer token.
+async fn broker_with(
+    env: &Env,
+    token: &str,
+) -> dispatch_broker::proto::broker_client::BrokerClient<
+    tonic::service::interceptor::InterceptedService<
+        Channel,
+        impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status>,
+    >,
+> {
+    let channel = Channel::from_shared(format!("http://{}", env.broker().addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let header: MetadataValue<_> = format!("Bearer {token}").parse().unwrap();
+    dispatch_broker::proto::broker_client::BrokerClient::with_interceptor(
+        channel,
+        move |mut r: tonic::Request<()>| {
+            r.metadata_mut().insert("authorization", header.clone());
+            Ok(r)
+        },
+    )
+}
+
 async fn admin(env: &Env) -> Admin {
     admin_with(env, None).await
 }
@@ -736,18 +761,7 @@ async fn the_admin_api_needs_the_admin_token_and_a_workers_token_is_denied() {
         .unwrap();
     assert_eq!(ok.into_inner().state, "waiting");
     // The admin token is not a worker's.
-    let mut broker = dispatch_broker::proto::broker_client::BrokerClient::with_interceptor(
-        Channel::from_shared(format!("http://{}", env.broker().addr))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap(),
-        |mut r: tonic::Request<()>| {
-            r.metadata_mut()
-                .insert("authorization", format!("Bearer {ADMIN}").parse().unwrap());
-            Ok(r)
-        },
-    );
+    let mut broker = broker_with(&env, ADMIN).await;
     let err = broker
         .open_lease(support::lease_request("w"))
         .await
@@ -756,18 +770,7 @@ async fn the_admin_api_needs_the_admin_token_and_a_workers_token_is_denied() {
 
     // A revoke with the worker's token changes nothing: the live lease it names keeps its task
     // and the task's locks.
-    let mut worker = dispatch_broker::proto::broker_client::BrokerClient::with_interceptor(
-        Channel::from_shared(format!("http://{}", env.broker().addr))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap(),
-        |mut r: tonic::Request<()>| {
-            r.metadata_mut()
-                .insert("authorization", format!("Bearer {WORKER}").parse().unwrap());
-            Ok(r)
-        },
-    );
+    let mut worker = broker_with(&env, WORKER).await;
     let lease = worker
         .open_lease(support::lease_request("w"))
         .await

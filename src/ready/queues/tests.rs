@@ -152,6 +152,21 @@ fn entries(uses: &[(u8, bool)]) -> Vec<String> {
         .collect()
 }
 
+/// Applies `op` to the queues and to `present`, the tasks a reference keeps; returns what the
+/// queues and the reference each said the op did (inserted, or removed).
+fn apply(q: &mut ResourceQueues, present: &mut BTreeMap<Key, Vec<String>>, op: Op) -> (bool, bool) {
+    match op {
+        Op::Insert(n, uses) => {
+            let record = entries(&uses);
+            let inserted = q.insert(key(n), &record);
+            let new = !present.contains_key(&key(n));
+            present.entry(key(n)).or_insert(record);
+            (inserted, new)
+        }
+        Op::Remove(n) => (q.remove(&key(n).1), present.remove(&key(n)).is_some()),
+    }
+}
+
 proptest! {
     /// In any order of arrivals (late ones included) and removals, the lanes are those of the
     /// rule over the tasks present, and the holders are the first and first exclusive users.
@@ -160,17 +175,8 @@ proptest! {
         let mut q = ResourceQueues::default();
         let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
         for op in ops {
-            match op {
-                Op::Insert(n, uses) => {
-                    let record = entries(&uses);
-                    let inserted = q.insert(key(n), &record);
-                    prop_assert_eq!(inserted, !present.contains_key(&key(n)));
-                    present.entry(key(n)).or_insert(record);
-                }
-                Op::Remove(n) => {
-                    prop_assert_eq!(q.remove(&key(n).1), present.remove(&key(n)).is_some());
-                }
-            }
+            let (queues, reference) = apply(&mut q, &mut present, op);
+            prop_assert_eq!(queues, reference);
             prop_assert_eq!(q.lanes().collect::<Vec<_>>(), reference_lanes(&present));
             let mut holders: BTreeSet<Key> = BTreeSet::new();
             let mut firsts: BTreeMap<String, (Option<Key>, Option<Key>)> = BTreeMap::new();
@@ -202,17 +208,7 @@ proptest! {
         let mut q = ResourceQueues::default();
         let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
         for op in ops {
-            match op {
-                Op::Insert(n, uses) => {
-                    let record = entries(&uses);
-                    q.insert(key(n), &record);
-                    present.entry(key(n)).or_insert(record);
-                }
-                Op::Remove(n) => {
-                    q.remove(&key(n).1);
-                    present.remove(&key(n));
-                }
-            }
+            apply(&mut q, &mut present, op);
             let mut counter = crate::ready::LaneCounter::default();
             for (k, record) in &present {
                 counter.push_task(*k, record);
@@ -237,17 +233,7 @@ proptest! {
         let mut q = ResourceQueues::default();
         let mut present: BTreeMap<Key, Vec<String>> = BTreeMap::new();
         for op in ops {
-            match op {
-                Op::Insert(n, uses) => {
-                    let record = entries(&uses);
-                    q.insert(key(n), &record);
-                    present.entry(key(n)).or_insert(record);
-                }
-                Op::Remove(n) => {
-                    q.remove(&key(n).1);
-                    present.remove(&key(n));
-                }
-            }
+            apply(&mut q, &mut present, op);
         }
         q.know_up_to(key(known));
         let state = |k: &Key| if held[k.0 as usize] { Seen::Held } else { Seen::Waiting };
