@@ -1968,18 +1968,10 @@ impl Dispatch {
                 put_back = true;
             }
         }
-        let mut attempt = 0u32;
-        let (outcome, app_status) = loop {
-            match self.locks.release(lease_id, task_id, fencing_token).await {
-                Ok(done) => break done,
-                Err(e) if attempt < 2 => {
-                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "release failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
+        let (outcome, app_status) = self
+            .locks
+            .release_retrying(lease_id, task_id, fencing_token)
+            .await?;
         if !put_back && matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 self.requeue_claim(task_id, app_status).await?;

@@ -2,7 +2,6 @@
 //! released, or, when the claim cannot be put back, the locks stay with it.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use uuid::Uuid;
 
@@ -87,20 +86,17 @@ impl Requeue {
         task_id: TaskId,
         fencing_token: FencingToken,
     ) {
-        for attempt in 0..3u32 {
-            match self.locks.release(lease_id, task_id, fencing_token).await {
-                Ok((Release::Released, _)) => {
-                    self.stats.locks_released("fetch_failure", 1);
-                    return;
-                }
-                Ok(_) => return,
-                Err(e) => {
-                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "releasing the locks of an incomplete grant failed");
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                }
+        match self
+            .locks
+            .release_retrying(lease_id, task_id, fencing_token)
+            .await
+        {
+            Ok((Release::Released, _)) => self.stats.locks_released("fetch_failure", 1),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(%task_id, %lease_id, error = %e, "locks of an incomplete grant stay until the lease ends")
             }
         }
-        tracing::error!(%task_id, %lease_id, "locks of an incomplete grant stay until the lease ends");
     }
 
     /// Records that a claimed task went back to the queue: scan hints may have passed it, and

@@ -153,6 +153,28 @@ impl Locks {
         Ok((release_code("release", code)?, app_status))
     }
 
+    /// [`Locks::release`], tried three times with a short backoff (50, then 100 ms) while it
+    /// fails: a release is idempotent, and a lock left behind would block the task's resources
+    /// until its lease ends. The last failure is returned.
+    pub async fn release_retrying(
+        &self,
+        lease_id: LeaseId,
+        task_id: TaskId,
+        fencing_token: FencingToken,
+    ) -> Result<(Release, String), Error> {
+        let mut attempt = 0u32;
+        loop {
+            match self.release(lease_id, task_id, fencing_token).await {
+                Err(e) if attempt < 2 => {
+                    tracing::warn!(%task_id, %lease_id, attempt, error = %e, "release failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Checks that a live lease holds a task under `fencing_token`: `Ok(Ok(app_status_id))` when
     /// it does, `Ok(Err(why))` when it does not (`Release::NotHeld` standing for "lease gone").
     pub async fn holder(
