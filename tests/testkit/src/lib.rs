@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod demo;
+pub mod reference;
 pub mod sandbox;
 
 use std::net::{TcpListener, TcpStream};
@@ -435,8 +436,8 @@ fn ping(port: u16) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use crate::reference;
     use clap::CommandFactory;
-    use dispatch_broker::config::reference;
 
     /// docs/configuration.md's part about the demo and the sandbox lists exactly their options.
     #[test]
