@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod fair;
 pub mod grpc;
 pub mod ids;
 pub mod keda;
