@@ -2,8 +2,11 @@
 --
 -- Key format (the same as src/locks/keys.rs; a test checks that both agree):
 --   PREFIX:lease:<lease_id>:tasks   set of task ids the lease holds locks for (the per-lease registry)
---   PREFIX:task:<task_id>           hash {lease, token, x, s}: the task lock; x and s are the task's
---                                   exclusive and shared resource names joined with "\n"
+--   PREFIX:task:<task_id>           hash {lease, token, at, x, s, g, d}: the task lock; x and s are
+--                                   the task's exclusive and shared resource names joined with "\n",
+--                                   g its group, d "1" when it is deferred (not immediate)
+--   PREFIX:running                  hash group -> the number of its tasks holding locks
+--   PREFIX:deferred                 the number of deferred tasks holding locks
 --   PREFIX:x:<resource>             string: the task id holding <resource> exclusively
 --   PREFIX:s:<resource>             set: the task ids holding <resource> shared
 --   PREFIX:locked                   set of every task id that holds a lock (the reconciler's list)
@@ -61,7 +64,7 @@ end
 -- Only touches resource keys that still name this task, so it can never free another task's lock.
 local function release_task(prefix, task_id)
   local task_key = prefix .. ':task:' .. task_id
-  local lock = redis.call('HMGET', task_key, 'lease', 'x', 's')
+  local lock = redis.call('HMGET', task_key, 'lease', 'x', 's', 'g', 'd')
   if not lock[1] then
     return false
   end
@@ -80,6 +83,18 @@ local function release_task(prefix, task_id)
   note_changes(prefix, changed)
   redis.call('SREM', prefix .. ':lease:' .. lock[1] .. ':tasks', task_id)
   redis.call('SREM', prefix .. ':locked', task_id)
+  if lock[4] then
+    local running = prefix .. ':running'
+    if redis.call('HINCRBY', running, lock[4], -1) <= 0 then
+      redis.call('HDEL', running, lock[4])
+    end
+  end
+  if lock[5] == '1' then
+    local deferred = prefix .. ':deferred'
+    if redis.call('DECR', deferred) <= 0 then
+      redis.call('DEL', deferred)
+    end
+  end
   redis.call('DEL', task_key)
   return lock[1]
 end

@@ -4,6 +4,8 @@
 -- KEYS[1]  PREFIX:recovery   the rebuild lock (holds the rebuilding replica's id, with a TTL)
 -- KEYS[2]  PREFIX:epoch      the lock state's identity
 -- KEYS[3]  PREFIX:fence      the fencing counter
+-- KEYS[4]  PREFIX:running    tasks holding locks by group   } counted anew as the rebuild locks
+-- KEYS[5]  PREFIX:deferred   deferred tasks holding locks   } the claimed tasks again
 -- ARGV     replica id, rebuilding epoch value ("rebuilding:<uuid>"), the highest fencing token
 --          the caller knows
 -- Returns  1 when the rebuild may go on; 0 when the caller does not hold the rebuild lock.
@@ -15,6 +17,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('SET', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[4], KEYS[5])
 local floor = math.max(now_ms() * 1024, tonumber(ARGV[3] or '0') + 1)
 if tonumber(redis.call('GET', KEYS[3]) or '0') < floor then
   redis.call('SET', KEYS[3], string.format('%d', floor))

@@ -339,6 +339,9 @@ pub struct ServeArgs {
     /// Fetch tuning.
     #[command(flatten)]
     pub fetch: FetchArgs,
+    /// Fair dispatch.
+    #[command(flatten)]
+    pub fair: FairArgs,
 
     #[command(flatten)]
     pub limits: LimitArgs,
@@ -358,6 +361,34 @@ pub struct ServeArgs {
     /// How long a Redis or Postgres call may take before the RPC fails UNAVAILABLE.
     #[arg(long, env = "DISPATCH_BACKEND_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub backend_timeout: Duration,
+}
+
+/// Fair dispatch options (docs/design.md, "Fair dispatch").
+#[derive(Debug, Clone, Args)]
+pub struct FairArgs {
+    /// What ready tasks are shared out by: `domain` (Pulp's `pulp_domain_id`: the domain
+    /// furthest below its weighted share of what runs goes first) or `none` (plain FIFO; the
+    /// reserve for immediate tasks still holds).
+    #[arg(long = "fair-by", env = "DISPATCH_FAIR_BY", value_enum, default_value_t = crate::fair::FairBy::Domain)]
+    pub by: crate::fair::FairBy,
+    /// The fairness policy file (TOML: weights, caps, the reserve; see docs/configuration.md),
+    /// read at start (a bad file stops the start) and again whenever it changes (a bad change is
+    /// refused, naming the line, and the policy in force stays). None: equal weights, no caps,
+    /// no reserve.
+    #[arg(long = "fair-policy", env = "DISPATCH_FAIR_POLICY")]
+    pub policy: Option<std::path::PathBuf>,
+    /// How often each replica reads which domains have waiting tasks (one index descent per
+    /// domain) and checks the policy file for changes.
+    #[arg(long = "fair-refresh", env = "DISPATCH_FAIR_REFRESH", default_value = "500ms", value_parser = parse_duration)]
+    pub refresh: Duration,
+    /// Domains that get a label of their own in `dispatch_task_wait_seconds` (the first seen);
+    /// the rest are counted as `other`.
+    #[arg(
+        long = "fair-metric-groups",
+        env = "DISPATCH_FAIR_METRIC_GROUPS",
+        default_value_t = 20
+    )]
+    pub metric_groups: usize,
 }
 
 /// Lease options.
@@ -492,6 +523,12 @@ pub struct MigrateArgs {
     /// gets it anyway.
     #[arg(long)]
     pub lanes_index: bool,
+    /// On an existing database (e.g. Pulp's), also build fair dispatch's indexes
+    /// `dispatch_groups_idx` and `dispatch_immediate_idx` (CREATE INDEX CONCURRENTLY). Without
+    /// them tasks are handed out in queue order: no shares among domains and no express lane
+    /// (caps and the reserve still hold). A fresh database gets them anyway.
+    #[arg(long)]
+    pub fair_indexes: bool,
     /// On an existing database (e.g. Pulp's), also install the trigger that notifies waiting
     /// fetches of inserted tasks (`dispatch_task_notify`). Pulp's own dispatch() already
     /// notifies `pulp_worker_wakeup`, which the broker also listens on. A fresh database gets it.

@@ -15,6 +15,7 @@
 
 mod carried;
 mod claimants;
+pub mod fairness;
 mod hint;
 pub mod queues;
 mod refresh;
@@ -41,6 +42,7 @@ use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
 use carried::Carried;
 use claimants::{Claimants, Pick, Turn};
+pub use fairness::{FairSettings, Fairness};
 use hint::{
     position_key, released_names, split_by_known, trusted_until, HintBook, ReadAgainst, ScanHint,
     Settle, MAX_RETURNED,
@@ -193,6 +195,8 @@ pub struct Dispatch {
     /// gone). A page read after the grant that still shows the task waiting and unclaimed shows
     /// it put back in the queue (by whatever path), and it is tried as usual.
     recent: Arc<Mutex<Recent>>,
+    /// Fair dispatch: directed passes, caps and the reserve (`fairness`).
+    fairness: Fairness,
     /// The leases this replica's fetches met (what a lease is never changes while it lives; a
     /// lease id is never reused): a pass that trusts its hint takes the lease from here and
     /// leaves the check that it is alive to the acquire script, or, when it hands its caller
@@ -488,6 +492,7 @@ impl Dispatch {
         tasks: Tasks,
         stats: Arc<Stats>,
         policy: FetchPolicy,
+        fairness: Fairness,
         shutdown: Shutdown,
     ) -> Self {
         let requeue = Requeue {
@@ -519,6 +524,7 @@ impl Dispatch {
             slots: Arc::new(PassSlots::default()),
             refreshes: Arc::new(refresh::Refreshes::default()),
             queues: Arc::new(queues::Queues::new(tasks.clone())),
+            fairness,
             policy,
         }
     }
@@ -586,6 +592,13 @@ impl Dispatch {
                     }
                     Some(Woken::Turn) => {}
                 }
+            }
+            if let Some(grant) = self.directed_passes(&call).await? {
+                self.stats.fetch("claimed");
+                if let Some(place) = place.take() {
+                    place.leave_after_grant();
+                }
+                return Ok(Some(grant));
             }
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
@@ -804,7 +817,13 @@ impl Dispatch {
             .waiters
             .len()
             .saturating_sub(usize::from(own_place.is_some()));
-        let may_recruit = if others == 0 { 0 } else { self.policy.share };
+        // While fair dispatch makes directed passes, a pass in queue order serves its own caller
+        // only: a waiter's own fetch asks the fair order first.
+        let may_recruit = if others == 0 || self.fairness.engaged() {
+            0
+        } else {
+            self.policy.share
+        };
         let mut claimants = Claimants::new(call.offer(Arc::clone(&lease)), own_place, may_recruit);
         let mut page = self.policy.first_page;
         if may_recruit > 0 {
@@ -854,7 +873,7 @@ impl Dispatch {
                 None => (
                     Instant::now(),
                     self.tasks
-                        .candidates(&excluded, book.after, &near, page)
+                        .candidates(&excluded, book.after, &near, page, None)
                         .await?,
                 ),
             };
@@ -1270,12 +1289,14 @@ impl Dispatch {
                 (Some(rows), Some(found)) => (rows, found),
                 (Some(rows), None) => (
                     rows,
-                    self.tasks.candidates(excluded, after, near, page).await?,
+                    self.tasks
+                        .candidates(excluded, after, near, page, None)
+                        .await?,
                 ),
                 (None, Some(found)) => (self.tasks.returned(returned, near).await?, found),
                 (None, None) => tokio::try_join!(
                     self.tasks.returned(returned, near),
-                    self.tasks.candidates(excluded, after, near, page),
+                    self.tasks.candidates(excluded, after, near, page, None),
                 )?,
             };
             returned_ids.extend(rows.iter().map(|r| r.id));
@@ -1775,7 +1796,12 @@ impl Dispatch {
                 "lease {lease_id} names no valid core_appstatus row"
             ))
         })?;
-        let acquired = match self.locks.acquire(lease_id, row.id, resources).await {
+        let admission = self.fairness.admission(row.group, row.immediate);
+        let acquired = match self
+            .locks
+            .acquire(lease_id, row.id, resources, admission)
+            .await
+        {
             Ok(acquired) => acquired,
             Err(crate::locks::Error::StateLost) => {
                 return Err(crate::locks::Error::StateLost.into())
@@ -1797,6 +1823,14 @@ impl Dispatch {
                 tracing::debug!(task_id = %row.id, ?names, "resources held; not ready");
                 return Ok(Attempt::Blocked);
             }
+            Acquire::HeldBack(why) => {
+                tracing::debug!(task_id = %row.id, %why, "ready, held back by fairness");
+                self.stats.held_back(match why {
+                    crate::fair::HeldBack::Cap { .. } => "cap",
+                    crate::fair::HeldBack::Reserve { .. } => "reserve",
+                });
+                return Ok(Attempt::NotGranted);
+            }
         };
         match self.tasks.claim(row.id, app_status, start).await {
             Ok(Some(started_at)) => {
@@ -1812,6 +1846,11 @@ impl Dispatch {
                     return Ok(Attempt::LeaseGone);
                 }
                 tracing::info!(task_id = %row.id, %lease_id, %fencing_token, "task handed out");
+                let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
+                self.stats.task_waited(
+                    self.fairness.label(self.fairness.group_of(row.group)),
+                    waited,
+                );
                 Ok(Attempt::Granted(Grant {
                     task_id: row.id,
                     name: row.name.clone(),
@@ -1846,6 +1885,80 @@ impl Dispatch {
                 Err(e.into())
             }
         }
+    }
+
+    /// Fair dispatch's directed passes for one call, in the order `fairness` plans them: the
+    /// first ready task of the immediate tasks or of a group goes to the caller. `None` when
+    /// fairness is not engaged or no directed page held a ready task (the pass in queue order
+    /// runs then).
+    async fn directed_passes(&self, call: &Call) -> Result<Option<Grant>> {
+        if !self.fairness.engaged() {
+            return Ok(None);
+        }
+        let standing = self.locks.standing().await?;
+        for directed in self.fairness.plan(&standing) {
+            let this = self.clone();
+            let call = call.clone();
+            let grant = self
+                .detached(async move { this.directed_pass(&call, directed).await })
+                .await?;
+            self.stats.directed_pass(grant.is_some());
+            if grant.is_some() {
+                return Ok(grant);
+            }
+            self.fairness.dry(directed);
+        }
+        Ok(None)
+    }
+
+    /// One directed page (the immediate tasks, or one group's), judged in queue order by the
+    /// readiness rule: the first ready task the caller's lease may take is locked and claimed.
+    async fn directed_pass(
+        &self,
+        call: &Call,
+        directed: crate::tasks::Directed,
+    ) -> Result<Option<Grant>> {
+        let lease = match self.known_lease(call.lease_id) {
+            Some(lease) => lease,
+            None => self.live_lease(call.lease_id).await?,
+        };
+        let offer = call.offer(Arc::clone(&lease));
+        let page = self
+            .tasks
+            .candidates(
+                &[],
+                None,
+                &self.near(),
+                self.policy.first_page,
+                Some(directed),
+            )
+            .await?;
+        let mut reserved = Reservations::default();
+        for row in page.tasks {
+            let ready_by_rule =
+                ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
+            reserved.reserve(&row.candidate.resources);
+            if !ready_by_rule || !offer.takes(&row) {
+                continue;
+            }
+            let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
+                continue;
+            };
+            match self
+                .lock_and_claim(call.lease_id, &lease, &row, call.start)
+                .await?
+            {
+                Attempt::Granted(grant) => {
+                    if let Ok(mut recent) = self.recent.lock() {
+                        recent.note(grant.task_id);
+                    }
+                    return Ok(Some(grant));
+                }
+                Attempt::LeaseGone => return Err(self.lease_gone(call.lease_id)),
+                Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
+            }
+        }
+        Ok(None)
     }
 
     /// Puts a claimed task that never started back in the queue (no-op otherwise); true when

@@ -82,6 +82,22 @@ pub const FETCH_HINTS_TRUSTED_TOTAL: &str = "dispatch_fetch_hints_trusted_total"
 /// before them read) instead of reading a first page.
 pub const FETCH_PAGES_CARRIED_TOTAL: &str = "dispatch_fetch_pages_carried_total";
 
+/// Directed passes of fair dispatch, by outcome: `granted` (the caller got a task) or `dry`
+/// (nothing ready in that page).
+pub const FAIR_DIRECTED_PASSES_TOTAL: &str = "dispatch_fair_directed_passes_total";
+
+/// Ready tasks fairness held back at the acquire, by why: `cap` (its group is at its cap) or
+/// `reserve` (kept for immediate tasks).
+pub const FAIR_HELD_BACK_TOTAL: &str = "dispatch_fair_held_back_total";
+
+/// Fairness policy files refused (they did not parse, or named a bad value); the policy in force
+/// stayed.
+pub const FAIR_POLICY_REFUSED_TOTAL: &str = "dispatch_fair_policy_refused_total";
+
+/// Seconds from a task's creation to its grant, by group (the first `--fair-metric-groups`
+/// groups seen by name or id, the rest as `other`).
+pub const TASK_WAIT_SECONDS: &str = "dispatch_task_wait_seconds";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -110,12 +126,33 @@ pub const ALL: &[&str] = &[
     FETCH_QUEUE_STARTS_TOTAL,
     FETCH_HINTS_TRUSTED_TOTAL,
     FETCH_PAGES_CARRIED_TOTAL,
+    FAIR_DIRECTED_PASSES_TOTAL,
+    FAIR_HELD_BACK_TOTAL,
+    FAIR_POLICY_REFUSED_TOTAL,
+    TASK_WAIT_SECONDS,
 ];
 
 /// Describes every metric once, at start-up.
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(POSTGRES_STATEMENTS_TOTAL, "Postgres statements executed.");
+    describe_counter!(
+        FAIR_DIRECTED_PASSES_TOTAL,
+        "Directed passes of fair dispatch by outcome (granted, dry)."
+    );
+    describe_counter!(
+        FAIR_HELD_BACK_TOTAL,
+        "Ready tasks held back at the acquire by fairness, by why (cap, reserve)."
+    );
+    describe_counter!(
+        FAIR_POLICY_REFUSED_TOTAL,
+        "Fairness policy files refused; the policy in force stayed."
+    );
+    describe_histogram!(
+        TASK_WAIT_SECONDS,
+        Unit::Seconds,
+        "Seconds from a task's creation to its grant, by group."
+    );
     describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
     describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
     describe_counter!(
@@ -213,6 +250,14 @@ pub fn recorder() -> Option<PrometheusHandle> {
                     b.set_buckets_for_metric(Matcher::Suffix("_statements".into()), &counts)
                 })
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_calls".into()), &counts))
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(TASK_WAIT_SECONDS.into()),
+                        &[
+                            0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0,
+                        ],
+                    )
+                })
                 .and_then(|b| b.install_recorder())
                 .map_err(|e| tracing::warn!(error = %e, "no prometheus recorder"))
                 .ok();
@@ -407,6 +452,27 @@ impl Stats {
     pub fn page_carried(&self) {
         self.pages_carried.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_PAGES_CARRIED_TOTAL).increment(1);
+    }
+
+    /// Counts a directed pass of fair dispatch.
+    pub fn directed_pass(&self, granted: bool) {
+        metrics::counter!(FAIR_DIRECTED_PASSES_TOTAL, "outcome" => if granted { "granted" } else { "dry" })
+            .increment(1);
+    }
+
+    /// Counts a ready task fairness held back.
+    pub fn held_back(&self, why: &'static str) {
+        metrics::counter!(FAIR_HELD_BACK_TOTAL, "why" => why).increment(1);
+    }
+
+    /// Counts a refused policy file.
+    pub fn policy_refused(&self) {
+        metrics::counter!(FAIR_POLICY_REFUSED_TOTAL).increment(1);
+    }
+
+    /// Records how long a granted task waited, under its group's label.
+    pub fn task_waited(&self, group: String, seconds: f64) {
+        metrics::histogram!(TASK_WAIT_SECONDS, "group" => group).record(seconds);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.

@@ -8,7 +8,7 @@ use anyhow::Context;
 use tokio::task::JoinHandle;
 
 use crate::config::ServeArgs;
-use crate::dispatch::{Dispatch, FetchPolicy};
+use crate::dispatch::{Dispatch, FairSettings, Fairness, FetchPolicy};
 use crate::externalscaler::external_scaler_server::ExternalScalerServer;
 use crate::grpc::{AdminService, BrokerService};
 use crate::keda::Scaler;
@@ -39,6 +39,8 @@ pub struct Running {
     pub locks: Locks,
     /// Its task store handle.
     pub tasks: Tasks,
+    /// Its fair dispatch (the policy in force, the directory).
+    pub fairness: Fairness,
     /// The background loop (sweeper, reconciler, lock-state checks).
     pub sweeper: Arc<Sweeper>,
     /// This replica's waiting FetchTask calls.
@@ -160,6 +162,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         },
         Arc::clone(&stats),
     );
+    let fairness = fairness(&args.fair, &tasks).await?;
     let dispatch = Dispatch::new(
         locks.clone(),
         tasks.clone(),
@@ -176,6 +179,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             passes: args.fetch.passes as usize,
             pass_stall: args.fetch.pass_stall,
         },
+        fairness.clone(),
         shutdown.clone(),
     );
     let sweeper = Arc::new(Sweeper {
@@ -275,6 +279,17 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             async move { queues.run(shutdown).await }
         });
     }
+    tokio::spawn(fairness.clone().run(
+        sweeper.tasks.clone(),
+        FairSettings {
+            by: args.fair.by,
+            policy_file: args.fair.policy.clone(),
+            refresh: args.fair.refresh,
+            metric_groups: args.fair.metric_groups,
+        },
+        Arc::clone(&background_stats),
+        shutdown.clone(),
+    ));
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
         sweeper.tasks.clone(),
         args.gin_clean_interval,
@@ -327,6 +342,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     ));
     tracing::info!(%addr, %metrics_addr, "dispatch-broker serving");
     Ok(Running {
+        fairness,
         addr,
         metrics_addr,
         lanes,
@@ -479,4 +495,39 @@ pub async fn probe(args: &crate::config::HealthArgs) -> anyhow::Result<()> {
     } else {
         anyhow::bail!("{} is not serving (status {status})", args.broker.addr)
     }
+}
+
+/// Fair dispatch as `args` ask: the policy file read (a bad one stops the start), directed passes
+/// on when the fair indexes exist (a warning names the command that adds them otherwise).
+async fn fairness(
+    args: &crate::config::FairArgs,
+    tasks: &crate::tasks::Tasks,
+) -> anyhow::Result<Fairness> {
+    use crate::dispatch::fairness::Source;
+    let (policy, source) = match &args.policy {
+        None => (crate::fair::Policy::default(), Source::Default),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read --fair-policy {}", path.display()))?;
+            let policy = crate::fair::Policy::parse(&text)
+                .with_context(|| format!("--fair-policy {} refused", path.display()))?;
+            (policy, Source::File)
+        }
+    };
+    let directed = tasks
+        .has_fair_indexes()
+        .await
+        .context("cannot read the schema")?;
+    if !directed && (args.by == crate::fair::FairBy::Domain) {
+        tracing::warn!(
+            "fair dispatch's indexes are missing: tasks go out in queue order, without shares among domains or an express lane (caps and the reserve still hold); add them with `dispatch-broker migrate --fair-indexes`"
+        );
+    }
+    let fairness =
+        Fairness::new(args.by, policy, source, directed).with_metric_groups(args.metric_groups);
+    fairness
+        .refresh(tasks)
+        .await
+        .context("cannot read which domains have waiting tasks")?;
+    Ok(fairness)
 }

@@ -100,6 +100,9 @@ pub mod sql {
     pub const SCHEMA_CHECK: &str = include_str!("tasks/schema_check.sql");
     pub static MIGRATE: LazyLock<String> = with_states!("tasks/migrate.sql");
     pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
+    pub const FAIR_INDEXES: &str = include_str!("tasks/fair_indexes.sql");
+    pub const GROUPS_WAITING: &str = include_str!("tasks/groups_waiting.sql");
+    pub const DOMAIN_NAMES: &str = include_str!("tasks/domain_names.sql");
     pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
     pub const GIN_FASTUPDATE: &str = include_str!("tasks/gin_fastupdate.sql");
     pub const GIN_CLEAN: &str = include_str!("tasks/gin_clean.sql");
@@ -144,8 +147,9 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 32]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 33]> = LazyLock::new(|| {
         [
+            GROUPS_WAITING,
             QUEUE_PAGE,
             QUEUE_KNOWN,
             TASK_SEEN.as_str(),
@@ -232,9 +236,25 @@ pub struct TaskRow {
     pub name: String,
     /// `immediate`.
     pub immediate: bool,
+    /// `pulp_domain_id`: its group for fair dispatch (src/fair.rs).
+    pub group: Uuid,
     /// The decision inputs for `ready::judge`.
     pub candidate: Candidate,
 }
+
+/// What a directed page of candidates holds (fair dispatch): one group's waiting tasks, or the
+/// immediate ones, in queue order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Directed {
+    /// The tasks of one group (`pulp_domain_id`).
+    Group(Uuid),
+    /// Pulp's immediate tasks.
+    Immediate,
+}
+
+/// How many waiting tasks of its group or kind a directed page reads at most, per row it returns
+/// (candidates.sql's `$scan`).
+pub const DIRECTED_SCAN_PER_ROW: i64 = 4;
 
 /// A task with its current state, for ClaimTask.
 #[derive(Debug, Clone)]
@@ -282,6 +302,10 @@ pub struct ClaimedTask {
     pub worker_ttl_ms: i64,
     /// The worker's component versions.
     pub worker_versions: BTreeMap<String, String>,
+    /// `pulp_domain_id`: its group for fair dispatch.
+    pub group: Uuid,
+    /// `immediate`.
+    pub immediate: bool,
 }
 
 /// An older incomplete task that conflicts with an explained one.
@@ -466,7 +490,13 @@ impl Tasks {
         }
         let client = self.client().await?;
         // candidates.sql in the form that runs: with its page size written in.
-        client.prepare_cached(&candidates_sql(1)).await?;
+        client.prepare_cached(&candidates_sql(1, None)).await?;
+        client
+            .prepare_cached(&candidates_sql(1, Some(Directed::Group(Uuid::nil()))))
+            .await?;
+        client
+            .prepare_cached(&candidates_sql(1, Some(Directed::Immediate)))
+            .await?;
         client.prepare_cached(&sql::TASK).await?;
         for statement in *sql::ALL {
             client.prepare_cached(statement).await?;
@@ -597,24 +627,29 @@ impl Tasks {
         after: Option<(DateTime<Utc>, TaskId)>,
         near: &Near,
         limit: i64,
+        directed: Option<Directed>,
     ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
         let (near_created, near_id) = near.head_end_params();
-        let statement = candidates_sql(limit);
+        let statement = candidates_sql(limit, directed);
+        let group = match directed {
+            Some(Directed::Group(g)) => Some(g),
+            _ => None,
+        };
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![
+            &excluded,
+            &after_created,
+            &after_id,
+            &near_created,
+            &near_id,
+            &near.long_entries,
+            &near.long_users,
+        ];
+        if group.is_some() {
+            params.push(&group);
+        }
         let mut rows = self
-            .query_read_under(
-                sql::CANDIDATES_SETTINGS,
-                &statement,
-                &[
-                    &excluded,
-                    &after_created,
-                    &after_id,
-                    &near_created,
-                    &near_id,
-                    &near.long_entries,
-                    &near.long_users,
-                ],
-            )
+            .query_read_under(sql::CANDIDATES_SETTINGS, &statement, &params)
             .await?;
         let closing = rows
             .pop()
@@ -1045,6 +1080,8 @@ impl Tasks {
                     worker_versions: versions
                         .and_then(|v| serde_json::from_str(&v).ok())
                         .unwrap_or_default(),
+                    group: r.try_get(6)?,
+                    immediate: r.try_get(7)?,
                 })
             })
             .collect()
@@ -1058,6 +1095,7 @@ impl Tasks {
         lanes_index: bool,
         notify_trigger: bool,
         gin_fastupdate_off: bool,
+        fair_indexes: bool,
     ) -> Result<migrate::Outcome, Error> {
         let mut client = self.client().await?;
         let exists: bool = client
@@ -1080,6 +1118,36 @@ impl Tasks {
             tx.commit().await?;
         }
         drop(client);
+        // A table an older `migrate` made has no pulp_domain_id; Pulp's always has one.
+        let present = self.schema_items().await?;
+        let domain_column_added = exists
+            && !present.iter().any(|i| i == "core_task.pulp_domain_id")
+            && !present.iter().any(|i| i == "core_domain");
+        if domain_column_added {
+            self.client()
+                .await?
+                .batch_execute(
+                    "ALTER TABLE core_task ADD COLUMN IF NOT EXISTS pulp_domain_id uuid NOT NULL \
+                     DEFAULT '00000000-0000-0000-0000-000000000000'",
+                )
+                .await?;
+        }
+        let fair_indexes_created = fair_indexes && !present.iter().any(|i| i == "fair-indexes");
+        if fair_indexes_created {
+            let client = self.client().await?;
+            client
+                .batch_execute("DROP INDEX CONCURRENTLY IF EXISTS dispatch_groups_idx")
+                .await?;
+            client
+                .batch_execute("DROP INDEX CONCURRENTLY IF EXISTS dispatch_immediate_idx")
+                .await?;
+            for statement in sql::FAIR_INDEXES
+                .split(";\n")
+                .filter(|s| s.contains("CREATE"))
+            {
+                client.batch_execute(statement).await?;
+            }
+        }
         let gin_fastupdate_changed = gin_fastupdate_off
             && !self
                 .schema_items()
@@ -1109,11 +1177,56 @@ impl Tasks {
         Ok(migrate::Outcome {
             created,
             lanes_index_created,
+            fair_indexes_created,
+            domain_column_added,
             notify_trigger_created,
             gin_fastupdate_changed,
             missing: migrate::missing(&present),
             optional: migrate::optional(&present),
         })
+    }
+
+    /// The groups with waiting tasks (at most `max`), each with its oldest waiting task's
+    /// position, and whether an immediate task waits (groups_waiting.sql: a skip scan).
+    pub async fn groups_waiting(
+        &self,
+        max: i64,
+    ) -> Result<(Vec<(Uuid, (DateTime<Utc>, TaskId))>, bool), Error> {
+        let mut rows = self.query_read(sql::GROUPS_WAITING, &[&max]).await?;
+        let closing = rows.pop().ok_or_else(|| {
+            Error::Unexpected("groups_waiting.sql returned no closing row".into())
+        })?;
+        let immediate: Option<TaskId> = closing.try_get(2)?;
+        let groups = rows
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, (r.try_get(1)?, r.try_get(2)?))))
+            .collect::<Result<_, Error>>()?;
+        Ok((groups, immediate.is_some()))
+    }
+
+    /// Every domain's name by id (Pulp's `core_domain`); empty on the broker's own schema.
+    pub async fn domain_names(&self) -> Result<HashMap<Uuid, String>, Error> {
+        if !self
+            .schema_items()
+            .await?
+            .iter()
+            .any(|i| i == "core_domain")
+        {
+            return Ok(HashMap::new());
+        }
+        let rows = self.query_read(sql::DOMAIN_NAMES, &[]).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect()
+    }
+
+    /// Whether fair dispatch's indexes exist and are valid (`migrate --fair-indexes`).
+    pub async fn has_fair_indexes(&self) -> Result<bool, Error> {
+        Ok(self
+            .schema_items()
+            .await?
+            .iter()
+            .any(|i| i == "fair-indexes"))
     }
 
     /// The pool, for tests and tools that need raw SQL.
@@ -1151,6 +1264,7 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
         created: row.try_get(1)?,
         name: row.try_get(2)?,
         immediate: row.try_get(5)?,
+        group: row.try_get("task_group")?,
         candidate: Candidate {
             resources: Resources::from_record(&record),
             older_conflicts: row.try_get(6)?,
@@ -1229,8 +1343,25 @@ fn task_with_state(row: &Row) -> Result<TaskWithState, Error> {
 
 /// candidates.sql with its page size written in as a number (see the file's header): one
 /// prepared statement per page size, each planned once per connection.
-fn candidates_sql(limit: i64) -> String {
-    sql::CANDIDATES.replace("$page_size", &limit.max(1).to_string())
+fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
+    const FROM: &str = "FROM core_task t\n    -- $only\n";
+    debug_assert_eq!(sql::CANDIDATES.matches(FROM).count(), 1);
+    let limit = limit.max(1);
+    let scan = limit.saturating_mul(DIRECTED_SCAN_PER_ROW);
+    let only = match directed {
+        None => "FROM core_task t\n".to_owned(),
+        Some(Directed::Group(_)) => format!(
+            "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.pulp_domain_id = $8::uuid\n\
+             \x20         ORDER BY u.pulp_domain_id, u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+        ),
+        Some(Directed::Immediate) => format!(
+            "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.immediate\n\
+             \x20         ORDER BY u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+        ),
+    };
+    sql::CANDIDATES
+        .replace(FROM, &only)
+        .replace("$page_size", &limit.to_string())
 }
 
 #[cfg(test)]

@@ -328,6 +328,7 @@ mod tests {
             created: Utc::now(),
             name: "t".to_owned(),
             immediate: false,
+            group: Uuid::nil(),
             candidate: crate::ready::Candidate {
                 resources: Resources::from_record(record),
                 older_conflicts: 0,

@@ -115,6 +115,7 @@ impl Recovery {
                 LeaseId(probe),
                 TaskId(probe),
                 &crate::ready::Resources::default(),
+                locks::Admission::counted(Uuid::nil(), true),
             )
             .await
         {
@@ -177,7 +178,14 @@ impl Recovery {
             };
             match self
                 .locks
-                .acquire_in(&building, 0, lease_id, task.task_id, &task.resources)
+                .acquire_in(
+                    &building,
+                    0,
+                    lease_id,
+                    task.task_id,
+                    &task.resources,
+                    locks::Admission::counted(task.group, task.immediate),
+                )
                 .await?
             {
                 Acquire::Granted { .. } => locked += 1,

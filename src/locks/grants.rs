@@ -2,6 +2,7 @@
 //! and releasing what a holder holds, and the reconciler's list of locked tasks.
 
 use super::*;
+use crate::fair::{Group, HeldBack, Standing};
 use crate::ids::{FencingToken, TaskId};
 
 /// The outcome of trying to lock a task.
@@ -18,6 +19,35 @@ pub enum Acquire {
     TaskHeld,
     /// These resources are held in a conflicting mode.
     Blocked(Vec<String>),
+    /// Ready, but fairness holds it back: its group's cap, or the reserve for immediate tasks.
+    HeldBack(HeldBack),
+}
+
+/// What the acquire script checks of fairness for one task (src/fair.rs): its group, whether it
+/// is immediate, the group's cap and the reserve in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// The task's group.
+    pub group: Group,
+    /// Pulp's `immediate`.
+    pub immediate: bool,
+    /// The group's cap, if it has one.
+    pub cap: Option<u32>,
+    /// Leases kept for immediate tasks.
+    pub reserve: u32,
+}
+
+impl Admission {
+    /// Counted under its group, but never held back (a rebuild restoring the locks of tasks
+    /// that were running already).
+    pub fn counted(group: Group, immediate: bool) -> Self {
+        Admission {
+            group,
+            immediate,
+            cap: None,
+            reserve: 0,
+        }
+    }
 }
 
 /// The outcome of a checked release.
@@ -65,6 +95,17 @@ pub(super) fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
             Some("blocked") => Ok(Acquire::Blocked(
                 items[2..].iter().filter_map(|v| text(Some(v))).collect(),
             )),
+            Some(why @ ("cap" | "reserve")) => {
+                let Some(Value::Int(n)) = items.get(2) else {
+                    return Err(protocol("acquire", &reply));
+                };
+                let n = u32::try_from(*n).map_err(|_| protocol("acquire", &reply))?;
+                Ok(Acquire::HeldBack(if why == "cap" {
+                    HeldBack::Cap { cap: n }
+                } else {
+                    HeldBack::Reserve { reserve: n }
+                }))
+            }
             _ => Err(protocol("acquire", &reply)),
         },
         _ => Err(protocol("acquire", &reply)),
@@ -72,16 +113,51 @@ pub(super) fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
 }
 
 impl Locks {
+    /// What holds locks now, on every replica: tasks by group, deferred tasks, live leases
+    /// (standing.lua, one call; changes nothing).
+    pub async fn standing(&self) -> Result<Standing, Error> {
+        let reply: Value = self
+            .run_reading(
+                self.scripts
+                    .standing
+                    .key(self.keys.running())
+                    .key(self.keys.deferred())
+                    .key(self.keys.leases()),
+            )
+            .await?;
+        let bad = || protocol("standing", &reply);
+        let Value::Array(items) = &reply else {
+            return Err(bad());
+        };
+        let count = |v: Option<&Value>| match v {
+            Some(Value::Int(n)) => u32::try_from(*n.max(&0)).map_err(|_| bad()),
+            _ => Err(bad()),
+        };
+        let mut standing = Standing {
+            deferred: count(items.first())?,
+            live_leases: count(items.get(1))?,
+            ..Standing::default()
+        };
+        for pair in items.get(2..).unwrap_or_default().chunks(2) {
+            let group: Group = text(pair.first())
+                .and_then(|g| g.parse().ok())
+                .ok_or_else(bad)?;
+            standing.running.insert(group, count(pair.get(1))?);
+        }
+        Ok(standing)
+    }
+
     /// Locks every resource of a task for a lease in one atomic step, or nothing.
     pub async fn acquire(
         &self,
         lease_id: LeaseId,
         task_id: TaskId,
         resources: &Resources,
+        admission: Admission,
     ) -> Result<Acquire, Error> {
         let epoch = self.epoch();
         let floor = self.known.max_token.load(Ordering::Relaxed);
-        self.acquire_in(&epoch, floor, lease_id, task_id, resources)
+        self.acquire_in(&epoch, floor, lease_id, task_id, resources, admission)
             .await
     }
 
@@ -93,6 +169,7 @@ impl Locks {
         lease_id: LeaseId,
         task_id: TaskId,
         resources: &Resources,
+        admission: Admission,
     ) -> Result<Acquire, Error> {
         let mut invocation = self.scripts.acquire.prepare_invoke();
         invocation
@@ -101,7 +178,9 @@ impl Locks {
             .key(self.keys.lease_tasks(lease_id))
             .key(self.keys.task(task_id))
             .key(self.keys.fence())
-            .key(self.keys.locked());
+            .key(self.keys.locked())
+            .key(self.keys.running())
+            .key(self.keys.deferred());
         for name in resources.exclusive.iter().chain(&resources.shared) {
             invocation
                 .key(self.keys.exclusive(name))
@@ -113,7 +192,11 @@ impl Locks {
             .arg(lease_id)
             .arg(task_id)
             .arg(resources.exclusive.len())
-            .arg(resources.shared.len());
+            .arg(resources.shared.len())
+            .arg(admission.group.to_string())
+            .arg(if admission.immediate { "1" } else { "0" })
+            .arg(admission.cap.map_or(-1, i64::from))
+            .arg(admission.reserve);
         for name in resources.exclusive.iter().chain(&resources.shared) {
             invocation.arg(name);
         }

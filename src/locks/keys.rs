@@ -111,6 +111,16 @@ impl Keys {
         format!("{}:changefloor", self.tag)
     }
 
+    /// Hash group -> the number of that group's tasks holding locks (fairness: caps, shares).
+    pub fn running(&self) -> String {
+        format!("{}:running", self.tag)
+    }
+
+    /// The number of deferred (not immediate) tasks holding locks (fairness: the reserve).
+    pub fn deferred(&self) -> String {
+        format!("{}:deferred", self.tag)
+    }
+
     /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
     /// itself never scans the keyspace).
     pub fn all_pattern(&self) -> String {
@@ -144,6 +154,8 @@ mod tests {
             k.changes(),
             k.change_seq(),
             k.change_floor(),
+            k.running(),
+            k.deferred(),
             k.all_pattern(),
         ];
         // Every builder of this file is in the list (all but `new` and `tag`), so a new one

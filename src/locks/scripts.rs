@@ -38,6 +38,7 @@ pub(super) struct Scripts {
     pub lock_table: Script,
     pub lease_table: Script,
     pub release_orphan: Script,
+    pub standing: Script,
 }
 
 impl Scripts {
@@ -64,10 +65,11 @@ impl Scripts {
             lock_table: script!("lock_table.lua"),
             lease_table: script!("lease_table.lua"),
             release_orphan: script!("release_orphan.lua"),
+            standing: script!("standing.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 21] {
+    pub fn all(&self) -> [&Script; 22] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -90,6 +92,7 @@ impl Scripts {
             &self.lock_table,
             &self.lease_table,
             &self.release_orphan,
+            &self.standing,
         ]
     }
 }

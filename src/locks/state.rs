@@ -47,6 +47,8 @@ impl Locks {
                     .key(self.keys.recovery())
                     .key(self.keys.epoch())
                     .key(self.keys.fence())
+                    .key(self.keys.running())
+                    .key(self.keys.deferred())
                     .arg(owner)
                     .arg(building)
                     .arg(self.known.max_token.load(Ordering::Relaxed)),

@@ -16,12 +16,17 @@
 --                 many tasks carry each: a task whose conflict keys include some is looked up
 --                 against the incomplete tasks older than it as long as they are no more than
 --                 that many
+-- $only          (a line) nothing for a pass in queue order; for a directed pass (fair dispatch,
+--                 src/dispatch/fairness.rs) a subquery in place of `core_task t`: the first
+--                 $scan waiting tasks of one group ($8 uuid, dispatch_groups_idx) or the first
+--                 immediate ones (dispatch_immediate_idx), so a directed page reads at most $scan
+--                 rows however long that group's queue is
 -- $page_size      the page size (the LIMIT), written into the text as a number by tasks.rs
 --                 (one prepared statement per page size): the broker's sessions use generic
 --                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
 --                 and sorts it
 -- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
---          text), immediate, older_conflicts), then one closing row whose pulp_id is NULL and
+--          text), immediate, older_conflicts, ..., task_group (pulp_domain_id)), then one closing row whose pulp_id is NULL and
 --          which holds the held entries this page skipped by (held_entries) and, when the page is
 --          not full, the tail: every waiting task created up to it, now or committed later, was
 --          returned or skipped (for the scan hint)
@@ -45,8 +50,9 @@ excluded AS (
 page AS (
     SELECT t.pulp_id, t.pulp_created, t.name,
            coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
-           t.versions, t.immediate
+           t.versions, t.immediate, t.pulp_domain_id
     FROM core_task t
+    -- $only
     WHERE t.state = 'waiting'
       -- Unclaimed, written so that no index serves it: a generic plan otherwise ANDs a bitmap of
       -- Pulp's app_lock_id index, every unclaimed task (the whole backlog), with the range below.
@@ -70,7 +76,7 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
        coalesce(p.immediate, false) AS immediate,
        c.older_conflicts,
-       NULL::text[] AS held_entries, NULL::timestamptz AS tail
+       NULL::text[] AS held_entries, NULL::timestamptz AS tail, p.pulp_domain_id AS task_group
 FROM page p
 -- $readiness_lookup
 UNION ALL
@@ -87,6 +93,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                    WHERE t.state = 'waiting'),
                                   min(w.xact_start)) END
            FROM writers w)
-       END
+       END,
+       NULL
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1

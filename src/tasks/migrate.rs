@@ -14,6 +14,7 @@ pub const REQUIRED_COLUMNS: &[&str] = &[
     "core_task.started_at",
     "core_task.finished_at",
     "core_task.error",
+    "core_task.pulp_domain_id",
     "core_appstatus.pulp_id",
     "core_appstatus.pulp_created",
     "core_appstatus.pulp_last_updated",
@@ -31,6 +32,10 @@ pub struct Outcome {
     pub created: bool,
     /// True when `--lanes-index` built the lane gauge's index now.
     pub lanes_index_created: bool,
+    /// True when `--fair-indexes` built fair dispatch's indexes now.
+    pub fair_indexes_created: bool,
+    /// True when `pulp_domain_id` was added to a table made by an older `migrate`.
+    pub domain_column_added: bool,
     /// True when `--notify-trigger` installed the insert notification trigger now.
     pub notify_trigger_created: bool,
     /// True when `--gin-fastupdate-off` turned off the GIN index's pending list now.
@@ -81,6 +86,15 @@ pub fn optional(present: &[String]) -> Vec<String> {
                 .to_owned(),
         );
     }
+    if !present.iter().any(|p| p == "fair-indexes") {
+        optional.push(
+            "fair dispatch's indexes dispatch_groups_idx and dispatch_immediate_idx (add them \
+             with `dispatch-broker migrate --fair-indexes`; without them tasks are handed out in \
+             queue order: no shares among domains, no express lane for immediate tasks; caps \
+             and the reserve still hold)"
+                .to_owned(),
+        );
+    }
     if present.iter().any(|p| p.starts_with("index:"))
         && !present.iter().any(|p| p == "gin-fastupdate-off")
     {
@@ -112,17 +126,26 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
             args.lanes_index,
             args.notify_trigger,
             args.gin_fastupdate_off,
+            args.fair_indexes,
         )
         .await
         .context("migrate failed")?;
     if outcome.created {
         println!("created core_appstatus, core_task, their indexes and the insert triggers");
     } else if outcome.lanes_index_created
+        || outcome.fair_indexes_created
+        || outcome.domain_column_added
         || outcome.notify_trigger_created
         || outcome.gin_fastupdate_changed
     {
         if outcome.lanes_index_created {
             println!("core_task already exists; added the lane gauge's index dispatch_lanes_idx");
+        }
+        if outcome.domain_column_added {
+            println!("core_task already exists; added the column pulp_domain_id (every task in the default domain)");
+        }
+        if outcome.fair_indexes_created {
+            println!("core_task already exists; added fair dispatch's indexes dispatch_groups_idx and dispatch_immediate_idx");
         }
         if outcome.notify_trigger_created {
             println!("core_task already exists; added the insert notification trigger dispatch_task_notify");
@@ -171,10 +194,19 @@ mod tests {
 
     #[test]
     fn suggests_the_lanes_index_until_it_is_there() {
-        let mut present = vec!["extension:hstore".to_owned()];
+        let mut present = vec!["extension:hstore".to_owned(), "fair-indexes".to_owned()];
         assert_eq!(optional(&present).len(), 1);
         assert!(optional(&present)[0].contains("--lanes-index"));
         present.push("lanes-index".into());
+        assert!(optional(&present).is_empty());
+    }
+
+    #[test]
+    fn suggests_the_fair_indexes_until_they_are_there() {
+        let mut present = vec!["extension:hstore".to_owned(), "lanes-index".to_owned()];
+        assert_eq!(optional(&present).len(), 1);
+        assert!(optional(&present)[0].contains("--fair-indexes"));
+        present.push("fair-indexes".into());
         assert!(optional(&present).is_empty());
     }
 }

@@ -542,7 +542,12 @@ async fn a_lock_left_on_an_unclaimed_task_is_reconciled() {
     let granted = env
         .broker()
         .locks
-        .acquire(lease.parse().unwrap(), TaskId(task), &resources)
+        .acquire(
+            lease.parse().unwrap(),
+            TaskId(task),
+            &resources,
+            dispatch_broker::locks::Admission::counted(uuid::Uuid::nil(), false),
+        )
         .await
         .unwrap();
     assert!(matches!(

@@ -12,6 +12,7 @@ mod bad_input;
 mod cancel;
 mod deploy;
 mod errors;
+mod fairness;
 mod fetch;
 mod hol_blocking;
 mod lanes;

@@ -100,7 +100,7 @@ async fn migrate_changes_nothing_on_a_pulp_database_and_finds_everything() {
     let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
     let tasks = task_store(&url).await;
-    let outcome = tasks.migrate(false, false, false).await.unwrap();
+    let outcome = tasks.migrate(false, false, false, false).await.unwrap();
     assert!(!outcome.created);
     assert!(outcome.missing.is_empty(), "missing: {:?}", outcome.missing);
     assert!(
@@ -233,15 +233,17 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     .await
     .unwrap();
     let tasks = task_store(&url).await;
-    let first = tasks.migrate(true, false, false).await.unwrap();
+    let first = tasks.migrate(true, false, false, false).await.unwrap();
     assert!(first.lanes_index_created && !first.created);
     assert!(first.missing.is_empty());
     assert!(
-        first.optional.len() == 1 && first.optional[0].contains("--gin-fastupdate-off"),
+        first.optional.len() == 2
+            && first.optional[0].contains("--fair-indexes")
+            && first.optional[1].contains("--gin-fastupdate-off"),
         "{:?}",
         first.optional
     );
-    let again = tasks.migrate(true, false, false).await.unwrap();
+    let again = tasks.migrate(true, false, false, false).await.unwrap();
     assert!(!again.lanes_index_created, "a valid index is left alone");
 
     let added: Vec<String> = schema_fingerprint(&db)
@@ -259,12 +261,56 @@ async fn migrate_lanes_index_adds_exactly_the_fresh_databases_index_and_nothing_
     assert_eq!(lanes_index_def(&db).await.len(), 1);
 }
 
+async fn fair_index_defs(db: &tokio_postgres::Client) -> Vec<String> {
+    db.query(
+        "SELECT indexdef FROM pg_indexes WHERE indexname IN \
+         ('dispatch_groups_idx', 'dispatch_immediate_idx') ORDER BY indexname",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[tokio::test]
+async fn migrate_fair_indexes_adds_exactly_the_fresh_databases_indexes_and_nothing_else() {
+    let (url, db) = pulp_database_client().await;
+    let before = schema_fingerprint(&db).await;
+    let tasks = task_store(&url).await;
+    let first = tasks.migrate(false, false, false, true).await.unwrap();
+    assert!(first.fair_indexes_created && !first.created && !first.domain_column_added);
+    assert!(first.missing.is_empty());
+    assert!(
+        !first.optional.iter().any(|o| o.contains("--fair-indexes")),
+        "{:?}",
+        first.optional
+    );
+    let again = tasks.migrate(false, false, false, true).await.unwrap();
+    assert!(!again.fair_indexes_created, "valid indexes are left alone");
+    let added: Vec<String> = schema_fingerprint(&db)
+        .await
+        .into_iter()
+        .filter(|item| !before.contains(item))
+        .collect();
+    assert_eq!(added.len(), 2, "added: {added:?}");
+    let fresh_url = tokio::task::spawn_blocking(support::fresh_database)
+        .await
+        .unwrap();
+    let fresh = connect(&fresh_url).await;
+    assert_eq!(fair_index_defs(&db).await, fair_index_defs(&fresh).await);
+    assert_eq!(fair_index_defs(&db).await.len(), 2);
+    // Pulp's database has pulp_domain_id already: a directed page reads one domain's tasks.
+    assert!(tasks.has_fair_indexes().await.unwrap());
+}
+
 #[tokio::test]
 async fn migrate_gin_fastupdate_off_changes_only_the_index_storage_parameter() {
     let (url, db) = pulp_database_client().await;
     let before = schema_fingerprint(&db).await;
     let tasks = task_store(&url).await;
-    let first = tasks.migrate(false, false, true).await.unwrap();
+    let first = tasks.migrate(false, false, true, false).await.unwrap();
     assert!(first.gin_fastupdate_changed && !first.created);
     assert!(
         !first
@@ -274,7 +320,7 @@ async fn migrate_gin_fastupdate_off_changes_only_the_index_storage_parameter() {
         "{:?}",
         first.optional
     );
-    let again = tasks.migrate(false, false, true).await.unwrap();
+    let again = tasks.migrate(false, false, true, false).await.unwrap();
     assert!(!again.gin_fastupdate_changed, "done once is done");
     let after = schema_fingerprint(&db).await;
     let removed: Vec<&String> = before.iter().filter(|i| !after.contains(i)).collect();

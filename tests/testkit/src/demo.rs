@@ -67,7 +67,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     let stats = std::sync::Arc::new(dispatch_broker::metrics::Stats::default());
     let tasks =
         dispatch_broker::tasks::Tasks::connect(&url, 2, Duration::from_secs(10), stats).await?;
-    tasks.migrate(false, false, false).await?;
+    tasks.migrate(false, false, false, false).await?;
     let broker = dispatch_broker::server::start(&serve).await?;
     println!(
         "broker: gRPC on {}, metrics on http://{}/metrics",

@@ -50,7 +50,7 @@ pub async fn run(args: &SandboxArgs) -> Result<()> {
     let stats = std::sync::Arc::new(dispatch_broker::metrics::Stats::default());
     let tasks =
         dispatch_broker::tasks::Tasks::connect(&url, 1, Duration::from_secs(10), stats).await?;
-    tasks.migrate(false, false, false).await?;
+    tasks.migrate(false, false, false, false).await?;
     drop(tasks);
     let mut serve = ServeArgs::with_urls(&url, &redis.url());
     serve.listen = args.listen;

@@ -1,0 +1,385 @@
+//! Fair dispatch in the fetch pipeline (the rule itself is `crate::fair`).
+//!
+//! A pass in queue order hands out the oldest ready task. When several groups wait (or an
+//! immediate task does), a fetch first makes *directed passes*: a page of the immediate tasks,
+//! then a page of each group in the order [`Rules::order`] gives, reading through
+//! `dispatch_groups_idx` / `dispatch_immediate_idx` at most a few pages' rows each, however long
+//! the others' queues are. The first ready task found goes to the caller; the readiness rule and
+//! the acquire script decide it as for any grant. When no directed page holds one (their heads
+//! wait on older tasks), the pass in queue order runs as before, so fairness never leaves a
+//! ready task idle. A group whose page held nothing ready is *dry* until the next directory
+//! read, so a fetch does not re-read it.
+//!
+//! The *directory* (which groups have waiting tasks, each with its oldest; whether an immediate
+//! task waits) is read by each replica every `--fair-refresh` (groups_waiting.sql: a skip scan,
+//! one index descent per group). A group that starts waiting is served by the pass in queue order
+//! until the next read. The policy file is read at the same pace and applied when it changed; a
+//! file that cannot be used is refused with the line named, and the policy in force stays.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::fair::{FairBy, Group, Policy, Rules, Standing};
+use crate::ids::TaskId;
+use crate::locks::Admission;
+use crate::metrics::Stats;
+use crate::shutdown::Shutdown;
+use crate::tasks::{Directed, Tasks};
+
+/// Groups a fetch makes directed passes for, at most (after the express lane).
+pub const MAX_DIRECTED: usize = 3;
+
+/// Groups the directory reads at most.
+pub const MAX_GROUPS: i64 = 10_000;
+
+/// Fair dispatch's settings (`--fair-*`).
+#[derive(Debug, Clone)]
+pub struct FairSettings {
+    /// What tasks are grouped by.
+    pub by: FairBy,
+    /// The policy file, if any.
+    pub policy_file: Option<PathBuf>,
+    /// How often the directory and the policy file are read.
+    pub refresh: Duration,
+    /// Groups that get a label of their own in `dispatch_task_wait_seconds` (the rest: `other`).
+    pub metric_groups: usize,
+}
+
+/// Where the policy in force came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// No policy file: equal weights, no caps, no reserve.
+    Default,
+    /// The policy file, as last read.
+    File,
+    /// Changed at run time through the admin API (until the file changes or the broker restarts).
+    RunTime,
+}
+
+/// One group as the operator sees it (admin `Fairness`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupView {
+    /// The group's id (`pulp_domain_id`).
+    pub group: Group,
+    /// The domain's name, when known.
+    pub name: Option<String>,
+    /// Its weight.
+    pub weight: f64,
+    /// Its cap.
+    pub cap: Option<u32>,
+    /// Its tasks holding locks now (every replica).
+    pub running: u32,
+    /// Whether it has waiting tasks (as of the last directory read).
+    pub waiting: bool,
+    /// Its share of what runs now by weight, among the groups running or waiting.
+    pub share: f64,
+}
+
+#[derive(Debug)]
+struct State {
+    policy: Policy,
+    source: Source,
+    file_seen: Option<(SystemTime, u64)>,
+    names: HashMap<Group, String>,
+    rules: Rules,
+    /// The fair indexes exist: directed passes can read flat.
+    directed: bool,
+    waiting: Vec<(Group, (DateTime<Utc>, TaskId))>,
+    immediate_waiting: bool,
+    dry: HashSet<Directed>,
+}
+
+/// Fair dispatch's state on one replica.
+#[derive(Debug, Clone)]
+pub struct Fairness {
+    by: FairBy,
+    state: Arc<RwLock<State>>,
+    labels: Arc<std::sync::Mutex<HashMap<Group, String>>>,
+    max_labels: usize,
+}
+
+impl Fairness {
+    /// Fairness with `policy` in force; `directed` when the fair indexes exist.
+    pub fn new(by: FairBy, policy: Policy, source: Source, directed: bool) -> Self {
+        let rules = policy.resolve(&HashMap::new());
+        Fairness {
+            by,
+            state: Arc::new(RwLock::new(State {
+                policy,
+                source,
+                file_seen: None,
+                names: HashMap::new(),
+                rules,
+                directed,
+                waiting: Vec::new(),
+                immediate_waiting: false,
+                dry: HashSet::new(),
+            })),
+            labels: Arc::new(std::sync::Mutex::new(HashMap::new())),
+            max_labels: 20,
+        }
+    }
+
+    /// Gives the first `n` groups seen a metric label of their own.
+    pub fn with_metric_groups(mut self, n: usize) -> Self {
+        self.max_labels = n;
+        self
+    }
+
+    /// A group's metric label: its domain's name (or id) for the first groups seen, `other` for
+    /// the rest, so a fleet of 10,000 domains does not make 10,000 series.
+    pub fn label(&self, group: Group) -> String {
+        let Ok(mut labels) = self.labels.lock() else {
+            return "other".into();
+        };
+        if let Some(label) = labels.get(&group) {
+            return label.clone();
+        }
+        if labels.len() >= self.max_labels {
+            return "other".into();
+        }
+        let label = self
+            .read()
+            .names
+            .get(&group)
+            .cloned()
+            .unwrap_or_else(|| group.to_string());
+        labels.insert(group, label.clone());
+        label
+    }
+
+    /// Plain FIFO: no directed passes, no caps, no reserve (tests and tools).
+    pub fn off() -> Self {
+        Fairness::new(FairBy::None, Policy::default(), Source::Default, false)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A task's group (one group for all under `--fair-by none`).
+    pub fn group_of(&self, group: Uuid) -> Group {
+        match self.by {
+            FairBy::None => Uuid::nil(),
+            FairBy::Domain => group,
+        }
+    }
+
+    /// What the acquire script checks for a task of `group`.
+    pub fn admission(&self, group: Uuid, immediate: bool) -> Admission {
+        let group = self.group_of(group);
+        let state = self.read();
+        Admission {
+            group,
+            immediate,
+            cap: match self.by {
+                FairBy::None => None,
+                FairBy::Domain => state.rules.cap(&group),
+            },
+            reserve: state.rules.reserve,
+        }
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> Rules {
+        self.read().rules.clone()
+    }
+
+    /// The policy in force and where it came from.
+    pub fn policy(&self) -> (Policy, Source) {
+        let state = self.read();
+        (state.policy.clone(), state.source.clone())
+    }
+
+    /// Whether fetches make directed passes now (several groups, or an immediate task, wait),
+    /// so passes in queue order serve only their own caller.
+    pub fn engaged(&self) -> bool {
+        let state = self.read();
+        state.directed
+            && (state.immediate_waiting || (self.by == FairBy::Domain && state.waiting.len() > 1))
+    }
+
+    /// The directed passes a fetch makes first, in order (empty when not engaged).
+    pub fn plan(&self, standing: &Standing) -> Vec<Directed> {
+        if !self.engaged() {
+            return Vec::new();
+        }
+        let state = self.read();
+        let mut plan = Vec::new();
+        if state.immediate_waiting && !state.dry.contains(&Directed::Immediate) {
+            plan.push(Directed::Immediate);
+        }
+        if self.by == FairBy::Domain && state.waiting.len() > 1 {
+            let open: Vec<(Group, (DateTime<Utc>, TaskId))> = state
+                .waiting
+                .iter()
+                .filter(|(g, _)| !state.dry.contains(&Directed::Group(*g)))
+                .copied()
+                .collect();
+            plan.extend(
+                state
+                    .rules
+                    .order(standing, &open)
+                    .into_iter()
+                    .take(MAX_DIRECTED)
+                    .map(Directed::Group),
+            );
+        }
+        plan
+    }
+
+    /// A directed page held nothing ready: skip it until the next directory read.
+    pub fn dry(&self, directed: Directed) {
+        self.write().dry.insert(directed);
+    }
+
+    /// Puts `policy` in force (from the file or the admin API).
+    pub fn set_policy(&self, policy: Policy, source: Source) {
+        let mut state = self.write();
+        state.rules = policy.resolve(&state.names);
+        state.policy = policy;
+        state.source = source;
+    }
+
+    /// Every group running or waiting, for the operator.
+    pub fn view(&self, standing: &Standing) -> Vec<GroupView> {
+        let state = self.read();
+        let mut groups: Vec<Group> = standing.running.keys().copied().collect();
+        for (g, _) in &state.waiting {
+            if !groups.contains(g) {
+                groups.push(*g);
+            }
+        }
+        for g in state.rules.by_group.keys() {
+            if !groups.contains(g) {
+                groups.push(*g);
+            }
+        }
+        let total_weight: f64 = groups.iter().map(|g| state.rules.weight(g)).sum();
+        let mut view: Vec<GroupView> = groups
+            .into_iter()
+            .map(|g| GroupView {
+                group: g,
+                name: state.names.get(&g).cloned(),
+                weight: state.rules.weight(&g),
+                cap: state.rules.cap(&g),
+                running: standing.running_of(&g),
+                waiting: state.waiting.iter().any(|(w, _)| *w == g),
+                share: if total_weight > 0.0 {
+                    state.rules.weight(&g) / total_weight
+                } else {
+                    0.0
+                },
+            })
+            .collect();
+        view.sort_by(|a, b| b.running.cmp(&a.running).then(a.group.cmp(&b.group)));
+        view
+    }
+
+    /// Reads the directory (and, when unknown groups appear, the domains' names).
+    pub async fn refresh(&self, tasks: &Tasks) -> Result<(), crate::tasks::Error> {
+        let directed = self.read().directed;
+        if !directed {
+            return Ok(());
+        }
+        let (waiting, immediate_waiting) = tasks.groups_waiting(MAX_GROUPS).await?;
+        let unknown = {
+            let state = self.read();
+            waiting.iter().any(|(g, _)| !state.names.contains_key(g))
+        };
+        let names = if unknown {
+            Some(tasks.domain_names().await?)
+        } else {
+            None
+        };
+        let mut state = self.write();
+        if let Some(names) = names {
+            state.names = names;
+            state.rules = state.policy.resolve(&state.names);
+        }
+        state.waiting = waiting;
+        state.immediate_waiting = immediate_waiting;
+        state.dry.clear();
+        Ok(())
+    }
+
+    /// Reads the policy file if it changed since the last read; refuses a file that cannot be
+    /// used (logged with the line, counted), keeping the policy in force.
+    pub fn reload(&self, path: &std::path::Path, stats: &Stats) {
+        let seen = std::fs::metadata(path)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) => {
+                if self.read().file_seen != Some((SystemTime::UNIX_EPOCH, 0)) {
+                    tracing::error!(path = %path.display(), error = %e, "cannot read the fairness policy file; the policy in force stays");
+                    stats.policy_refused();
+                    self.write().file_seen = Some((SystemTime::UNIX_EPOCH, 0));
+                }
+                return;
+            }
+        };
+        let seen = seen.map(|(at, len)| (at, len ^ hash(&text)));
+        if seen.is_some() && self.read().file_seen == seen {
+            return;
+        }
+        self.write().file_seen = seen;
+        match Policy::parse(&text) {
+            Ok(policy) => {
+                let changed = {
+                    let state = self.read();
+                    state.policy != policy || state.source != Source::File
+                };
+                if changed {
+                    tracing::info!(path = %path.display(), groups = policy.groups.len(), reserve = policy.reserve, "fairness policy read");
+                    self.set_policy(policy, Source::File);
+                }
+            }
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "fairness policy refused; the policy in force stays");
+                stats.policy_refused();
+            }
+        }
+    }
+
+    /// Reads the directory and the policy file every `settings.refresh` until shutdown.
+    pub async fn run(
+        self,
+        tasks: Tasks,
+        settings: FairSettings,
+        stats: Arc<Stats>,
+        shutdown: Shutdown,
+    ) {
+        let mut tick = tokio::time::interval(settings.refresh);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = shutdown.fired() => return,
+            }
+            if let Some(path) = &settings.policy_file {
+                self.reload(path, &stats);
+            }
+            if let Err(e) = self.refresh(&tasks).await {
+                tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+            }
+        }
+    }
+}
+
+fn hash(text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    h.finish()
+}

@@ -1,0 +1,297 @@
+//! Fair dispatch through the gRPC API: a small domain is served before a big backlog of another,
+//! caps hold across two replicas, immediate tasks go first and the reserve keeps leases for
+//! them, the policy file is reloaded and a bad one is refused.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::support::*;
+use dispatch_broker::fair::Rule;
+use dispatch_broker::proto::Task;
+
+const D1: Uuid = Uuid::from_u128(0xd1);
+const D2: Uuid = Uuid::from_u128(0xd2);
+
+/// Inserts a waiting task of `domain` needing `resource`.
+async fn task_in(env: &Env, domain: Uuid, resource: &str, immediate: bool) -> Uuid {
+    let id = Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record, pulp_domain_id, immediate) \
+             VALUES ($1, 'test.task', 'waiting', $2, $3, $4)",
+            &[&id, &vec![resource.to_owned()], &domain, &immediate],
+        )
+        .await
+        .expect("insert task");
+    id
+}
+
+/// Waits until the broker's directory knows `n` domains with waiting tasks (`--fair-refresh`).
+async fn directory_knows(env: &Env, n: usize) {
+    let fairness = env.broker().fairness.clone();
+    let seen = eventually(Duration::from_secs(10), || {
+        let fairness = fairness.clone();
+        async move {
+            let standing = dispatch_broker::fair::Standing::default();
+            fairness
+                .view(&standing)
+                .iter()
+                .filter(|g| g.waiting)
+                .count()
+                >= n
+        }
+    })
+    .await;
+    assert!(
+        seen.is_some(),
+        "the directory never showed {n} waiting domains"
+    );
+}
+
+/// Waits until the broker's directory shows an immediate task waiting (`--fair-refresh`).
+async fn engaged(env: &Env) {
+    let fairness = env.broker().fairness.clone();
+    let seen = eventually(Duration::from_secs(10), || {
+        let fairness = fairness.clone();
+        async move { fairness.engaged() }
+    })
+    .await;
+    assert!(
+        seen.is_some(),
+        "the directory never showed the immediate task"
+    );
+}
+
+fn policy_file(text: &str) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), text).unwrap();
+    file
+}
+
+fn fast(args: &mut dispatch_broker::config::ServeArgs) {
+    args.fair.refresh = Duration::from_millis(50);
+}
+
+fn domain_of(tasks: &[(Uuid, Uuid)], task: &Task) -> Uuid {
+    tasks.iter().find(|(t, _)| *t == id(task)).unwrap().1
+}
+
+#[tokio::test]
+async fn a_small_domain_is_served_before_a_big_backlog() {
+    let mut env = Env::with(fast).await;
+    let mut all = Vec::new();
+    for i in 0..20 {
+        all.push((task_in(&env, D1, &format!("big{i}"), false).await, D1));
+    }
+    let lease = env.open("w").await;
+    // Only D1 waits: plain FIFO.
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let t = env.fetch(&lease).await.expect("a task of D1");
+        assert_eq!(id(&t), all[i].0, "FIFO while one domain waits");
+        held.push(t);
+    }
+    let small: Vec<Uuid> = {
+        let mut v = Vec::new();
+        for i in 0..3 {
+            v.push(task_in(&env, D2, &format!("small{i}"), false).await);
+        }
+        v
+    };
+    all.extend(small.iter().map(|t| (*t, D2)));
+    directory_knows(&env, 2).await;
+    // D1 runs 4, D2 none: D2's tasks go first, oldest first, until D2 catches up.
+    for want in &small {
+        let t = env.fetch(&lease).await.expect("a task");
+        assert_eq!(id(&t), *want, "D2's oldest task first");
+        held.push(t);
+    }
+    // D2 has nothing left: D1's next in FIFO order.
+    let t = env.fetch(&lease).await.expect("a task of D1");
+    assert_eq!(domain_of(&all, &t), D1);
+    assert_eq!(id(&t), all[4].0);
+    held.push(t);
+    env.assert_locks(&held.iter().collect::<Vec<_>>()).await;
+}
+
+#[tokio::test]
+async fn weights_give_a_domain_its_share_of_what_runs() {
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d2\"]\nweight = 3\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let mut all = Vec::new();
+    for i in 0..10 {
+        all.push((task_in(&env, D1, &format!("a{i}"), false).await, D1));
+        all.push((task_in(&env, D2, &format!("b{i}"), false).await, D2));
+    }
+    directory_knows(&env, 2).await;
+    let lease = env.open("w").await;
+    let mut running = [0u32; 2];
+    for _ in 0..8 {
+        let t = env.fetch(&lease).await.expect("a task");
+        running[usize::from(domain_of(&all, &t) == D2)] += 1;
+    }
+    // Usage = running / weight: D2 at weight 3 holds three times D1's count.
+    assert_eq!(running, [2, 6], "8 workers at weights 1:3");
+}
+
+#[tokio::test]
+async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica() {
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 2\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let mut d1 = Vec::new();
+    for i in 0..6 {
+        d1.push(task_in(&env, D1, &format!("a{i}"), false).await);
+    }
+    let (_other, mut other_client) = env.second_replica().await;
+    let here = env.open("here").await;
+    let there = open_on(&mut other_client, "there").await;
+    // Two replicas, each fetching in turn: D1 gets exactly its cap, in FIFO order.
+    let first = env.fetch(&here).await.expect("D1's first task");
+    let second = fetch_on(&mut other_client, &there)
+        .await
+        .expect("D1's second task");
+    assert_eq!((id(&first), id(&second)), (d1[0], d1[1]));
+    assert!(env.fetch(&here).await.is_none(), "D1 is at its cap of 2");
+    assert!(
+        fetch_on(&mut other_client, &there).await.is_none(),
+        "on the other replica too"
+    );
+    // Another domain is not held up by D1's cap.
+    let d2 = task_in(&env, D2, "b0", false).await;
+    let t = fetch_on(&mut other_client, &there)
+        .await
+        .expect("D2's task");
+    assert_eq!(id(&t), d2);
+    // When one of D1's tasks ends, D1's next in FIFO order may run.
+    env.start(&here, &first).await;
+    env.finish(&here, &first, "completed").await;
+    let t = env.fetch(&here).await.expect("D1's third task");
+    assert_eq!(id(&t), d1[2]);
+    assert!(env.fetch(&here).await.is_none(), "D1 is at its cap again");
+    let held = env.broker().locks.standing().await.unwrap();
+    assert_eq!(held.running_of(&D1), 2);
+    assert_eq!(held.running_of(&D2), 1);
+}
+
+#[tokio::test]
+async fn immediate_tasks_go_first_and_the_reserve_keeps_leases_for_them() {
+    let policy = policy_file("reserve = 1\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let mut deferred = Vec::new();
+    for i in 0..5 {
+        deferred.push(task_in(&env, D1, &format!("d{i}"), false).await);
+    }
+    let quick = task_in(&env, D1, "q0", true).await;
+    engaged(&env).await;
+    let leases = [
+        env.open("a").await,
+        env.open("b").await,
+        env.open("c").await,
+    ];
+    // Newer than every deferred task, the immediate task goes first.
+    let t = env.fetch(&leases[0]).await.expect("the immediate task");
+    assert_eq!(id(&t), quick, "the immediate task goes first");
+    let a = env.fetch(&leases[1]).await.expect("a deferred task");
+    assert_eq!(id(&a), deferred[0]);
+    let b = env.fetch(&leases[2]).await.expect("a deferred task");
+    assert_eq!(id(&b), deferred[1]);
+    // Three leases, reserve 1: with two deferred tasks holding locks, the third waits.
+    env.start(&leases[0], &t).await;
+    env.finish(&leases[0], &t, "completed").await;
+    assert!(
+        env.fetch(&leases[0]).await.is_none(),
+        "deferred tasks may hold at most 3 - 1 leases"
+    );
+    // An immediate task takes the lease kept for it.
+    let quick2 = task_in(&env, D1, "q1", true).await;
+    engaged(&env).await;
+    let got = env
+        .fetch(&leases[0])
+        .await
+        .expect("the second immediate task");
+    assert_eq!(id(&got), quick2);
+}
+
+#[tokio::test]
+async fn the_policy_file_is_reloaded_and_a_bad_one_is_refused() {
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 1\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    for i in 0..4 {
+        task_in(&env, D1, &format!("a{i}"), false).await;
+    }
+    let lease = env.open("w").await;
+    assert!(env.fetch(&lease).await.is_some());
+    assert!(env.fetch(&lease).await.is_none(), "cap 1");
+    // Raised in the file: in force within --fair-refresh, without a restart.
+    std::fs::write(
+        policy.path(),
+        "[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 2\n",
+    )
+    .unwrap();
+    let fairness = env.broker().fairness.clone();
+    let cap_of = move || fairness.rules().cap(&D1);
+    let raised = eventually(Duration::from_secs(10), || {
+        let cap_of = cap_of.clone();
+        async move { cap_of() == Some(2) }
+    })
+    .await;
+    assert!(raised.is_some(), "the new cap was never read");
+    assert!(env.fetch(&lease).await.is_some(), "cap 2");
+    assert!(env.fetch(&lease).await.is_none(), "cap 2");
+    // A bad file is refused: the policy in force stays.
+    std::fs::write(
+        policy.path(),
+        "[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 3\nweight = 0\n",
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (policy_now, _) = env.broker().fairness.policy();
+    assert_eq!(
+        policy_now.groups["00000000-0000-0000-0000-0000000000d1"],
+        Rule {
+            weight: None,
+            cap: Some(2)
+        }
+    );
+    assert!(env.fetch(&lease).await.is_none(), "still cap 2");
+}
+
+#[tokio::test]
+async fn a_bad_policy_file_stops_the_start_naming_the_line() {
+    let policy = policy_file("reserve = 1\n\n[groups.a]\nwieght = 2\n");
+    let db_url = tokio::task::spawn_blocking(fresh_database).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut args = default_args(&db_url, &redis.url());
+    args.fair.policy = Some(policy.path().to_owned());
+    let e = dispatch_broker::server::start(&args)
+        .await
+        .err()
+        .expect("a bad policy file stops the start");
+    let message = format!("{e:#}");
+    assert!(message.contains("--fair-policy"), "{message}");
+    assert!(message.contains("line 4"), "{message}");
+    assert!(message.contains("wieght"), "{message}");
+}
