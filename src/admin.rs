@@ -39,6 +39,7 @@ pub struct Admin {
     waiters: Arc<Queue>,
     stats: Arc<Stats>,
     queues: Arc<crate::dispatch::queues::Queues>,
+    fairness: crate::dispatch::Fairness,
 }
 
 /// Who holds a lock (or has a task).
@@ -138,6 +139,9 @@ pub struct Explanation {
     pub older_total: u64,
     /// Held locks that conflict with it.
     pub conflicting_locks: Vec<ResourceLock>,
+    /// Ready by the rule, but held back by fair dispatch: why, for a person (its domain's cap,
+    /// or the reserve for immediate tasks).
+    pub held_back: Option<String>,
     /// Live leases now.
     pub live_leases: u32,
     /// There are live leases and none can run it.
@@ -255,11 +259,13 @@ impl Admin {
         locks: Locks,
         leases: Leases,
         lanes: Arc<Lanes>,
-        waiters: Arc<Queue>,
         stats: Arc<Stats>,
-        queues: Arc<crate::dispatch::queues::Queues>,
+        dispatch: &crate::dispatch::Dispatch,
     ) -> Self {
+        let waiters = dispatch.waiters();
+        let queues = dispatch.resource_queues();
         Admin {
+            fairness: dispatch.fairness(),
             tasks,
             locks,
             leases,
@@ -339,6 +345,7 @@ impl Admin {
             older: Vec::new(),
             older_total: 0,
             conflicting_locks: Vec::new(),
+            held_back: None,
             live_leases: facts.live_leases,
             incompatible_with_every_live_lease: false,
         };
@@ -429,6 +436,21 @@ impl Admin {
             .filter(|versions| !ready::obstacles(candidate, &reserved, versions).incompatible)
             .count();
         explanation.ready = rule.ready_by_rule();
+        if explanation.ready {
+            let standing = self.locks.standing().await?;
+            let group = self.fairness.group_of(task.row.group);
+            explanation.held_back = self
+                .fairness
+                .rules()
+                .holds_back(&standing, &group, task.row.immediate)
+                .map(|why| match why {
+                    crate::fair::HeldBack::Cap { cap } => format!(
+                        "domain {} is at its cap of {cap} running",
+                        self.fairness.name_of(group)
+                    ),
+                    other => other.to_string(),
+                });
+        }
         explanation.incompatible_with_every_live_lease =
             !facts.versions.is_empty() && compatible == 0;
         explanation.summary = summary(&explanation);
@@ -795,6 +817,9 @@ fn summary(e: &Explanation) -> String {
             if locks == 1 { "" } else { "s" },
             if locks == 1 { "s" } else { "" }
         ));
+    }
+    if let Some(why) = &e.held_back {
+        reasons.push(format!("held back by fair dispatch: {why}"));
     }
     if e.incompatible_with_every_live_lease {
         reasons.push("no live worker's versions satisfy it".into());

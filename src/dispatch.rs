@@ -751,6 +751,11 @@ impl Dispatch {
         )
     }
 
+    /// Fair dispatch on this replica.
+    pub fn fairness(&self) -> Fairness {
+        self.fairness.clone()
+    }
+
     /// The passes running in their own tasks (shutdown waits for them).
     pub fn passes(&self) -> Arc<Passes> {
         Arc::clone(&self.passes)

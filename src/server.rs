@@ -224,9 +224,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             locks.clone(),
             leases.clone(),
             Arc::clone(&lanes),
-            Arc::clone(&waiters),
             Arc::clone(&stats),
-            Arc::clone(&resource_queues),
+            &dispatch,
         ),
         args.limits,
     );

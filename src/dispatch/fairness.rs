@@ -189,6 +189,15 @@ impl Fairness {
         }
     }
 
+    /// A group's domain name, or its id where no name is known.
+    pub fn name_of(&self, group: Group) -> String {
+        self.read()
+            .names
+            .get(&group)
+            .cloned()
+            .unwrap_or_else(|| group.to_string())
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> Rules {
         self.read().rules.clone()

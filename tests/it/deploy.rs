@@ -373,6 +373,39 @@ fn one_license_for_the_crate_and_the_python_package() {
     assert_eq!(shipped, text, "the Python package ships the same LICENSE");
 }
 
+/// The shipped fairness policy is one the broker accepts, mounted where the ConfigMap's
+/// `DISPATCH_FAIR_POLICY` says.
+#[test]
+fn the_shipped_fairness_policy_is_accepted_and_mounted_where_serve_reads_it() {
+    let policy = load("fair-policy.yaml");
+    let text = policy["data"]["policy.toml"].as_str().unwrap();
+    dispatch_broker::fair::Policy::parse(text).expect("the shipped policy parses");
+    let path = load("configmap.yaml")["data"]["DISPATCH_FAIR_POLICY"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let deployment = load("deployment.yaml");
+    let spec = &deployment["spec"]["template"]["spec"];
+    let mount = spec["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "fair-policy")
+        .expect("the policy is mounted");
+    let dir = mount["mountPath"].as_str().unwrap();
+    assert_eq!(path, format!("{dir}/policy.toml"));
+    let volume = spec["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "fair-policy")
+        .unwrap();
+    assert_eq!(
+        volume["configMap"]["name"].as_str(),
+        policy["metadata"]["name"].as_str()
+    );
+}
+
 /// `serve` as the Deployment starts it (the ConfigMap's and the Secret's variables, as the
 /// options they set) passes the broker's start-up checks: in particular it listens on 0.0.0.0
 /// with the workers' and the admin token, so it is not refused as open to everyone.

@@ -87,9 +87,9 @@ async fn a_small_domain_is_served_before_a_big_backlog() {
     let lease = env.open("w").await;
     // Only D1 waits: plain FIFO.
     let mut held = Vec::new();
-    for i in 0..4 {
+    for (want, _) in &all[..4] {
         let t = env.fetch(&lease).await.expect("a task of D1");
-        assert_eq!(id(&t), all[i].0, "FIFO while one domain waits");
+        assert_eq!(id(&t), *want, "FIFO while one domain waits");
         held.push(t);
     }
     let small: Vec<Uuid> = {
@@ -179,6 +179,28 @@ async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica()
     let t = env.fetch(&here).await.expect("D1's third task");
     assert_eq!(id(&t), d1[2]);
     assert!(env.fetch(&here).await.is_none(), "D1 is at its cap again");
+    // The operator is told why D1's next task waits.
+    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(format!(
+        "http://{}",
+        env.broker().addr
+    ))
+    .await
+    .unwrap();
+    let why = admin
+        .explain_task(dispatch_broker::proto::ExplainTaskRequest {
+            task_id: d1[3].to_string(),
+            max_conflicts: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        why.summary.contains(&format!(
+            "held back by fair dispatch: domain {D1} is at its cap of 2 running"
+        )),
+        "{}",
+        why.summary
+    );
     let held = env.broker().locks.standing().await.unwrap();
     assert_eq!(held.running_of(&D1), 2);
     assert_eq!(held.running_of(&D2), 1);
