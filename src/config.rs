@@ -367,8 +367,8 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Args)]
 pub struct FairArgs {
     /// What ready tasks are shared out by: `domain` (Pulp's `pulp_domain_id`: the domain
-    /// furthest below its weighted share of what runs goes first) or `none` (plain FIFO; the
-    /// reserve for immediate tasks still holds).
+    /// furthest below its weighted share of what runs goes first) or `none` (plain FIFO: no
+    /// shares, no express lane for immediate tasks; the reserve still holds).
     #[arg(long = "fair-by", env = "DISPATCH_FAIR_BY", value_enum, default_value_t = crate::fair::FairBy::Domain)]
     pub by: crate::fair::FairBy,
     /// The fairness policy file (TOML: weights, caps, the reserve; see docs/configuration.md),

@@ -167,11 +167,24 @@ enum Attempt {
     Blocked,
     /// Not granted (already locked, or cannot be locked); it still reserves its resources.
     NotGranted,
+    /// Ready, but fairness held it back (its group's cap, the reserve); it still reserves its
+    /// resources.
+    HeldBack,
     /// The claim found the task no longer waiting and unclaimed (canceled, finished or claimed
     /// meanwhile). Whether it still reserves anything is for the next look-up to say; the exact
     /// count of older conflicts keeps newer tasks from being judged ready meanwhile.
     Lost,
     LeaseGone,
+}
+
+/// What fair dispatch made of a fetch before the pass in queue order.
+enum Fair {
+    /// A directed pass granted this.
+    Granted(Grant),
+    /// Go on with the pass in queue order.
+    QueueOrder,
+    /// Nothing the pass in queue order meets could be granted now: wait for a change.
+    Wait,
 }
 
 /// The task RPCs.
@@ -593,12 +606,32 @@ impl Dispatch {
                     Some(Woken::Turn) => {}
                 }
             }
-            if let Some(grant) = self.directed_passes(&call).await? {
-                self.stats.fetch("claimed");
-                if let Some(place) = place.take() {
-                    place.leave_after_grant();
+            match self.directed_passes(&call).await? {
+                Fair::Granted(grant) => {
+                    self.stats.fetch("claimed");
+                    if let Some(place) = place.take() {
+                        place.leave_after_grant();
+                    }
+                    return Ok(Some(grant));
                 }
-                return Ok(Some(grant));
+                Fair::Wait => {
+                    // Nothing the pass in queue order meets could be granted (the reserve,
+                    // caps): wait for a change.
+                    if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
+                        self.stats.fetch("none_ready");
+                        return Ok(None);
+                    }
+                    match place.as_ref() {
+                        Some(place) => place.found_nothing(),
+                        None => {
+                            let lease = self.live_lease(lease_id).await?;
+                            let seen = self.waiters.generation();
+                            place = Some(self.join_waiters(seen, call.offer(lease))?);
+                        }
+                    }
+                    continue;
+                }
+                Fair::QueueOrder => {}
             }
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
@@ -1459,7 +1492,7 @@ impl Dispatch {
                     Settled::Granted
                 }
                 Ok(Attempt::Blocked) => Settled::Blocked,
-                Ok(Attempt::NotGranted) => Settled::NotGranted,
+                Ok(Attempt::NotGranted | Attempt::HeldBack) => Settled::NotGranted,
                 Ok(Attempt::Lost) => Settled::Lost,
                 Ok(Attempt::LeaseGone) => {
                     claimant.state = Turn::Done;
@@ -1698,7 +1731,7 @@ impl Dispatch {
         {
             Attempt::Granted(grant) => Ok(Some(grant)),
             Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
-            Attempt::NotGranted | Attempt::Blocked | Attempt::Lost => Ok(None),
+            Attempt::NotGranted | Attempt::HeldBack | Attempt::Blocked | Attempt::Lost => Ok(None),
         }
     }
 
@@ -1834,7 +1867,7 @@ impl Dispatch {
                     crate::fair::HeldBack::Cap { .. } => "cap",
                     crate::fair::HeldBack::Reserve { .. } => "reserve",
                 });
-                return Ok(Attempt::NotGranted);
+                return Ok(Attempt::HeldBack);
             }
         };
         match self.tasks.claim(row.id, app_status, start).await {
@@ -1896,24 +1929,36 @@ impl Dispatch {
     /// first ready task of the immediate tasks or of a group goes to the caller. `None` when
     /// fairness is not engaged or no directed page held a ready task (the pass in queue order
     /// runs then).
-    async fn directed_passes(&self, call: &Call) -> Result<Option<Grant>> {
-        if !self.fairness.engaged() {
-            return Ok(None);
+    async fn directed_passes(&self, call: &Call) -> Result<Fair> {
+        if !self.fairness.needs_standing() {
+            return Ok(Fair::QueueOrder);
         }
         let standing = self.locks.standing().await?;
-        for directed in self.fairness.plan(&standing) {
+        let plan = self.fairness.plan(&standing);
+        tracing::debug!(?plan, ?standing, "fair dispatch's plan");
+        for directed in plan.directed {
             let this = self.clone();
             let call = call.clone();
+            let held_back = Arc::new(AtomicBool::new(false));
+            let held = Arc::clone(&held_back);
             let grant = self
-                .detached(async move { this.directed_pass(&call, directed).await })
+                .detached(async move { this.directed_pass(&call, directed, &held).await })
                 .await?;
             self.stats.directed_pass(grant.is_some());
-            if grant.is_some() {
-                return Ok(grant);
+            if let Some(grant) = grant {
+                return Ok(Fair::Granted(grant));
             }
-            self.fairness.dry(directed);
+            // A page whose ready task was held back (another fetch took the last place under
+            // the cap or the reserve just now) is not dry: it is read again at the next turn.
+            if !held_back.load(Ordering::SeqCst) {
+                self.fairness.dry(directed);
+            }
         }
-        Ok(None)
+        Ok(if plan.skip_queue_order {
+            Fair::Wait
+        } else {
+            Fair::QueueOrder
+        })
     }
 
     /// One directed page (the immediate tasks, or one group's), judged in queue order by the
@@ -1922,6 +1967,7 @@ impl Dispatch {
         &self,
         call: &Call,
         directed: crate::tasks::Directed,
+        held_back: &AtomicBool,
     ) -> Result<Option<Grant>> {
         let lease = match self.known_lease(call.lease_id) {
             Some(lease) => lease,
@@ -1960,6 +2006,10 @@ impl Dispatch {
                     return Ok(Some(grant));
                 }
                 Attempt::LeaseGone => return Err(self.lease_gone(call.lease_id)),
+                Attempt::HeldBack => {
+                    held_back.store(true, Ordering::SeqCst);
+                    return Ok(None);
+                }
                 Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
             }
         }

@@ -29,8 +29,8 @@ use uuid::Uuid;
 /// What fairness groups tasks by (`--fair-by`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum FairBy {
-    /// Every task in one group: plain FIFO among ready tasks (caps and weights do not apply; the
-    /// reserve still does).
+    /// Every task in one group: plain FIFO among ready tasks (no express lane; caps and weights
+    /// do not apply; the reserve still does).
     None,
     /// Pulp's domain (`core_task.pulp_domain_id`).
     #[default]

@@ -287,6 +287,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             metric_groups: args.fair.metric_groups,
         },
         Arc::clone(&background_stats),
+        Arc::clone(&waiters),
         shutdown.clone(),
     ));
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
@@ -298,7 +299,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     tokio::spawn(crate::dispatch::wakeups::listen(
         args.postgres.url.clone(),
         Arc::clone(&waiters),
-        lanes.insert_signal(),
+        vec![lanes.insert_signal(), fairness.insert_signal()],
         listening,
         shutdown.clone(),
     ));

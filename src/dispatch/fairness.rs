@@ -101,6 +101,18 @@ pub struct Fairness {
     state: Arc<RwLock<State>>,
     labels: Arc<std::sync::Mutex<HashMap<Group, String>>>,
     max_labels: usize,
+    inserted: Arc<tokio::sync::Notify>,
+}
+
+/// What fair dispatch makes of one fetch before the pass in queue order (see
+/// [`Fairness::plan`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// The directed passes, in order.
+    pub directed: Vec<Directed>,
+    /// Nothing the pass in queue order could grant: every deferred task is held back by the
+    /// reserve, or every waiting group is at its cap. The fetch waits for a change instead.
+    pub skip_queue_order: bool,
 }
 
 impl Fairness {
@@ -122,6 +134,7 @@ impl Fairness {
             })),
             labels: Arc::new(std::sync::Mutex::new(HashMap::new())),
             max_labels: 20,
+            inserted: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -209,32 +222,65 @@ impl Fairness {
         (state.policy.clone(), state.source.clone())
     }
 
-    /// Whether fetches make directed passes now (several groups, or an immediate task, wait),
-    /// so passes in queue order serve only their own caller.
-    pub fn engaged(&self) -> bool {
-        let state = self.read();
-        state.directed
-            && (state.immediate_waiting || (self.by == FairBy::Domain && state.waiting.len() > 1))
+    /// Notified on every task notification: the directory is read again at once.
+    pub fn insert_signal(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.inserted)
     }
 
-    /// The directed passes a fetch makes first, in order (empty when not engaged).
-    pub fn plan(&self, standing: &Standing) -> Vec<Directed> {
-        if !self.engaged() {
-            return Vec::new();
-        }
+    /// Whether a fetch needs the standing (what holds locks) before its passes: directed passes
+    /// are made, or a cap or the reserve may hold tasks back.
+    pub fn needs_standing(&self) -> bool {
         let state = self.read();
-        let mut plan = Vec::new();
-        if state.immediate_waiting && !state.dry.contains(&Directed::Immediate) {
-            plan.push(Directed::Immediate);
+        self.engaged_in(&state) || state.rules.reserve > 0 || state.rules.has_caps()
+    }
+
+    fn engaged_in(&self, state: &State) -> bool {
+        self.by == FairBy::Domain
+            && state.directed
+            && (state.immediate_waiting || state.waiting.len() > 1)
+    }
+
+    /// Whether fetches make directed passes now (several domains, or an immediate task, wait),
+    /// so passes in queue order serve only their own caller.
+    pub fn engaged(&self) -> bool {
+        self.engaged_in(&self.read())
+    }
+
+    /// What a fetch does before (or instead of) the pass in queue order, given what holds locks
+    /// now: the immediate tasks' page first, then the groups' pages in the fair order (none of
+    /// them while the reserve holds every deferred task back), and whether the pass in queue
+    /// order may be left out because nothing it meets could be granted.
+    pub fn plan(&self, standing: &Standing) -> Plan {
+        let state = self.read();
+        let deferred_held = matches!(
+            state.rules.holds_back(standing, &Uuid::nil(), false),
+            Some(crate::fair::HeldBack::Reserve { .. })
+        );
+        let all_capped = self.by == FairBy::Domain
+            && state.directed
+            && !state.waiting.is_empty()
+            && state.rules.order(standing, &state.waiting).is_empty();
+        let mut plan = Plan {
+            directed: Vec::new(),
+            // The directory may be a read behind: an immediate task it does not know yet is
+            // found once it is read (a task notification has it read at once).
+            skip_queue_order: state.directed
+                && (deferred_held || (all_capped && !state.immediate_waiting)),
+        };
+        if !self.engaged_in(&state) {
+            return plan;
         }
-        if self.by == FairBy::Domain && state.waiting.len() > 1 {
+        if state.immediate_waiting && !state.dry.contains(&Directed::Immediate) {
+            plan.directed.push(Directed::Immediate);
+        }
+        if state.waiting.len() > 1 && !deferred_held {
             let open: Vec<(Group, (DateTime<Utc>, TaskId))> = state
                 .waiting
                 .iter()
                 .filter(|(g, _)| !state.dry.contains(&Directed::Group(*g)))
                 .copied()
                 .collect();
-            plan.extend(
+            plan.directed.extend(
                 state
                     .rules
                     .order(standing, &open)
@@ -294,11 +340,12 @@ impl Fairness {
         view
     }
 
-    /// Reads the directory (and, when unknown groups appear, the domains' names).
-    pub async fn refresh(&self, tasks: &Tasks) -> Result<(), crate::tasks::Error> {
+    /// Reads the directory (and, when unknown groups appear, the domains' names); true when a
+    /// group started waiting or an immediate task did, or a dry page may be read again.
+    pub async fn refresh(&self, tasks: &Tasks) -> Result<bool, crate::tasks::Error> {
         let directed = self.read().directed;
         if !directed {
-            return Ok(());
+            return Ok(false);
         }
         let (waiting, immediate_waiting) = tasks.groups_waiting(MAX_GROUPS).await?;
         let unknown = {
@@ -315,10 +362,15 @@ impl Fairness {
             state.names = names;
             state.rules = state.policy.resolve(&state.names);
         }
+        let news = !state.dry.is_empty()
+            || (immediate_waiting && !state.immediate_waiting)
+            || waiting
+                .iter()
+                .any(|(g, _)| !state.waiting.iter().any(|(w, _)| w == g));
         state.waiting = waiting;
         state.immediate_waiting = immediate_waiting;
         state.dry.clear();
-        Ok(())
+        Ok(news)
     }
 
     /// Reads the policy file if it changed since the last read; refuses a file that cannot be
@@ -361,26 +413,42 @@ impl Fairness {
         }
     }
 
-    /// Reads the directory and the policy file every `settings.refresh` until shutdown.
+    /// Reads the directory and the policy file every `settings.refresh`, and the directory
+    /// again on every task notification (at most every 20 ms), until shutdown. A read that finds
+    /// a group newly waiting, or an immediate task, wakes a waiting fetch to serve it.
     pub async fn run(
         self,
         tasks: Tasks,
         settings: FairSettings,
         stats: Arc<Stats>,
+        waiters: Arc<super::Queue>,
         shutdown: Shutdown,
     ) {
         let mut tick = tokio::time::interval(settings.refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
-                _ = tick.tick() => {}
+            // A notification woke a waiting fetch already, perhaps before this read: it wakes
+            // one again once the directory shows the new task.
+            let notified = tokio::select! {
+                _ = tick.tick() => {
+                    if let Some(path) = &settings.policy_file {
+                        self.reload(path, &stats);
+                    }
+                    false
+                }
+                () = self.inserted.notified() => true,
                 () = shutdown.fired() => return,
+            };
+            match self.refresh(&tasks).await {
+                Ok(news) if news || notified => waiters.wake(),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+                }
             }
-            if let Some(path) = &settings.policy_file {
-                self.reload(path, &stats);
-            }
-            if let Err(e) = self.refresh(&tasks).await {
-                tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                () = shutdown.fired() => return,
             }
         }
     }

@@ -34,7 +34,7 @@ pub const PULP_CHANNEL: &str = "pulp_worker_wakeup";
 pub async fn listen(
     postgres_url: String,
     waiters: Arc<Waiters>,
-    inserted: Arc<tokio::sync::Notify>,
+    inserted: Vec<Arc<tokio::sync::Notify>>,
     listening: tokio::sync::oneshot::Sender<()>,
     shutdown: Shutdown,
 ) {
@@ -75,7 +75,7 @@ enum Ended {
 async fn listen_once(
     postgres_url: &str,
     waiters: &Waiters,
-    inserted: &tokio::sync::Notify,
+    inserted: &[Arc<tokio::sync::Notify>],
     first_listen: &mut Option<tokio::sync::oneshot::Sender<()>>,
     shutdown: &Shutdown,
 ) -> Result<Ended, tokio_postgres::Error> {
@@ -104,7 +104,7 @@ async fn listen_once(
         Ok(()) => {
             // Listening (again): whatever was inserted before this moment was not heard.
             waiters.wake();
-            inserted.notify_one();
+            inserted.iter().for_each(|n| n.notify_one());
             if let Some(first) = first_listen.take() {
                 // The receiver may have stopped waiting (start-up went on without it).
                 let _ = first.send(());
@@ -114,7 +114,7 @@ async fn listen_once(
                     message = rx.recv() => match message {
                         Some(Ok(())) => {
                             waiters.wake();
-                            inserted.notify_one();
+                            inserted.iter().for_each(|n| n.notify_one());
                         }
                         Some(Err(e)) => break Err(e),
                         None => break Ok(Ended::Closed),
