@@ -112,6 +112,27 @@ pub struct Older {
     pub conflicts: Vec<(String, Mode, Mode)>,
 }
 
+/// What the Fairness call reports.
+#[derive(Debug, Clone)]
+pub struct FairnessReport {
+    /// What tasks are grouped by.
+    pub by: crate::fair::FairBy,
+    /// Where the policy in force came from.
+    pub source: crate::dispatch::fairness::Source,
+    /// Leases kept for immediate tasks.
+    pub reserve: u32,
+    /// The weight of a domain the policy does not name.
+    pub default_weight: f64,
+    /// Live leases now.
+    pub live_leases: u32,
+    /// Deferred tasks holding locks now.
+    pub deferred_running: u32,
+    /// Whether fair dispatch's indexes exist.
+    pub directed: bool,
+    /// Every domain running, waiting or named.
+    pub groups: Vec<crate::dispatch::fairness::GroupView>,
+}
+
 /// Why a task is where it is.
 #[derive(Debug, Clone)]
 pub struct Explanation {
@@ -455,6 +476,22 @@ impl Admin {
             !facts.versions.is_empty() && compatible == 0;
         explanation.summary = summary(&explanation);
         Ok(explanation)
+    }
+
+    /// Fairness: the policy in force and each domain's share, with what holds locks now.
+    pub async fn fairness(&self) -> Result<FairnessReport> {
+        let standing = self.locks.standing().await?;
+        let (policy, source) = self.fairness.policy();
+        Ok(FairnessReport {
+            by: self.fairness.by(),
+            source,
+            reserve: policy.reserve,
+            default_weight: policy.default_weight,
+            live_leases: standing.live_leases,
+            deferred_running: standing.deferred,
+            directed: self.fairness.directed(),
+            groups: self.fairness.view(&standing),
+        })
     }
 
     /// ListLeases.

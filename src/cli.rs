@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::{
-    AdminClientArgs, BlockedArgs, ExplainArgs, ForceReleaseArgs, LeasesArgs, LocksArgs, RevokeArgs,
+    AdminClientArgs, BlockedArgs, ExplainArgs, FairnessArgs, ForceReleaseArgs, LeasesArgs,
+    LocksArgs, RevokeArgs,
 };
 use crate::proto;
 use crate::proto::admin_client::AdminClient;
@@ -424,6 +425,70 @@ pub async fn locks(args: &LocksArgs) -> anyhow::Result<()> {
         page.total,
         &page.next_page_token,
         "locked resources",
+    );
+    Ok(())
+}
+
+/// `dispatch-broker fairness`.
+pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
+    let mut client = connect(&args.client).await?;
+    let report = client
+        .fairness(proto::FairnessRequest {})
+        .await
+        .map_err(refused)?
+        .into_inner();
+    if args.client.json {
+        print_json(&json!({
+            "fair_by": report.fair_by,
+            "source": report.source,
+            "reserve": report.reserve,
+            "default_weight": report.default_weight,
+            "live_leases": report.live_leases,
+            "deferred_running": report.deferred_running,
+            "directed": report.directed,
+            "domains": report.domains.iter().map(|d| json!({
+                "domain_id": d.domain_id,
+                "name": d.name,
+                "weight": d.weight,
+                "cap": d.cap,
+                "running": d.running,
+                "waiting": d.waiting,
+                "share": d.share,
+            })).collect::<Vec<_>>(),
+        }));
+        return Ok(());
+    }
+    let mut t = table(&[
+        "DOMAIN", "ID", "WEIGHT", "CAP", "RUNNING", "WAITING", "SHARE",
+    ]);
+    for d in &report.domains {
+        t.add_row(vec![
+            if d.name.is_empty() {
+                "-".to_owned()
+            } else {
+                d.name.clone()
+            },
+            d.domain_id.clone(),
+            format!("{}", d.weight),
+            d.cap.map_or_else(|| "-".to_owned(), |c| c.to_string()),
+            d.running.to_string(),
+            if d.waiting { "yes" } else { "no" }.to_owned(),
+            format!("{:.0}%", d.share * 100.0),
+        ]);
+    }
+    println!("{t}");
+    println!(
+        "fair dispatch by {}{}; policy from {}; reserve {} of {} live leases ({} deferred tasks hold locks)",
+        report.fair_by,
+        if report.directed || report.fair_by == "none" {
+            ""
+        } else {
+            " (without its indexes: queue order; run `dispatch-broker migrate --fair-indexes`)"
+        },
+        if report.source == "file" { "the policy file (--fair-policy)" } else { "the defaults (no --fair-policy)" },
+        report.reserve,
+        report.live_leases,
+        report.deferred_running,
     );
     Ok(())
 }

@@ -39,6 +39,9 @@ pub enum Command {
     Locks(LocksArgs),
     /// The resources with the most tasks waiting behind them, and what holds up each head.
     Blocked(BlockedArgs),
+    /// Fair dispatch as the broker applies it: the policy in force and each domain's weight,
+    /// cap, running tasks and share.
+    Fairness(FairnessArgs),
     /// Revoke a lease as the sweeper would: release its locks, requeue its claimed tasks, fail
     /// its running tasks with the reason. Audited.
     Revoke(RevokeArgs),
@@ -197,6 +200,13 @@ pub struct BlockedArgs {
     /// How many resources to show.
     #[arg(long, default_value_t = 10)]
     pub limit: u32,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `fairness`.
+#[derive(Debug, Clone, Args)]
+pub struct FairnessArgs {
     #[command(flatten)]
     pub client: AdminClientArgs,
 }

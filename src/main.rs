@@ -21,6 +21,7 @@ async fn main() -> std::process::ExitCode {
         Command::Leases(args) => dispatch_broker::cli::leases(&args).await,
         Command::Locks(args) => dispatch_broker::cli::locks(&args).await,
         Command::Blocked(args) => dispatch_broker::cli::blocked(&args).await,
+        Command::Fairness(args) => dispatch_broker::cli::fairness(&args).await,
         Command::Revoke(args) => dispatch_broker::cli::revoke(&args).await,
         Command::ForceRelease(args) => dispatch_broker::cli::force_release(&args).await,
     };

@@ -57,8 +57,16 @@ pub enum Source {
     Default,
     /// The policy file, as last read.
     File,
-    /// Changed at run time through the admin API (until the file changes or the broker restarts).
-    RunTime,
+}
+
+impl Source {
+    /// As the admin API names it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Source::Default => "default",
+            Source::File => "file",
+        }
+    }
 }
 
 /// One group as the operator sees it (admin `Fairness`).
@@ -200,6 +208,21 @@ impl Fairness {
             },
             reserve: state.rules.reserve,
         }
+    }
+
+    /// What tasks are grouped by.
+    pub fn by(&self) -> FairBy {
+        self.by
+    }
+
+    /// Whether fair dispatch's indexes exist (directed passes can be made).
+    pub fn directed(&self) -> bool {
+        self.read().directed
+    }
+
+    /// The domain's name, when known.
+    pub fn known_name(&self, group: Group) -> Option<String> {
+        self.read().names.get(&group).cloned()
     }
 
     /// A group's domain name, or its id where no name is known.

@@ -292,6 +292,44 @@ impl proto::admin_server::Admin for AdminService {
         }))
     }
 
+    async fn fairness(
+        &self,
+        request: Request<proto::FairnessRequest>,
+    ) -> Result<Response<proto::FairnessResponse>, Status> {
+        let actor = actor(&request);
+        let report = self
+            .admin
+            .fairness()
+            .instrument(span("Fairness", &actor))
+            .await?;
+        Ok(Response::new(proto::FairnessResponse {
+            fair_by: match report.by {
+                crate::fair::FairBy::Domain => "domain",
+                crate::fair::FairBy::None => "none",
+            }
+            .into(),
+            source: report.source.as_str().into(),
+            reserve: report.reserve,
+            default_weight: report.default_weight,
+            live_leases: report.live_leases,
+            deferred_running: report.deferred_running,
+            directed: report.directed,
+            domains: report
+                .groups
+                .into_iter()
+                .map(|g| proto::DomainShare {
+                    domain_id: g.group.to_string(),
+                    name: g.name.unwrap_or_default(),
+                    weight: g.weight,
+                    cap: g.cap,
+                    running: g.running,
+                    waiting: g.waiting,
+                    share: g.share,
+                })
+                .collect(),
+        }))
+    }
+
     async fn revoke_lease(
         &self,
         request: Request<proto::RevokeLeaseRequest>,

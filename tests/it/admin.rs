@@ -823,6 +823,12 @@ async fn with_worker_authentication_and_no_admin_token_the_admin_api_is_off() {
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+        let err = admin_with(&env, token)
+            .await
+            .fairness(FairnessRequest {})
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
         assert!(
             err.message().contains("--admin-token-file"),
             "{}",

@@ -172,7 +172,7 @@ async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica()
     for i in 0..6 {
         d1.push(task_in(&env, D1, &format!("a{i}"), false).await);
     }
-    let (_other, mut other_client) = env.second_replica().await;
+    let (other, mut other_client) = env.second_replica().await;
     let here = env.open("here").await;
     let there = open_on(&mut other_client, "there").await;
     // Two replicas, each fetching in turn: D1 gets exactly its cap, in FIFO order.
@@ -223,6 +223,64 @@ async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica()
     let held = env.broker().locks.standing().await.unwrap();
     assert_eq!(held.running_of(&D1), 2);
     assert_eq!(held.running_of(&D2), 1);
+    // The operator's view of the shares, over gRPC and through the CLI.
+    let report = admin
+        .fairness(dispatch_broker::proto::FairnessRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (report.fair_by.as_str(), report.source.as_str()),
+        ("domain", "file")
+    );
+    assert!(report.directed);
+    assert_eq!(report.live_leases, 2);
+    assert_eq!(report.deferred_running, 3);
+    let d1_share = report
+        .domains
+        .iter()
+        .find(|d| d.domain_id == D1.to_string())
+        .expect("D1 listed");
+    assert_eq!(
+        (d1_share.cap, d1_share.running, d1_share.waiting),
+        (Some(2), 2, true)
+    );
+    let d2_share = report
+        .domains
+        .iter()
+        .find(|d| d.domain_id == D2.to_string())
+        .expect("D2 listed");
+    assert_eq!((d2_share.cap, d2_share.running), (None, 1));
+    assert_eq!(d1_share.share, 0.5);
+    let addr = format!("http://{}", env.broker().addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+            .args(["fairness", "--addr", &addr])
+            .env_remove("DISPATCH_ADMIN_TOKEN")
+            .env_remove("DISPATCH_ADMIN_TOKEN_FILE")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let d1_row = text
+        .lines()
+        .find(|l| l.contains(&D1.to_string()))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        d1_row.contains(" 2 ") && d1_row.contains("yes") && d1_row.contains("50%"),
+        "{text}"
+    );
+    assert!(text.contains("policy from the policy file"), "{text}");
+    // A replica goes away: the count is Redis's, so the cap holds on the one left.
+    other.shutdown().await.unwrap();
+    assert!(env.fetch(&here).await.is_none(), "D1 is still at its cap");
 }
 
 #[tokio::test]
@@ -333,4 +391,49 @@ async fn a_bad_policy_file_stops_the_start_naming_the_line() {
     assert!(message.contains("--fair-policy"), "{message}");
     assert!(message.contains("line 4"), "{message}");
     assert!(message.contains("wieght"), "{message}");
+}
+
+#[tokio::test]
+async fn a_cap_still_holds_after_redis_lost_its_state_and_locks_were_rebuilt() {
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 2\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+        a.sweep_interval = Duration::from_millis(200);
+    })
+    .await;
+    for i in 0..4 {
+        task_in(&env, D1, &format!("a{i}"), false).await;
+    }
+    let lease = env.open("w").await;
+    let first = env.fetch(&lease).await.expect("D1's first task");
+    env.start(&lease, &first).await;
+    env.fetch(&lease).await.expect("D1's second task");
+    // Redis loses everything; the broker rebuilds the locks of the claimed tasks from Postgres,
+    // and counts them under their domain again.
+    use deadpool_redis::redis;
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    let locks = env.broker().locks.clone();
+    let rebuilt = eventually(Duration::from_secs(20), || {
+        let locks = locks.clone();
+        async move { locks.standing().await.is_ok_and(|s| s.running_of(&D1) == 2) }
+    })
+    .await;
+    assert!(
+        rebuilt.is_some(),
+        "the rebuild did not count D1's two tasks"
+    );
+    let d2 = task_in(&env, D2, "b0", false).await;
+    let other = env.open("w2").await;
+    let t = fetch_waiting(&mut env.client, &other)
+        .await
+        .expect("D2's task: D1 is at its cap");
+    assert_eq!(id(&t), d2);
+    assert!(
+        env.fetch(&other).await.is_none(),
+        "D1 is still at its cap of 2"
+    );
 }
