@@ -393,7 +393,8 @@ impl Fairness {
         state.waiting = waiting;
         state.immediate_waiting = immediate_waiting;
         state.dry.clear();
-        Ok(news)
+        // Only news to fair dispatch: a fetch in queue order finds what it needs without.
+        Ok(news && self.engaged_in(&state))
     }
 
     /// Reads the policy file if it changed since the last read; refuses a file that cannot be
@@ -450,21 +451,21 @@ impl Fairness {
         let mut tick = tokio::time::interval(settings.refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            // A notification woke a waiting fetch already, perhaps before this read: it wakes
-            // one again once the directory shows the new task.
-            let notified = tokio::select! {
+            tokio::select! {
                 _ = tick.tick() => {
                     if let Some(path) = &settings.policy_file {
                         self.reload(path, &stats);
                     }
-                    false
                 }
-                () = self.inserted.notified() => true,
+                () = self.inserted.notified() => {}
                 () = shutdown.fired() => return,
-            };
+            }
+            // A notification woke a waiting fetch already, perhaps before this read: one is woken
+            // again when the read shows what fair dispatch did not know (a domain or an immediate
+            // task newly waiting, or a page that was dry).
             match self.refresh(&tasks).await {
-                Ok(news) if news || notified => waiters.wake(),
-                Ok(_) => {}
+                Ok(true) => waiters.wake(),
+                Ok(false) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
                 }
