@@ -15,6 +15,12 @@
 //! row stamped with `clock_timestamp()` as the trigger would; D2's and D3's arrive through it.
 //!
 //! Run: `cargo bench --bench fair` (or `-- 2000` for a quick run with a smaller backlog).
+//!
+//! `cargo bench --bench fair -- cost [DOMAINS]`: what fairness costs a fetch with many domains
+//! waiting. The same 20,000 ready tasks, all of one domain or spread over DOMAINS domains (10,000
+//! by default, two tasks each); 10 workers fetch (no wait, with `start`) and finish at once,
+//! 3,000 fetches after 300 to warm up; FetchTask's p50 / p99 as the worker sees it, and the
+//! ratio against one domain, in the same process.
 
 #[path = "support/incident.rs"]
 mod incident;
@@ -296,8 +302,115 @@ fn seconds(d: f64) -> String {
     }
 }
 
+/// 20,000 ready tasks over `domains` domains on Pulp's schema; the FetchTask latencies of 10
+/// workers fetching and finishing at once.
+async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Duration> {
+    const TASKS: i32 = 20_000;
+    const WARM: usize = 300;
+    const FETCHES: usize = 3_000;
+    let db_name = format!("cost{n}");
+    let url = pg.create_database(&db_name).unwrap();
+    pg.psql(&db_name, PULP_SCHEMA).unwrap();
+    let _ = std::process::Command::new("redis-cli")
+        .args(["-u", &redis.url(), "FLUSHALL"])
+        .output();
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute(&format!(
+        "INSERT INTO core_domain (pulp_id, pulp_created, name, storage_class, storage_settings, \
+         redirect_to_object_storage, hide_guarded_distributions, pulp_labels) \
+         SELECT ('00000000-0000-0000-0000-' || lpad(to_hex(i), 12, '0'))::uuid, now(), 'd' || i, \
+                'x', '{{}}', false, false, ''::hstore FROM generate_series(1, {domains}) i; \
+         BEGIN; SET LOCAL session_replication_role = replica; \
+         INSERT INTO core_task (pulp_id, pulp_created, state, name, logging_cid, \
+             reserved_resources_record, pulp_domain_id, versions, immediate, deferred, pulp_api_version) \
+         SELECT gen_random_uuid(), clock_timestamp(), 'waiting', 'sync', '', \
+                ARRAY['prn:file.filerepository:' || i, 'shared:prn:core.domain:' || (i % {domains} + 1)], \
+                ('00000000-0000-0000-0000-' || lpad(to_hex(i % {domains} + 1), 12, '0'))::uuid, \
+                ''::hstore, false, true, 'v3' \
+         FROM generate_series(1, {TASKS}) i; COMMIT; ANALYZE core_task"
+    ))
+    .await
+    .unwrap();
+    let tasks = dispatch_broker::tasks::Tasks::connect(
+        &url,
+        1,
+        Duration::from_secs(10),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    tasks.migrate(true, false, true, true).await.unwrap();
+    let args = ServeArgs::with_urls(&url, &redis.url());
+    let broker = dispatch_broker::server::start(&args).await.unwrap();
+    let endpoint = format!("http://{}", broker.addr);
+    let left = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(WARM + FETCHES));
+    let mut handles = Vec::new();
+    for w in 0..WORKERS {
+        let worker = Worker::connect(&endpoint, quiet(&format!("w{w}")))
+            .await
+            .unwrap();
+        let left = std::sync::Arc::clone(&left);
+        handles.push(tokio::spawn(async move {
+            let mut times = Vec::new();
+            while left
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok()
+            {
+                let start = Instant::now();
+                let task = worker.next_task_started(Duration::ZERO).await.unwrap();
+                times.push(start.elapsed());
+                if let Some(task) = task {
+                    task.finish(FinalState::Completed, None).await.unwrap();
+                }
+            }
+            worker.close().await.unwrap();
+            times
+        }));
+    }
+    let mut times = Vec::new();
+    for handle in handles {
+        let mine = handle.await.unwrap();
+        // Each worker's first fetches warm the connections and prepared statements.
+        times.extend(mine.into_iter().skip(WARM / WORKERS));
+    }
+    broker.shutdown().await.unwrap();
+    times.sort();
+    times
+}
+
 #[tokio::main]
 async fn main() {
+    if std::env::args().nth(1).as_deref() == Some("cost") {
+        let domains: i32 = std::env::args()
+            .nth(2)
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(10_000);
+        let (pg, redis) =
+            tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+                .await
+                .unwrap();
+        let one = cost(&pg, &redis, 0, 1).await;
+        let many = cost(&pg, &redis, 1, domains).await;
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        println!("| domains waiting | FetchTask p50 | p99 | p50 vs one domain |");
+        println!("|---:|---:|---:|---:|");
+        for (n, times) in [(1, &one), (domains, &many)] {
+            println!(
+                "| {n} | {:.2} ms | {:.2} ms | {:.2} |",
+                ms(percentile(times, 0.5)),
+                ms(percentile(times, 0.99)),
+                ms(percentile(times, 0.5)) / ms(percentile(&one, 0.5))
+            );
+        }
+        return;
+    }
     let d1: i32 = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())

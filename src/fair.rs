@@ -325,13 +325,40 @@ impl Rules {
     /// waiting task first (`waiting`: each group with its oldest waiting task's queue position).
     /// Groups at their cap are left out.
     pub fn order<K: Ord + Copy>(&self, standing: &Standing, waiting: &[(Group, K)]) -> Vec<Group> {
+        self.first(standing, waiting, waiting.len())
+    }
+
+    /// The first `n` groups of [`Rules::order`], in order, in time linear in the number of
+    /// groups (a fetch with 10,000 domains waiting sorts three of them, not all).
+    pub fn first<K: Ord + Copy>(
+        &self,
+        standing: &Standing,
+        waiting: &[(Group, K)],
+        n: usize,
+    ) -> Vec<Group> {
         let mut open: Vec<(f64, K, Group)> = waiting
             .iter()
-            .filter(|(g, _)| self.cap(g).is_none_or(|c| standing.running_of(g) < c))
+            .filter(|(g, _)| !self.at_cap(standing, g))
             .map(|(g, k)| (self.usage(standing, g), *k, *g))
             .collect();
-        open.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let by = |a: &(f64, K, Group), b: &(f64, K, Group)| {
+            a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+        };
+        if n == 0 {
+            return Vec::new();
+        }
+        if n < open.len() {
+            open.select_nth_unstable_by(n - 1, by);
+            open.truncate(n);
+        }
+        open.sort_by(by);
         open.into_iter().map(|(_, _, g)| g).collect()
+    }
+
+    /// Whether `group` holds as many task locks as its cap.
+    pub fn at_cap(&self, standing: &Standing, group: &Group) -> bool {
+        self.cap(group)
+            .is_some_and(|c| standing.running_of(group) >= c)
     }
 
     /// The rule in one function, over the ready tasks a pass could see (`ready`: group,

@@ -282,7 +282,10 @@ impl Fairness {
         let all_capped = self.by == FairBy::Domain
             && state.directed
             && !state.waiting.is_empty()
-            && state.rules.order(standing, &state.waiting).is_empty();
+            && state
+                .waiting
+                .iter()
+                .all(|(g, _)| state.rules.at_cap(standing, g));
         let mut plan = Plan {
             directed: Vec::new(),
             // The directory may be a read behind: an immediate task it does not know yet is
@@ -306,9 +309,8 @@ impl Fairness {
             plan.directed.extend(
                 state
                     .rules
-                    .order(standing, &open)
+                    .first(standing, &open, MAX_DIRECTED)
                     .into_iter()
-                    .take(MAX_DIRECTED)
                     .map(Directed::Group),
             );
         }

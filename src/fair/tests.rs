@@ -195,6 +195,27 @@ fn ready_now(tasks: &[Task], state: &[u8]) -> Vec<usize> {
 }
 
 proptest! {
+    /// The first n of the order are the order's first n, whatever n.
+    #[test]
+    fn the_first_groups_are_the_orders_head(
+        waiting in prop::collection::vec((0u128..50, 0u32..20), 0..40),
+        running in prop::collection::vec((0u128..50, 0u32..5), 0..20),
+        caps in prop::collection::vec((0u128..50, 0u32..3), 0..5),
+        n in 0usize..45,
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let waiting: Vec<(Group, u32)> = waiting
+            .into_iter()
+            .filter(|(n, _)| seen.insert(*n))
+            .map(|(n, k)| (g(n), k))
+            .collect();
+        let r = rules(&[(1, 2.0), (2, 0.5)], &caps, 0);
+        let s = standing(&running, 0, 10);
+        let all = r.order(&s, &waiting);
+        let head = r.first(&s, &waiting, n);
+        prop_assert_eq!(&head[..], &all[..n.min(all.len())]);
+    }
+
     /// Driving dispatch by `choose` over the ready tasks: every task handed out is ready, FIFO
     /// holds per resource and within a group, caps are never exceeded, and a deferred task is
     /// never handed out into the reserve.
