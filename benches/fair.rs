@@ -18,9 +18,10 @@
 //!
 //! `cargo bench --bench fair -- cost [DOMAINS]`: what fairness costs a fetch with many domains
 //! waiting. The same 20,000 ready tasks, all of one domain or spread over DOMAINS domains (10,000
-//! by default, two tasks each); 10 workers fetch (no wait, with `start`) and finish at once,
-//! 3,000 fetches after 300 to warm up; FetchTask's p50 / p99 as the worker sees it, and the
-//! ratio against one domain, in the same process.
+//! by default, two tasks each); one worker fetches (no wait, with `start`) and finishes at once,
+//! 2,000 fetches after 200 to warm up (one at a time: the fetch's own cost, not contention);
+//! FetchTask's p50 / p99 as the worker sees it, and the ratio against one domain, in the same
+//! process.
 
 #[path = "support/incident.rs"]
 mod incident;
@@ -302,12 +303,13 @@ fn seconds(d: f64) -> String {
     }
 }
 
-/// 20,000 ready tasks over `domains` domains on Pulp's schema; the FetchTask latencies of 10
-/// workers fetching and finishing at once.
+/// 20,000 ready tasks over `domains` domains on Pulp's schema; the FetchTask latencies of one
+/// worker fetching and finishing.
 async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Duration> {
     const TASKS: i32 = 20_000;
-    const WARM: usize = 300;
-    const FETCHES: usize = 3_000;
+    const WARM: usize = 200;
+    const FETCHES: usize = 2_000;
+    const COST_WORKERS: usize = 1;
     let db_name = format!("cost{n}");
     let url = pg.create_database(&db_name).unwrap();
     pg.psql(&db_name, PULP_SCHEMA).unwrap();
@@ -348,7 +350,7 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
     let endpoint = format!("http://{}", broker.addr);
     let left = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(WARM + FETCHES));
     let mut handles = Vec::new();
-    for w in 0..WORKERS {
+    for w in 0..COST_WORKERS {
         let worker = Worker::connect(&endpoint, quiet(&format!("w{w}")))
             .await
             .unwrap();
@@ -378,7 +380,7 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
     for handle in handles {
         let mine = handle.await.unwrap();
         // Each worker's first fetches warm the connections and prepared statements.
-        times.extend(mine.into_iter().skip(WARM / WORKERS));
+        times.extend(mine.into_iter().skip(WARM / COST_WORKERS));
     }
     broker.shutdown().await.unwrap();
     times.sort();

@@ -606,6 +606,9 @@ impl Dispatch {
                     Some(Woken::Turn) => {}
                 }
             }
+            // Read first: a release that wakes the queue while the directed passes run is not
+            // missed by a call that then waits.
+            let seen_before = self.waiters.generation();
             match self.directed_passes(&call).await? {
                 Fair::Granted(grant) => {
                     self.stats.fetch("claimed");
@@ -625,8 +628,7 @@ impl Dispatch {
                         Some(place) => place.found_nothing(),
                         None => {
                             let lease = self.live_lease(lease_id).await?;
-                            let seen = self.waiters.generation();
-                            place = Some(self.join_waiters(seen, call.offer(lease))?);
+                            place = Some(self.join_waiters(seen_before, call.offer(lease))?);
                         }
                     }
                     continue;
@@ -1985,11 +1987,12 @@ impl Dispatch {
             )
             .await?;
         let mut reserved = Reservations::default();
+        let mut held_groups: HashSet<Uuid> = HashSet::new();
         for row in page.tasks {
             let ready_by_rule =
                 ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
             reserved.reserve(&row.candidate.resources);
-            if !ready_by_rule || !offer.takes(&row) {
+            if !ready_by_rule || !offer.takes(&row) || held_groups.contains(&row.group) {
                 continue;
             }
             let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
@@ -2007,8 +2010,10 @@ impl Dispatch {
                 }
                 Attempt::LeaseGone => return Err(self.lease_gone(call.lease_id)),
                 Attempt::HeldBack => {
+                    // Its group is at its cap (or the reserve is full): the page's other
+                    // groups' tasks are still tried, this group's are not.
                     held_back.store(true, Ordering::SeqCst);
-                    return Ok(None);
+                    held_groups.insert(row.group);
                 }
                 Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
             }

@@ -84,7 +84,8 @@ pub struct GroupView {
     pub running: u32,
     /// Whether it has waiting tasks (as of the last directory read).
     pub waiting: bool,
-    /// Its share of what runs now by weight, among the groups running or waiting.
+    /// Its share of the workers by weight, among the groups listed (running, waiting or named
+    /// by the policy).
     pub share: f64,
 }
 
@@ -290,7 +291,9 @@ impl Fairness {
             directed: Vec::new(),
             // The directory may be a read behind: an immediate task it does not know yet is
             // found once it is read (a task notification has it read at once).
-            skip_queue_order: state.directed
+            // (Never under `--fair-by none`: without the immediate tasks' page, the pass in
+            // queue order is what finds them.)
+            skip_queue_order: self.engaged_in(&state)
                 && (deferred_held || (all_capped && !state.immediate_waiting)),
         };
         if !self.engaged_in(&state) {
@@ -368,6 +371,14 @@ impl Fairness {
     /// Reads the directory (and, when unknown groups appear, the domains' names); true when a
     /// group started waiting or an immediate task did, or a dry page may be read again.
     pub async fn refresh(&self, tasks: &Tasks) -> Result<bool, crate::tasks::Error> {
+        // A policy naming a domain by a name not resolved yet: the names are read (caps by name
+        // hold with or without the fair indexes).
+        if self.unresolved_names() {
+            let names = tasks.domain_names().await?;
+            let mut state = self.write();
+            state.names = names;
+            state.rules = state.policy.resolve(&state.names);
+        }
         let directed = self.read().directed;
         if !directed {
             return Ok(false);
@@ -397,6 +408,17 @@ impl Fairness {
         state.dry.clear();
         // Only news to fair dispatch: a fetch in queue order finds what it needs without.
         Ok(news && self.engaged_in(&state))
+    }
+
+    /// Whether the policy names a domain by a name not known yet.
+    fn unresolved_names(&self) -> bool {
+        let state = self.read();
+        self.by == FairBy::Domain
+            && state
+                .policy
+                .groups
+                .keys()
+                .any(|k| k.parse::<Uuid>().is_err() && !state.names.values().any(|n| n == k))
     }
 
     /// Reads the policy file if it changed since the last read; refuses a file that cannot be

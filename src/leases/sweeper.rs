@@ -87,7 +87,10 @@ impl Sweeper {
                 }
             }
         }
-        self.reconcile().await
+        self.reconcile().await?;
+        // Fair dispatch's counts of tasks holding locks, from the locks themselves.
+        self.locks.recount().await?;
+        Ok(())
     }
 
     /// Releases the locks that serve no one (see the module docs), then checks claims.

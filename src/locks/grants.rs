@@ -147,6 +147,20 @@ impl Locks {
         Ok(standing)
     }
 
+    /// Counts the tasks holding locks anew, by group and deferred (recount.lua; the sweeping
+    /// replica, every sweep). Returns how many task locks it counted.
+    pub async fn recount(&self) -> Result<u64, Error> {
+        self.run_reading(
+            self.scripts
+                .recount
+                .key(self.keys.locked())
+                .key(self.keys.running())
+                .key(self.keys.deferred())
+                .arg(self.keys.tag()),
+        )
+        .await
+    }
+
     /// Locks every resource of a task for a lease in one atomic step, or nothing.
     pub async fn acquire(
         &self,

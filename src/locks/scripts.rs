@@ -39,6 +39,7 @@ pub(super) struct Scripts {
     pub lease_table: Script,
     pub release_orphan: Script,
     pub standing: Script,
+    pub recount: Script,
 }
 
 impl Scripts {
@@ -66,10 +67,11 @@ impl Scripts {
             lease_table: script!("lease_table.lua"),
             release_orphan: script!("release_orphan.lua"),
             standing: script!("standing.lua"),
+            recount: script!("recount.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 22] {
+    pub fn all(&self) -> [&Script; 23] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -93,6 +95,7 @@ impl Scripts {
             &self.lease_table,
             &self.release_orphan,
             &self.standing,
+            &self.recount,
         ]
     }
 }

@@ -437,3 +437,77 @@ async fn a_cap_still_holds_after_redis_lost_its_state_and_locks_were_rebuilt() {
         "D1 is still at its cap of 2"
     );
 }
+
+#[tokio::test]
+async fn a_capped_domains_immediate_task_does_not_hold_up_another_domains() {
+    // Two leases, a reserve of one: with one deferred task running, only immediate tasks may
+    // go out, and D1's are held back entirely by its cap of 0.
+    let policy =
+        policy_file("reserve = 1\n[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 0\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let first = env.open("w1").await;
+    let second = env.open("w2").await;
+    task_in(&env, D2, "d0", false).await;
+    env.fetch(&first).await.expect("the deferred task");
+    let held = task_in(&env, D1, "a0", true).await;
+    let other = task_in(&env, D2, "b0", true).await;
+    engaged(&env).await;
+    let t = fetch_waiting(&mut env.client, &second)
+        .await
+        .expect("D2's immediate task");
+    assert_eq!(
+        id(&t),
+        other,
+        "D1's older immediate task is held back by its cap, D2's is not"
+    );
+    assert_eq!(env.state(held).await, "waiting");
+}
+
+#[tokio::test]
+async fn the_sweep_counts_the_tasks_holding_locks_anew() {
+    let mut env = Env::with(|a| {
+        fast(a);
+        a.sweep_interval = Duration::from_millis(100);
+    })
+    .await;
+    task_in(&env, D1, "a0", false).await;
+    let lease = env.open("w").await;
+    env.fetch(&lease).await.expect("a task");
+    // A count gone wrong (a lock released by a broker from before fair dispatch would leave
+    // one): the next sweep counts from the locks themselves.
+    use deadpool_redis::redis;
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg("{dispatch}:running")
+        .arg(D1.to_string())
+        .arg(7)
+        .arg(D2.to_string())
+        .arg(3)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("{dispatch}:deferred")
+        .arg(10)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let locks = env.broker().locks.clone();
+    let fixed = eventually(Duration::from_secs(10), || {
+        let locks = locks.clone();
+        async move {
+            locks
+                .standing()
+                .await
+                .is_ok_and(|s| s.running_of(&D1) == 1 && s.running_of(&D2) == 0 && s.deferred == 1)
+        }
+    })
+    .await;
+    assert!(fixed.is_some(), "the counts were not made right");
+}
