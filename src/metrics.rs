@@ -98,6 +98,11 @@ pub const FAIR_POLICY_REFUSED_TOTAL: &str = "dispatch_fair_policy_refused_total"
 /// groups seen by name or id, the rest as `other`).
 pub const TASK_WAIT_SECONDS: &str = "dispatch_task_wait_seconds";
 
+/// Tasks holding locks (claimed or running, on every replica) by group, as each replica read it
+/// last (every `--fair-refresh`): the first `--fair-metric-groups` groups seen by name or id,
+/// the rest summed as `other`.
+pub const GROUP_RUNNING: &str = "dispatch_group_running";
+
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
     POSTGRES_STATEMENTS_TOTAL,
@@ -130,6 +135,7 @@ pub const ALL: &[&str] = &[
     FAIR_HELD_BACK_TOTAL,
     FAIR_POLICY_REFUSED_TOTAL,
     TASK_WAIT_SECONDS,
+    GROUP_RUNNING,
 ];
 
 /// Describes every metric once, at start-up.
@@ -147,6 +153,10 @@ pub fn describe() {
     describe_counter!(
         FAIR_POLICY_REFUSED_TOTAL,
         "Fairness policy files refused; the policy in force stayed."
+    );
+    describe_gauge!(
+        GROUP_RUNNING,
+        "Tasks holding locks (claimed or running, every replica) by group."
     );
     describe_histogram!(
         TASK_WAIT_SECONDS,
@@ -468,6 +478,18 @@ impl Stats {
     /// Counts a refused policy file.
     pub fn policy_refused(&self) {
         metrics::counter!(FAIR_POLICY_REFUSED_TOTAL).increment(1);
+    }
+
+    /// Sets the tasks holding locks of each group label (labels not given are set to 0).
+    pub fn groups_running(
+        &self,
+        running: &std::collections::BTreeMap<String, u32>,
+        all: &[String],
+    ) {
+        for label in all {
+            let n = running.get(label).copied().unwrap_or(0);
+            metrics::gauge!(GROUP_RUNNING, "group" => label.clone()).set(f64::from(n));
+        }
     }
 
     /// Records how long a granted task waited, under its group's label.

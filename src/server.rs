@@ -288,6 +288,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         },
         Arc::clone(&background_stats),
         Arc::clone(&waiters),
+        sweeper.locks.clone(),
         shutdown.clone(),
     ));
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(

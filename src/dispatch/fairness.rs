@@ -470,8 +470,10 @@ impl Fairness {
         settings: FairSettings,
         stats: Arc<Stats>,
         waiters: Arc<super::Queue>,
+        locks: crate::locks::Locks,
         shutdown: Shutdown,
     ) {
+        let mut labelled: Vec<String> = Vec::new();
         let mut tick = tokio::time::interval(settings.refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -492,6 +494,20 @@ impl Fairness {
                 Ok(false) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+                }
+            }
+            if self.by == FairBy::Domain {
+                if let Ok(standing) = locks.standing().await {
+                    let mut running: std::collections::BTreeMap<String, u32> = Default::default();
+                    for (group, n) in &standing.running {
+                        *running.entry(self.label(*group)).or_default() += n;
+                    }
+                    for label in running.keys() {
+                        if !labelled.contains(label) {
+                            labelled.push(label.clone());
+                        }
+                    }
+                    stats.groups_running(&running, &labelled);
                 }
             }
             tokio::select! {

@@ -511,3 +511,44 @@ async fn the_sweep_counts_the_tasks_holding_locks_anew() {
     .await;
     assert!(fixed.is_some(), "the counts were not made right");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_shows_each_domains_wait_and_running_tasks() {
+    // A broker process of its own: its /metrics shows its own series only.
+    let mut env = Env::new().await;
+    env.broker.take().unwrap().shutdown().await.unwrap();
+    task_in(&env, D1, "a0", false).await;
+    task_in(&env, D1, "a1", false).await;
+    task_in(&env, D2, "b0", false).await;
+    let broker = BrokerProcess::start(
+        &env.db_url,
+        &env.redis.url(),
+        &["--fair-refresh", "50ms"],
+        &[],
+    )
+    .await;
+    let mut client = broker.client().await;
+    let lease = open_on(&mut client, "w").await;
+    for _ in 0..3 {
+        assert!(fetch_on(&mut client, &lease).await.is_some());
+    }
+    let (d1, d2) = (
+        format!("dispatch_group_running{{group=\"{D1}\"}}"),
+        format!("dispatch_group_running{{group=\"{D2}\"}}"),
+    );
+    let served = eventually(Duration::from_secs(10), || async {
+        let page = broker.metrics().await;
+        metric(&page, &d1) == Some(2.0) && metric(&page, &d2) == Some(1.0)
+    })
+    .await;
+    let page = broker.metrics().await;
+    assert!(served.is_some(), "D1 runs 2, D2 runs 1:\n{page}");
+    assert_eq!(
+        metric(
+            &page,
+            &format!("dispatch_task_wait_seconds_count{{group=\"{D1}\"}}")
+        ),
+        Some(2.0),
+        "{page}"
+    );
+}
