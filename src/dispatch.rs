@@ -1941,18 +1941,19 @@ impl Dispatch {
         for directed in plan.directed {
             let this = self.clone();
             let call = call.clone();
-            let held_back = Arc::new(AtomicBool::new(false));
-            let held = Arc::clone(&held_back);
+            let not_dry = Arc::new(AtomicBool::new(false));
+            let not_dry_here = Arc::clone(&not_dry);
             let grant = self
-                .detached(async move { this.directed_pass(&call, directed, &held).await })
+                .detached(async move { this.directed_pass(&call, directed, &not_dry_here).await })
                 .await?;
             self.stats.directed_pass(grant.is_some());
             if let Some(grant) = grant {
                 return Ok(Fair::Granted(grant));
             }
             // A page whose ready task was held back (another fetch took the last place under
-            // the cap or the reserve just now) is not dry: it is read again at the next turn.
-            if !held_back.load(Ordering::SeqCst) {
+            // the cap or the reserve just now), or could not go to this lease (versions, skip
+            // ids), is not dry: it is read again at the next turn.
+            if !not_dry.load(Ordering::SeqCst) {
                 self.fairness.dry(directed);
             }
         }
@@ -1969,7 +1970,7 @@ impl Dispatch {
         &self,
         call: &Call,
         directed: crate::tasks::Directed,
-        held_back: &AtomicBool,
+        not_dry: &AtomicBool,
     ) -> Result<Option<Grant>> {
         let lease = match self.known_lease(call.lease_id) {
             Some(lease) => lease,
@@ -1992,6 +1993,11 @@ impl Dispatch {
             let ready_by_rule =
                 ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
             reserved.reserve(&row.candidate.resources);
+            if ready_by_rule && !offer.takes(&row) {
+                // Ready, but not for this lease (versions, skip ids): another lease may take
+                // it, so the page is not dry for everyone.
+                not_dry.store(true, Ordering::SeqCst);
+            }
             if !ready_by_rule || !offer.takes(&row) || held_groups.contains(&row.group) {
                 continue;
             }
@@ -2012,7 +2018,7 @@ impl Dispatch {
                 Attempt::HeldBack => {
                     // Its group is at its cap (or the reserve is full): the page's other
                     // groups' tasks are still tried, this group's are not.
-                    held_back.store(true, Ordering::SeqCst);
+                    not_dry.store(true, Ordering::SeqCst);
                     held_groups.insert(row.group);
                 }
                 Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}

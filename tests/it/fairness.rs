@@ -552,3 +552,35 @@ async fn prometheus_shows_each_domains_wait_and_running_tasks() {
         "{page}"
     );
 }
+
+#[tokio::test]
+async fn a_page_one_lease_cannot_take_is_read_again_for_the_next() {
+    // The domains are read once a minute here: a page marked dry would stay dry.
+    let mut env = Env::with(|a| a.fair.refresh = Duration::from_secs(60)).await;
+    // D2's one task, the oldest, needs a component the first worker lacks.
+    let newer = Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO core_task (pulp_id, name, state, reserved_resources_record, pulp_domain_id, versions) \
+             VALUES ($1, 'test.task', 'waiting', '{b0}', $2, hstore('core', '9.0'))",
+            &[&newer, &D2],
+        )
+        .await
+        .unwrap();
+    let d1 = [
+        task_in(&env, D1, "a0", false).await,
+        task_in(&env, D1, "a1", false).await,
+    ];
+    directory_knows(&env, 2).await;
+    let old = env.open("old").await;
+    let t = env.fetch(&old).await.expect("a task of D1");
+    assert_eq!(id(&t), d1[0]);
+    // At once (before the next read of the domains): D2's page was not dry for this lease.
+    let new = env.open_with("new", &[("core", "9.0")], None).await;
+    let t = env.fetch(&new).await.expect("D2's task");
+    assert_eq!(
+        id(&t),
+        newer,
+        "D2 runs nothing, D1 one: D2's task goes first"
+    );
+}
