@@ -118,10 +118,17 @@ async fn insert(db: &tokio_postgres::Client, domain: usize, n: i32, immediate: b
     db.batch_execute(&statement).await.unwrap();
 }
 
-async fn run(pg: &Postgres, redis: &Redis, n: usize, setting: &Setting, d1: i32) -> Run {
-    let db_name = format!("fair{n}");
-    let url = pg.create_database(&db_name).unwrap();
-    pg.psql(&db_name, PULP_SCHEMA).unwrap();
+/// A fresh database `name` with pulpcore's schema, `setup` run on it, then prepared as the
+/// README's step 1 prepares Pulp's (`migrate --lanes-index --fair-indexes --gin-fastupdate-off`);
+/// Redis emptied.
+async fn pulp_database(
+    pg: &Postgres,
+    redis: &Redis,
+    name: &str,
+    setup: &str,
+) -> (String, tokio_postgres::Client) {
+    let url = pg.create_database(name).unwrap();
+    pg.psql(name, PULP_SCHEMA).unwrap();
     let _ = std::process::Command::new("redis-cli")
         .args(["-u", &redis.url(), "FLUSHALL"])
         .output();
@@ -129,6 +136,20 @@ async fn run(pg: &Postgres, redis: &Redis, n: usize, setting: &Setting, d1: i32)
         .await
         .unwrap();
     tokio::spawn(conn);
+    if !setup.is_empty() {
+        db.batch_execute(setup).await.unwrap();
+    }
+    dispatch_broker::tasks::Tasks::connect(&url, 1, Duration::from_secs(10), Default::default())
+        .await
+        .unwrap()
+        .migrate(true, false, true, true)
+        .await
+        .unwrap();
+    (url, db)
+}
+
+async fn run(pg: &Postgres, redis: &Redis, n: usize, setting: &Setting, d1: i32) -> Run {
+    let (url, db) = pulp_database(pg, redis, &format!("fair{n}"), "").await;
     for (name, id) in DOMAINS {
         db.execute(
             "INSERT INTO core_domain (pulp_id, pulp_created, name, storage_class, \
@@ -139,15 +160,6 @@ async fn run(pg: &Postgres, redis: &Redis, n: usize, setting: &Setting, d1: i32)
         .await
         .unwrap();
     }
-    let tasks = dispatch_broker::tasks::Tasks::connect(
-        &url,
-        1,
-        Duration::from_secs(10),
-        Default::default(),
-    )
-    .await
-    .unwrap();
-    tasks.migrate(true, false, true, true).await.unwrap();
     insert(&db, 0, d1, false, true).await;
 
     let policy = tempfile::NamedTempFile::new().unwrap();
@@ -310,17 +322,7 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
     const WARM: usize = 200;
     const FETCHES: usize = 2_000;
     const COST_WORKERS: usize = 1;
-    let db_name = format!("cost{n}");
-    let url = pg.create_database(&db_name).unwrap();
-    pg.psql(&db_name, PULP_SCHEMA).unwrap();
-    let _ = std::process::Command::new("redis-cli")
-        .args(["-u", &redis.url(), "FLUSHALL"])
-        .output();
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    db.batch_execute(&format!(
+    let setup = format!(
         "INSERT INTO core_domain (pulp_id, pulp_created, name, storage_class, storage_settings, \
          redirect_to_object_storage, hide_guarded_distributions, pulp_labels) \
          SELECT ('00000000-0000-0000-0000-' || lpad(to_hex(i), 12, '0'))::uuid, now(), 'd' || i, \
@@ -333,18 +335,8 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
                 ('00000000-0000-0000-0000-' || lpad(to_hex(i % {domains} + 1), 12, '0'))::uuid, \
                 ''::hstore, false, true, 'v3' \
          FROM generate_series(1, {TASKS}) i; COMMIT; ANALYZE core_task"
-    ))
-    .await
-    .unwrap();
-    let tasks = dispatch_broker::tasks::Tasks::connect(
-        &url,
-        1,
-        Duration::from_secs(10),
-        Default::default(),
-    )
-    .await
-    .unwrap();
-    tasks.migrate(true, false, true, true).await.unwrap();
+    );
+    let (url, _db) = pulp_database(pg, redis, &format!("cost{n}"), &setup).await;
     let args = ServeArgs::with_urls(&url, &redis.url());
     let broker = dispatch_broker::server::start(&args).await.unwrap();
     let endpoint = format!("http://{}", broker.addr);

@@ -103,6 +103,7 @@ pub mod sql {
     pub const FAIR_INDEXES: &str = include_str!("tasks/fair_indexes.sql");
     pub const GROUPS_WAITING: &str = include_str!("tasks/groups_waiting.sql");
     pub const DOMAIN_NAMES: &str = include_str!("tasks/domain_names.sql");
+    pub const DOMAIN_TABLE: &str = include_str!("tasks/domain_table.sql");
     pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
     pub const GIN_FASTUPDATE: &str = include_str!("tasks/gin_fastupdate.sql");
     pub const GIN_CLEAN: &str = include_str!("tasks/gin_clean.sql");
@@ -147,9 +148,10 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 33]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 34]> = LazyLock::new(|| {
         [
             GROUPS_WAITING,
+            DOMAIN_TABLE,
             QUEUE_PAGE,
             QUEUE_KNOWN,
             TASK_SEEN.as_str(),
@@ -1206,12 +1208,13 @@ impl Tasks {
 
     /// Every domain's name by id (Pulp's `core_domain`); empty on the broker's own schema.
     pub async fn domain_names(&self) -> Result<HashMap<Uuid, String>, Error> {
-        if !self
-            .schema_items()
+        // The table alone, not the whole schema check (this runs whenever a domain is new).
+        let has_domains: bool = self
+            .query_read(sql::DOMAIN_TABLE, &[])
             .await?
-            .iter()
-            .any(|i| i == "core_domain")
-        {
+            .first()
+            .is_some_and(|r| r.get(0));
+        if !has_domains {
             return Ok(HashMap::new());
         }
         let rows = self.query_read(sql::DOMAIN_NAMES, &[]).await?;

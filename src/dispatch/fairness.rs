@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -93,7 +93,8 @@ pub struct GroupView {
 struct State {
     policy: Policy,
     source: Source,
-    file_seen: Option<(SystemTime, u64)>,
+    /// The policy file as last read: its text's hash, or `None` when it could not be read.
+    file_seen: Option<Option<u64>>,
     names: HashMap<Group, String>,
     rules: Rules,
     /// The fair indexes exist: directed passes can read flat.
@@ -175,11 +176,6 @@ impl Fairness {
         label
     }
 
-    /// Plain FIFO: no directed passes, no caps, no reserve (tests and tools).
-    pub fn off() -> Self {
-        Fairness::new(FairBy::None, Policy::default(), Source::Default, false)
-    }
-
     fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
         self.state.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -219,11 +215,6 @@ impl Fairness {
     /// Whether fair dispatch's indexes exist (directed passes can be made).
     pub fn directed(&self) -> bool {
         self.read().directed
-    }
-
-    /// The domain's name, when known.
-    pub fn known_name(&self, group: Group) -> Option<String> {
-        self.read().names.get(&group).cloned()
     }
 
     /// A group's domain name, or its id where no name is known.
@@ -336,17 +327,14 @@ impl Fairness {
     /// Every group running or waiting, for the operator.
     pub fn view(&self, standing: &Standing) -> Vec<GroupView> {
         let state = self.read();
-        let mut groups: Vec<Group> = standing.running.keys().copied().collect();
-        for (g, _) in &state.waiting {
-            if !groups.contains(g) {
-                groups.push(*g);
-            }
-        }
-        for g in state.rules.by_group.keys() {
-            if !groups.contains(g) {
-                groups.push(*g);
-            }
-        }
+        let waiting: HashSet<Group> = state.waiting.iter().map(|(g, _)| *g).collect();
+        let groups: HashSet<Group> = standing
+            .running
+            .keys()
+            .chain(&waiting)
+            .chain(state.rules.by_group.keys())
+            .copied()
+            .collect();
         let total_weight: f64 = groups.iter().map(|g| state.rules.weight(g)).sum();
         let mut view: Vec<GroupView> = groups
             .into_iter()
@@ -356,7 +344,7 @@ impl Fairness {
                 weight: state.rules.weight(&g),
                 cap: state.rules.cap(&g),
                 running: standing.running_of(&g),
-                waiting: state.waiting.iter().any(|(w, _)| *w == g),
+                waiting: waiting.contains(&g),
                 share: if total_weight > 0.0 {
                     state.rules.weight(&g) / total_weight
                 } else {
@@ -398,11 +386,10 @@ impl Fairness {
             state.names = names;
             state.rules = state.policy.resolve(&state.names);
         }
+        let before: HashSet<Group> = state.waiting.iter().map(|(g, _)| *g).collect();
         let news = !state.dry.is_empty()
             || (immediate_waiting && !state.immediate_waiting)
-            || waiting
-                .iter()
-                .any(|(g, _)| !state.waiting.iter().any(|(w, _)| w == g));
+            || waiting.iter().any(|(g, _)| !before.contains(g));
         state.waiting = waiting;
         state.immediate_waiting = immediate_waiting;
         state.dry.clear();
@@ -424,25 +411,21 @@ impl Fairness {
     /// Reads the policy file if it changed since the last read; refuses a file that cannot be
     /// used (logged with the line, counted), keeping the policy in force.
     pub fn reload(&self, path: &std::path::Path, stats: &Stats) {
-        let seen = std::fs::metadata(path)
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len())));
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
+        // What was last read: the text's hash, or `None` for a file that could not be read.
+        let seen = std::fs::read_to_string(path).map(|text| (hash(&text), text));
+        let now = seen.as_ref().ok().map(|(h, _)| *h);
+        if self.read().file_seen == Some(now) {
+            return;
+        }
+        self.write().file_seen = Some(now);
+        let text = match seen {
+            Ok((_, text)) => text,
             Err(e) => {
-                if self.read().file_seen != Some((SystemTime::UNIX_EPOCH, 0)) {
-                    tracing::error!(path = %path.display(), error = %e, "cannot read the fairness policy file; the policy in force stays");
-                    stats.policy_refused();
-                    self.write().file_seen = Some((SystemTime::UNIX_EPOCH, 0));
-                }
+                tracing::error!(path = %path.display(), error = %e, "cannot read the fairness policy file; the policy in force stays");
+                stats.policy_refused();
                 return;
             }
         };
-        let seen = seen.map(|(at, len)| (at, len ^ hash(&text)));
-        if seen.is_some() && self.read().file_seen == seen {
-            return;
-        }
-        self.write().file_seen = seen;
         match Policy::parse(&text) {
             Ok(policy) => {
                 let changed = {
