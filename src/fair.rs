@@ -286,6 +286,37 @@ impl Rules {
         self.by_group.get(group).and_then(|r| r.cap)
     }
 
+    /// The lane gauge's count under the caps and the reserve, from the lanes the readiness rule
+    /// counts by (group, immediate): how many workers could be busy at once.
+    ///
+    /// - A group contributes at most its cap (its immediate lanes first, as they go first).
+    /// - While deferred lanes remain, the reserve is counted in full (or the immediate lanes, if
+    ///   more): deferred tasks use at most live leases minus the reserve, so running them all
+    ///   takes that many leases more.
+    pub fn lanes(&self, lanes: impl IntoIterator<Item = (Group, bool, u64)>) -> u64 {
+        let mut by_group: HashMap<Group, (u64, u64)> = HashMap::new();
+        for (group, immediate, n) in lanes {
+            let counts = by_group.entry(group).or_default();
+            if immediate {
+                counts.0 += n;
+            } else {
+                counts.1 += n;
+            }
+        }
+        let (mut immediate, mut deferred) = (0u64, 0u64);
+        for (group, (i, d)) in by_group {
+            let cap = self.cap(&group).map_or(u64::MAX, u64::from);
+            let i = i.min(cap);
+            immediate += i;
+            deferred += d.min(cap - i);
+        }
+        if deferred == 0 {
+            immediate
+        } else {
+            deferred + immediate.max(u64::from(self.reserve))
+        }
+    }
+
     /// Whether any group has a cap.
     pub fn has_caps(&self) -> bool {
         self.by_group.values().any(|r| r.cap.is_some())

@@ -1,6 +1,8 @@
 //! The lane gauge: how many incomplete tasks (older than a cut-off) no older incomplete task
 //! conflicts with — the same rule as dispatch (`ready::LaneCounter`), Pulp's
 //! `count_waiting_tasks_for_metric`. `waiting_tasks` = lanes - live leases is Pulp's KEDA gauge.
+//! Fair dispatch's caps and reserve limit the count (`fair::Rules::lanes`): a domain capped at 3
+//! is 3 lanes at most, and while deferred lanes wait the reserve's leases are counted too.
 //!
 //! The count is computed at most once per interval across all replicas (a Redis lock) and shared
 //! through Redis with its time of computation; every replica serves that cached value to
@@ -15,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use crate::dispatch::Fairness;
 use crate::error::Result;
 use crate::locks::Locks;
 use crate::metrics;
@@ -121,6 +124,8 @@ pub struct LaneConfig {
 pub struct Lanes {
     tasks: Tasks,
     locks: Locks,
+    /// Its caps and reserve limit the lanes counted.
+    fairness: Fairness,
     config: LaneConfig,
     replica: String,
     state: watch::Sender<Gauge>,
@@ -143,10 +148,17 @@ pub const TRACK_LIMIT: usize = 50_000;
 
 impl Lanes {
     /// Builds the gauge; call [`Lanes::run`] to keep it current.
-    pub fn new(tasks: Tasks, locks: Locks, config: LaneConfig, replica: String) -> Self {
+    pub fn new(
+        tasks: Tasks,
+        locks: Locks,
+        fairness: Fairness,
+        config: LaneConfig,
+        replica: String,
+    ) -> Self {
         Lanes {
             tasks,
             locks,
+            fairness,
             config,
             replica,
             state: watch::channel(Gauge::default()).0,
@@ -221,7 +233,13 @@ impl Lanes {
                 (k, Some(survey), "full")
             }
         };
-        let lanes = now.counter.lanes();
+        // What the readiness rule counts, limited by fair dispatch's caps and reserve.
+        let lanes = self.fairness.lanes(now.counter.lanes_by_class());
+        tracing::trace!(
+            lanes,
+            ready = now.counter.lanes(),
+            "lanes under caps and the reserve"
+        );
         // The counter stays valid whether or not Redis takes the value.
         *kept = Some(now);
         drop(kept);

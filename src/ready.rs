@@ -331,7 +331,7 @@ pub fn is_valid_release(v: &str) -> bool {
 }
 
 mod counter;
-pub use counter::{Key, LaneCounter, Repair};
+pub use counter::{Class, Key, LaneCounter, Repair};
 pub mod queues;
 pub use queues::{ResourceQueues, Seen, Start};
 

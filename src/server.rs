@@ -205,6 +205,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     let lanes = Arc::new(Lanes::new(
         sweeper.tasks.clone(),
         sweeper.locks.clone(),
+        fairness.clone(),
         LaneConfig {
             interval: args.lanes.interval,
             cutoff: args.lanes.cutoff,

@@ -345,6 +345,16 @@ fn lane_row(row: &Row) -> Result<(Key, Vec<&str>), Error> {
     Ok(((created.timestamp_micros(), id), record.unwrap_or_default()))
 }
 
+/// A lane statement's row (lanes.sql and its kin): [`lane_row`] and the task's class.
+fn classed_lane_row(row: &Row) -> Result<(Key, Vec<&str>, crate::ready::Class), Error> {
+    let (key, record) = lane_row(row)?;
+    let class = crate::ready::Class {
+        domain: row.try_get(3)?,
+        immediate: row.try_get(4)?,
+    };
+    Ok((key, record, class))
+}
+
 /// What the resource queues tell candidates.sql's exact look-ups (see the file): a task up to
 /// the end of the queue's head is looked up against the incomplete tasks older than it, and so is
 /// a task whose conflict keys include entries of long queues, as long as those older tasks are no

@@ -28,6 +28,7 @@ use crate::fair::{FairBy, Group, Policy, Rules, Standing};
 use crate::ids::TaskId;
 use crate::locks::Admission;
 use crate::metrics::Stats;
+use crate::ready::Class;
 use crate::shutdown::Shutdown;
 use crate::tasks::{Directed, Tasks};
 
@@ -204,6 +205,25 @@ impl Fairness {
                 FairBy::Domain => state.rules.cap(&group),
             },
             reserve: state.rules.reserve,
+        }
+    }
+
+    /// The lane gauge's count from the lanes by class (`ready::LaneCounter::lanes_by_class`),
+    /// under the caps and the reserve in force (`fair::Rules::lanes`; no caps under
+    /// `--fair-by none`).
+    pub fn lanes(&self, by_class: impl IntoIterator<Item = (Class, u64)>) -> u64 {
+        let state = self.read();
+        let lanes = by_class
+            .into_iter()
+            .map(|(c, n)| (self.group_of(c.domain), c.immediate, n));
+        match self.by {
+            FairBy::None => Rules {
+                default_weight: state.rules.default_weight,
+                reserve: state.rules.reserve,
+                by_group: HashMap::new(),
+            }
+            .lanes(lanes),
+            FairBy::Domain => state.rules.lanes(lanes),
         }
     }
 

@@ -140,6 +140,29 @@ fn the_reserve_keeps_leases_for_immediate_tasks() {
 }
 
 #[test]
+fn the_gauge_counts_lanes_under_caps_and_the_reserve() {
+    // D1: 17 deferred lanes, capped at 3; D2: 2 deferred; D3: 1 immediate.
+    let lanes = [(g(1), false, 17), (g(2), false, 2), (g(3), true, 1)];
+    assert_eq!(rules(&[], &[], 0).lanes(lanes), 20);
+    assert_eq!(rules(&[], &[(1, 3)], 0).lanes(lanes), 6);
+    // A reserve of 2: the deferred 5 need 2 leases more than themselves.
+    assert_eq!(rules(&[], &[(1, 3)], 2).lanes(lanes), 7);
+    // Immediate lanes beyond the reserve are counted as they are.
+    assert_eq!(
+        rules(&[], &[(1, 3)], 2).lanes([(g(3), true, 4), (g(2), false, 1)]),
+        5
+    );
+    // No deferred lane: nothing to keep the reserve from.
+    assert_eq!(rules(&[], &[], 2).lanes([(g(3), true, 1)]), 1);
+    assert_eq!(rules(&[], &[], 2).lanes([]), 0);
+    // A cap counts immediate lanes first.
+    assert_eq!(
+        rules(&[], &[(1, 3)], 0).lanes([(g(1), true, 2), (g(1), false, 5)]),
+        3
+    );
+}
+
+#[test]
 fn choose_takes_immediate_tasks_first_then_the_fair_group() {
     let r = rules(&[], &[], 0);
     let s = standing(&[(1, 5)], 5, 10);
@@ -332,5 +355,43 @@ proptest! {
                 }
             }
         }
+    }
+
+    /// The gauge's count is the fewest live leases with which every lane the caps allow can
+    /// hold its locks at once, granting as `holds_back` allows (immediate lanes first).
+    #[test]
+    fn the_gauge_counts_the_leases_that_run_every_allowed_lane(
+        lanes in proptest::collection::vec((0u128..4, any::<bool>(), 0u64..6), 0..8),
+        caps in proptest::collection::vec((0u128..4, 0u32..5), 0..3),
+        reserve in 0u32..4,
+    ) {
+        let r = rules(&[], &caps, reserve);
+        let granted = |leases: u32| -> u64 {
+            let mut s = standing(&[], 0, leases);
+            let mut left: Vec<(Group, bool, u64)> =
+                lanes.iter().map(|(n, i, c)| (g(*n), *i, *c)).collect();
+            // Immediate lanes first, as dispatch hands them out.
+            left.sort_by_key(|(_, immediate, _)| !*immediate);
+            let mut held = 0u64;
+            loop {
+                let next = left.iter_mut().find(|(group, immediate, n)| {
+                    *n > 0 && r.holds_back(&s, group, *immediate).is_none()
+                });
+                match next {
+                    Some((group, immediate, n)) if held < u64::from(leases) => {
+                        *n -= 1;
+                        held += 1;
+                        *s.running.entry(*group).or_default() += 1;
+                        if !*immediate {
+                            s.deferred += 1;
+                        }
+                    }
+                    _ => return held,
+                }
+            }
+        };
+        let all = granted(1_000);
+        let fewest = (0..=1_000u32).find(|l| granted(*l) == all).unwrap();
+        prop_assert_eq!(r.lanes(lanes.iter().map(|(n, i, c)| (g(*n), *i, *c))), u64::from(fewest));
     }
 }

@@ -17,6 +17,8 @@
 
 use std::collections::HashMap;
 
+use uuid::Uuid;
+
 use crate::ids::TaskId;
 
 use super::{BlockedResource, Resources, SHARED_PREFIX};
@@ -39,11 +41,20 @@ struct Places {
     users: u32,
 }
 
+/// What fair dispatch's caps and reserve ask of a lane (`fair::Rules::lanes`): its domain
+/// (Pulp's `pulp_domain_id`) and whether it is immediate. The count itself ignores it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Class {
+    pub domain: Uuid,
+    pub immediate: bool,
+}
+
 /// A task the count depends on: it holds a place, or it is a lane.
 #[derive(Debug, Clone)]
 struct Tracked {
     created: i64,
     resources: Resources,
+    class: Class,
     lane: bool,
 }
 
@@ -55,6 +66,8 @@ pub struct LaneCounter {
     places: Map<String, Places>,
     tracked: Map<TaskId, Tracked>,
     lanes: u64,
+    /// The lanes by class (their sum is `lanes`).
+    by_class: Map<Class, u64>,
     watermark: Option<Key>,
     /// Tasks fed since the counter was made.
     seen: u64,
@@ -87,6 +100,7 @@ impl LaneCounter {
             places: Map::default(),
             tracked: Map::default(),
             lanes: 0,
+            by_class: Map::default(),
             watermark: None,
             seen: 0,
             track_limit: limit,
@@ -97,6 +111,30 @@ impl LaneCounter {
     /// Lanes counted.
     pub fn lanes(&self) -> u64 {
         self.lanes
+    }
+
+    /// The lanes by class, for the caps and the reserve (`fair::Rules::lanes`); classes
+    /// without lanes are left out.
+    pub fn lanes_by_class(&self) -> impl Iterator<Item = (Class, u64)> + '_ {
+        self.by_class
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(c, n)| (*c, *n))
+    }
+
+    fn count(&mut self, class: Class, lane: bool) {
+        if lane {
+            self.lanes += 1;
+            *self.by_class.entry(class).or_default() += 1;
+        } else {
+            self.lanes -= 1;
+            if let Some(n) = self.by_class.get_mut(&class) {
+                *n -= 1;
+                if *n == 0 {
+                    self.by_class.remove(&class);
+                }
+            }
+        }
     }
 
     /// The newest task fed, if any.
@@ -127,8 +165,14 @@ impl LaneCounter {
         self.tracked.keys().copied()
     }
 
-    /// Feeds the next-oldest incomplete task (newer than every task fed so far).
+    /// Feeds the next-oldest incomplete task (newer than every task fed so far), of the
+    /// default class.
     pub fn push_task<S: AsRef<str>>(&mut self, key: Key, record: &[S]) {
+        self.push_classed(key, record, Class::default());
+    }
+
+    /// Feeds the next-oldest incomplete task (newer than every task fed so far), of `class`.
+    pub fn push_classed<S: AsRef<str>>(&mut self, key: Key, record: &[S], class: Class) {
         debug_assert!(self.watermark.is_none_or(|w| w < key), "tasks out of order");
         let places = &self.places;
         let blocked = record.iter().any(|entry| {
@@ -179,10 +223,10 @@ impl LaneCounter {
             }
         }
         if lane {
-            self.lanes += 1;
+            self.count(class, true);
         }
         if lane || holds {
-            self.track(key, Resources::from_record(record), lane);
+            self.track(key, Resources::from_record(record), class, lane);
         }
         self.watermark = Some(key);
         self.seen += 1;
@@ -194,7 +238,7 @@ impl LaneCounter {
         self.overflowed = true;
     }
 
-    fn track(&mut self, key: Key, resources: Resources, lane: bool) {
+    fn track(&mut self, key: Key, resources: Resources, class: Class, lane: bool) {
         // Beyond the limit tracking stops, but what is tracked stays until the counter is
         // dropped: a repair in progress still finds the lanes it tracks (and counts none twice).
         if self.tracked.len() >= self.track_limit {
@@ -206,6 +250,7 @@ impl LaneCounter {
             Tracked {
                 created: key.0,
                 resources,
+                class,
                 lane,
             },
         );
@@ -222,7 +267,7 @@ impl LaneCounter {
                 continue;
             };
             if t.lane {
-                self.lanes -= 1;
+                self.count(t.class, false);
             }
             let key = (t.created, *id);
             let names = t.resources.exclusive.iter().chain(&t.resources.shared);
@@ -272,24 +317,23 @@ impl LaneCounter {
                 p.first_exclusive = need.first_exclusive;
             }
         }
-        for (id, (created, resources)) in repair.candidates {
+        for (id, (created, resources, class)) in repair.candidates {
             let key = (created, id);
             let lane = self.is_lane(key, &resources);
             let holds = self.holds(key, &resources);
             match self.tracked.get_mut(&id) {
                 Some(t) => {
-                    match (t.lane, lane) {
-                        (false, true) => self.lanes += 1,
-                        (true, false) => self.lanes -= 1,
-                        _ => {}
-                    }
+                    let (was, class) = (t.lane, t.class);
                     t.lane = lane;
+                    if was != lane {
+                        self.count(class, lane);
+                    }
                 }
                 None if lane || holds => {
                     if lane {
-                        self.lanes += 1;
+                        self.count(class, true);
                     }
-                    self.track(key, resources, lane);
+                    self.track(key, resources, class, lane);
                 }
                 None => {}
             }
@@ -375,7 +419,7 @@ impl Need {
 pub struct Repair {
     needs: Map<String, Need>,
     /// Tasks that took a place or may have become lanes.
-    candidates: Map<TaskId, (i64, Resources)>,
+    candidates: Map<TaskId, (i64, Resources, Class)>,
 }
 
 impl Repair {
@@ -438,8 +482,13 @@ impl Repair {
     }
 
     /// Feeds the next incomplete task (oldest first; tasks that need none of the repaired
-    /// resources, or come before the places repaired, are ignored).
+    /// resources, or come before the places repaired, are ignored), of the default class.
     pub fn feed<S: AsRef<str>>(&mut self, key: Key, record: &[S]) {
+        self.feed_classed(key, record, Class::default());
+    }
+
+    /// [`Repair::feed`] for a task of `class`.
+    pub fn feed_classed<S: AsRef<str>>(&mut self, key: Key, record: &[S], class: Class) {
         // Most tasks a walk reads need none of the resources repaired: check before parsing.
         if !record
             .iter()
@@ -476,7 +525,7 @@ impl Repair {
             }
         }
         if candidate {
-            self.candidates.insert(key.1, (key.0, resources));
+            self.candidates.insert(key.1, (key.0, resources, class));
         }
     }
 }

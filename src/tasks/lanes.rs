@@ -167,8 +167,8 @@ impl Tasks {
                     .timed(tx.query(&page_statement, &[&at_created, &at_id, &upto.0, &upto.1]))
                     .await?;
                 for row in &rows {
-                    let (key, record) = lane_row(row)?;
-                    repair.feed(key, &record);
+                    let (key, record, class) = classed_lane_row(row)?;
+                    repair.feed_classed(key, &record, class);
                     at = key;
                 }
                 if rows.len() < LANE_PAGE_ROWS {
@@ -195,9 +195,9 @@ impl Tasks {
                     .await?;
                 let mut rows = std::pin::pin!(rows);
                 while let Some(row) = rows.try_next().await? {
-                    let (key, record) = lane_row(&row)?;
+                    let (key, record, class) = classed_lane_row(&row)?;
                     if key > at && key <= watermark {
-                        rest.feed(key, &record);
+                        rest.feed_classed(key, &record, class);
                     }
                 }
                 repair.merge(rest);
@@ -255,8 +255,8 @@ impl Tasks {
         };
         let mut rows = std::pin::pin!(rows);
         while let Some(row) = rows.try_next().await? {
-            let (key, record) = lane_row(&row)?;
-            counter.push_task(key, &record);
+            let (key, record, class) = classed_lane_row(&row)?;
+            counter.push_classed(key, &record, class);
         }
         Ok(())
     }

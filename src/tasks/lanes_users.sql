@@ -5,9 +5,9 @@
 -- between the oldest place repaired and the last task its counter saw.
 --
 -- $1 text[]  the record entries (r and shared:r per resource)
--- Returns: reserved_resources_record, pulp_id, pulp_created per task.
+-- Returns: reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, immediate per task.
 -- Never writes.
-SELECT reserved_resources_record, pulp_id, pulp_created
+SELECT reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, coalesce(immediate, false)
 FROM core_task
 WHERE state NOT IN ($final_states)
   AND reserved_resources_record && $1::text[]

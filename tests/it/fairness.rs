@@ -584,3 +584,49 @@ async fn a_page_one_lease_cannot_take_is_read_again_for_the_next() {
         "D2 runs nothing, D1 one: D2's task goes first"
     );
 }
+
+#[tokio::test]
+async fn the_lane_gauge_counts_a_capped_domain_at_its_cap_and_the_reserve_in_full() {
+    let policy =
+        policy_file("reserve = 2\n[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 3\n");
+    let path = policy.path().to_owned();
+    let env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+        a.lanes.cutoff = Duration::ZERO;
+        a.lanes.full_interval = Duration::from_secs(3600);
+    })
+    .await;
+    for i in 0..6 {
+        task_in(&env, D1, &format!("d1-{i}"), false).await;
+    }
+    for i in 0..2 {
+        task_in(&env, D2, &format!("d2-{i}"), false).await;
+    }
+    let quick = task_in(&env, D2, "q", true).await;
+    let lanes = env.broker().lanes.clone();
+    lanes.compute_now().await.unwrap();
+    // 9 tasks could run by the readiness rule; D1 runs at most 3 of its 6, and while the 5
+    // deferred lanes run, 2 leases stay kept for immediate tasks: 5 + max(1, 2).
+    assert_eq!(lanes.current().lanes, 7);
+    // A maintained pass: a deferred arrival, then the immediate task ends.
+    task_in(&env, D2, "d2-2", false).await;
+    assert_eq!(lanes.compute(false).await.unwrap(), "maintained");
+    assert_eq!(lanes.current().lanes, 8);
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'completed' WHERE pulp_id = $1",
+            &[&quick],
+        )
+        .await
+        .unwrap();
+    assert_eq!(lanes.compute(false).await.unwrap(), "maintained");
+    assert_eq!(lanes.current().lanes, 8, "6 deferred lanes and the reserve");
+    // Without the cap and the reserve, every lane counts.
+    std::fs::write(policy.path(), "").unwrap();
+    env.broker()
+        .fairness
+        .reload(policy.path(), &Default::default());
+    lanes.compute_now().await.unwrap();
+    assert_eq!(lanes.current().lanes, 9);
+}

@@ -17,12 +17,28 @@ fn reference(queue: &[(Key, Vec<String>)]) -> u64 {
         .count() as u64
 }
 
+/// A class that follows from the task's id (so a repair and a fresh count agree on it).
+fn class_of(id: TaskId) -> Class {
+    let n = id.0.as_u128();
+    Class {
+        domain: Uuid::from_u128(n % 3),
+        immediate: n.is_multiple_of(5),
+    }
+}
+
 fn counted(queue: &[(Key, Vec<String>)]) -> LaneCounter {
     let mut counter = LaneCounter::default();
     for (key, record) in queue {
-        counter.push_task(*key, record);
+        counter.push_classed(*key, record, class_of(key.1));
     }
     counter
+}
+
+/// The lanes by class, sorted.
+fn by_class(counter: &LaneCounter) -> Vec<(Class, u64)> {
+    let mut lanes: Vec<(Class, u64)> = counter.lanes_by_class().collect();
+    lanes.sort_by_key(|(c, _)| (c.domain, c.immediate));
+    lanes
 }
 
 /// Feeds `repair` the tasks after `after` up to `watermark`: all of them, or only those that
@@ -50,7 +66,7 @@ fn feed(
         {
             continue;
         }
-        repair.feed(*key, record);
+        repair.feed_classed(*key, record, class_of(key.1));
     }
 }
 
@@ -93,7 +109,7 @@ fn maintain(counter: &mut LaneCounter, queue: &[(Key, Vec<String>)], reader: Rea
     counter.repair(repair);
     for (key, record) in queue {
         if watermark.is_none_or(|w| *key > w) {
-            counter.push_task(*key, record);
+            counter.push_classed(*key, record, class_of(key.1));
         }
     }
 }
@@ -156,6 +172,9 @@ proptest! {
             // Only places and lanes are remembered, never the tasks behind them.
             let fresh = counted(&queue);
             prop_assert_eq!(counter.tracked(), fresh.tracked());
+            // The lanes by class (the caps and the reserve count them) add up and agree too.
+            prop_assert_eq!(by_class(&counter), by_class(&fresh));
+            prop_assert_eq!(by_class(&counter).iter().map(|(_, n)| n).sum::<u64>(), counter.lanes());
         }
     }
 }
