@@ -391,8 +391,8 @@ pub struct FairArgs {
     /// domain) and checks the policy file for changes.
     #[arg(long = "fair-refresh", env = "DISPATCH_FAIR_REFRESH", default_value = "500ms", value_parser = parse_duration)]
     pub refresh: Duration,
-    /// Domains that get a label of their own in `dispatch_task_wait_seconds` (the first seen);
-    /// the rest are counted as `other`.
+    /// Domains that get a label of their own in the metrics by domain (task wait and run time,
+    /// running, waiting; the first seen); the rest are counted as `other`.
     #[arg(
         long = "fair-metric-groups",
         env = "DISPATCH_FAIR_METRIC_GROUPS",

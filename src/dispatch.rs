@@ -2030,15 +2030,24 @@ impl Dispatch {
     /// Puts a claimed task that never started back in the queue (no-op otherwise); true when
     /// the task is running (or canceling) under `app_status` instead, and so was left alone.
     async fn requeue_claim(&self, task_id: TaskId, app_status: Uuid) -> Result<bool> {
-        let (requeued, running) = self
+        let found = self
             .tasks
             .requeue_unless_running(task_id, app_status)
             .await?;
-        if requeued {
+        if found.requeued {
             self.requeue.note_requeue(task_id).await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
-        Ok(running)
+        if let Some(ran) = found.ran {
+            self.task_ran(ran);
+        }
+        Ok(found.running_here)
+    }
+
+    /// Records how long a task that ended ran, under its group's label.
+    fn task_ran(&self, ran: crate::tasks::Ran) {
+        let label = self.fairness.label(self.fairness.group_of(ran.domain));
+        self.stats.task_ran(label, ran.seconds.max(0.0));
     }
 
     /// StartTask: marks a claimed task running, for its holder only.
@@ -2074,7 +2083,12 @@ impl Dispatch {
             .finish(task_id, app_status, finish.state, error)
             .await?
         {
-            Some(state) => state,
+            Some((state, ran)) => {
+                if let Some(ran) = ran {
+                    self.task_ran(ran);
+                }
+                state
+            }
             None => self
                 .tasks
                 .state(task_id)

@@ -102,6 +102,41 @@ pub fn decode_survey(json: &str) -> Vec<BlockedResource> {
         .collect()
 }
 
+/// How many domains' waiting tasks each full pass stores (the most waiting first); the rest are
+/// stored as one sum.
+pub const WAITING_KEEP: usize = 1_000;
+
+/// The waiting tasks by domain as stored beside the lane count: `{"top": [[domain, n], ...],
+/// "rest": n}`, most first.
+pub fn encode_waiting(waiting: impl Iterator<Item = (uuid::Uuid, u64)>) -> String {
+    let mut all: Vec<(uuid::Uuid, u64)> = waiting.collect();
+    all.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let rest: u64 = all.iter().skip(WAITING_KEEP).map(|(_, n)| n).sum();
+    all.truncate(WAITING_KEEP);
+    let top: Vec<serde_json::Value> = all
+        .iter()
+        .map(|(d, n)| serde_json::json!([d.to_string(), n]))
+        .collect();
+    serde_json::json!({ "top": top, "rest": rest }).to_string()
+}
+
+/// Reads what [`encode_waiting`] wrote: the domains kept, and the sum of the rest. Rows it
+/// cannot read are left out.
+pub fn decode_waiting(json: &str) -> (Vec<(uuid::Uuid, u64)>, u64) {
+    #[derive(serde::Deserialize, Default)]
+    struct Stored {
+        top: Vec<(String, u64)>,
+        rest: u64,
+    }
+    let stored: Stored = serde_json::from_str(json).unwrap_or_default();
+    let top = stored
+        .top
+        .into_iter()
+        .filter_map(|(d, n)| Some((d.parse().ok()?, n)))
+        .collect();
+    (top, stored.rest)
+}
+
 /// Tuning of the gauge.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
@@ -134,6 +169,9 @@ pub struct Lanes {
     inserted: Arc<tokio::sync::Notify>,
     /// The counter of this replica's last computation, to maintain at its next one.
     kept: tokio::sync::Mutex<Option<Kept>>,
+    /// The stamp of the survey whose waiting tasks by domain this replica published last, and
+    /// the labels it has published (set to 0 when a later survey leaves them out).
+    waiting_published: std::sync::Mutex<(i64, Vec<String>)>,
 }
 
 /// A counter kept between computations, and when it last read the whole queue.
@@ -164,6 +202,7 @@ impl Lanes {
             state: watch::channel(Gauge::default()).0,
             inserted: Arc::new(tokio::sync::Notify::new()),
             kept: tokio::sync::Mutex::new(None),
+            waiting_published: std::sync::Mutex::new((0, Vec::new())),
         }
     }
 
@@ -225,7 +264,10 @@ impl Lanes {
                     // Walking the queue would sort what it reads: full passes only.
                     counter.invalidate();
                 }
-                let survey = encode_survey(&counter.most_blocked(SURVEY_KEEP));
+                let survey = (
+                    encode_survey(&counter.most_blocked(SURVEY_KEEP)),
+                    encode_waiting(counter.waiting_by_domain()),
+                );
                 let k = Kept {
                     counter,
                     full_at: Instant::now(),
@@ -243,7 +285,13 @@ impl Lanes {
         // The counter stays valid whether or not Redis takes the value.
         *kept = Some(now);
         drop(kept);
-        let stamp = self.locks.store_lanes(lanes, survey.as_deref()).await?;
+        let stamp = self
+            .locks
+            .store_lanes(
+                lanes,
+                survey.as_ref().map(|(b, w)| (b.as_str(), w.as_str())),
+            )
+            .await?;
         metrics::lane_pass(kind);
         self.state.send_modify(|g| {
             g.lanes = lanes;
@@ -332,7 +380,7 @@ impl Lanes {
     }
 
     async fn refresh_shared(&self) -> Result<()> {
-        let (cached, computed_at_ms, now_ms) = self.locks.lanes_cache().await?;
+        let (cached, computed_at_ms, now_ms, surveyed_at_ms) = self.locks.lanes_cache().await?;
         let live_leases = self.locks.live_lease_count().await?;
         self.state.send_modify(|g| {
             if let Some(lanes) = cached {
@@ -343,6 +391,7 @@ impl Lanes {
             g.observed_locally = Some(Instant::now());
             g.live_leases = live_leases;
         });
+        self.publish_waiting(surveyed_at_ms).await?;
         let due =
             cached.is_none() || now_ms - computed_at_ms >= self.config.interval.as_millis() as i64;
         if due
@@ -356,5 +405,58 @@ impl Lanes {
             tracing::debug!(lanes = self.current().lanes, kind, took = ?started.elapsed(), "lanes computed");
         }
         Ok(())
+    }
+
+    /// Publishes the waiting tasks by domain of the survey stamped `surveyed_at_ms`
+    /// (`dispatch_group_waiting`), once per survey: domains under their metric label, the rest
+    /// as `other`; labels published before and left out now are set to 0.
+    async fn publish_waiting(&self, surveyed_at_ms: i64) -> Result<()> {
+        let published = self
+            .waiting_published
+            .lock()
+            .map(|p| p.0)
+            .unwrap_or_default();
+        if surveyed_at_ms == 0 || surveyed_at_ms == published {
+            return Ok(());
+        }
+        let json = self.locks.lanes_waiting().await?.unwrap_or_default();
+        let (top, rest) = decode_waiting(&json);
+        let mut waiting: std::collections::BTreeMap<String, u64> = Default::default();
+        for (domain, n) in top {
+            let label = self.fairness.label(self.fairness.group_of(domain));
+            *waiting.entry(label).or_default() += n;
+        }
+        if rest > 0 {
+            *waiting.entry("other".into()).or_default() += rest;
+        }
+        if let Ok(mut p) = self.waiting_published.lock() {
+            p.0 = surveyed_at_ms;
+            for label in waiting.keys() {
+                if !p.1.contains(label) {
+                    p.1.push(label.clone());
+                }
+            }
+            metrics::groups_waiting(&waiting, &p.1);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    #[test]
+    fn the_waiting_tasks_by_domain_keep_the_most_waiting_and_sum_the_rest() {
+        let domains: Vec<(Uuid, u64)> = (0..WAITING_KEEP as u128 + 3)
+            .map(|n| (Uuid::from_u128(n), n as u64 + 1))
+            .collect();
+        let (top, rest) = decode_waiting(&encode_waiting(domains.iter().copied()));
+        assert_eq!(top.len(), WAITING_KEEP);
+        assert_eq!(top[0], *domains.last().unwrap(), "the most waiting first");
+        // The three domains with the fewest (1, 2 and 3 waiting) are summed.
+        assert_eq!(rest, 6);
+        assert_eq!(decode_waiting("not json"), (Vec::new(), 0));
     }
 }

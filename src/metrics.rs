@@ -98,10 +98,19 @@ pub const FAIR_POLICY_REFUSED_TOTAL: &str = "dispatch_fair_policy_refused_total"
 /// groups seen by name or id, the rest as `other`).
 pub const TASK_WAIT_SECONDS: &str = "dispatch_task_wait_seconds";
 
+/// Seconds from a task's start to its final state, by group (labelled as
+/// [`TASK_WAIT_SECONDS`]): recorded when the broker records the final state (FinishTask) or
+/// releases the locks of a task Pulp ended (ReleaseLocks).
+pub const TASK_RUN_SECONDS: &str = "dispatch_task_run_seconds";
+
 /// Tasks holding locks (claimed or running, on every replica) by group, as each replica read it
 /// last (every `--fair-refresh`): the first `--fair-metric-groups` groups seen by name or id,
 /// the rest summed as `other`.
 pub const GROUP_RUNNING: &str = "dispatch_group_running";
+
+/// Waiting tasks by group (labelled as [`TASK_WAIT_SECONDS`]), as the last full lane pass counted
+/// them (every `--lane-full-interval`; tasks younger than `--lane-cutoff` not yet).
+pub const GROUP_WAITING: &str = "dispatch_group_waiting";
 
 /// Every metric name above (the dashboard test checks its queries against this list).
 pub const ALL: &[&str] = &[
@@ -135,7 +144,9 @@ pub const ALL: &[&str] = &[
     FAIR_HELD_BACK_TOTAL,
     FAIR_POLICY_REFUSED_TOTAL,
     TASK_WAIT_SECONDS,
+    TASK_RUN_SECONDS,
     GROUP_RUNNING,
+    GROUP_WAITING,
 ];
 
 /// Describes every metric once, at start-up.
@@ -162,6 +173,15 @@ pub fn describe() {
         TASK_WAIT_SECONDS,
         Unit::Seconds,
         "Seconds from a task's creation to its grant, by group."
+    );
+    describe_gauge!(
+        GROUP_WAITING,
+        "Waiting tasks by group, as the last full lane pass counted them."
+    );
+    describe_histogram!(
+        TASK_RUN_SECONDS,
+        Unit::Seconds,
+        "Seconds from a task's start to its final state, by group."
     );
     describe_counter!(REDIS_CALLS_TOTAL, "Redis script invocations and commands.");
     describe_counter!(FETCH_TOTAL, "FetchTask calls by outcome.");
@@ -254,6 +274,10 @@ pub fn recorder() -> Option<PrometheusHandle> {
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
             ];
             let counts = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+            // A task's wait and run: from 10 ms to 4 hours.
+            let durations = [
+                0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0,
+            ];
             let handle = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(RPC_DURATION_SECONDS.into()), &latency)
                 .and_then(|b| {
@@ -261,12 +285,10 @@ pub fn recorder() -> Option<PrometheusHandle> {
                 })
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_calls".into()), &counts))
                 .and_then(|b| {
-                    b.set_buckets_for_metric(
-                        Matcher::Full(TASK_WAIT_SECONDS.into()),
-                        &[
-                            0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0,
-                        ],
-                    )
+                    b.set_buckets_for_metric(Matcher::Full(TASK_WAIT_SECONDS.into()), &durations)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(TASK_RUN_SECONDS.into()), &durations)
                 })
                 .and_then(|b| b.install_recorder())
                 .map_err(|e| tracing::warn!(error = %e, "no prometheus recorder"))
@@ -313,6 +335,14 @@ pub fn lane_pass(kind: &'static str) {
 /// Counts pending-list pages of the GIN index merged into it.
 pub fn gin_pending_merged(pages: u64) {
     metrics::counter!(GIN_PENDING_MERGED_PAGES_TOTAL).increment(pages);
+}
+
+/// Sets the waiting tasks of each group label (labels not given are set to 0).
+pub fn groups_waiting(waiting: &std::collections::BTreeMap<String, u64>, all: &[String]) {
+    for label in all {
+        let n = waiting.get(label).copied().unwrap_or(0);
+        metrics::gauge!(GROUP_WAITING, "group" => label.clone()).set(n as f64);
+    }
 }
 
 /// Counts a failed refresh of the lane gauge.
@@ -495,6 +525,11 @@ impl Stats {
     /// Records how long a granted task waited, under its group's label.
     pub fn task_waited(&self, group: String, seconds: f64) {
         metrics::histogram!(TASK_WAIT_SECONDS, "group" => group).record(seconds);
+    }
+
+    /// Records how long a task that ended ran, under its group's label.
+    pub fn task_ran(&self, group: String, seconds: f64) {
+        metrics::histogram!(TASK_RUN_SECONDS, "group" => group).record(seconds);
     }
 
     /// Counts a fetch pass that outlasted `--fetch-pass-stall`.

@@ -86,7 +86,7 @@ pub mod sql {
         composed
     }
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
-    pub const REQUEUE: &str = include_str!("tasks/requeue.sql");
+    pub static REQUEUE: LazyLock<String> = with_states!("tasks/requeue.sql");
     pub const START: &str = include_str!("tasks/start.sql");
     pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
     pub const TASK_STATE: &str = include_str!("tasks/task_state.sql");
@@ -173,7 +173,7 @@ pub mod sql {
             END_TASKS,
             CLAIMED_TASKS.as_str(),
             CLAIM,
-            REQUEUE,
+            REQUEUE.as_str(),
             START,
             FINISH.as_str(),
             TASK_STATE,
@@ -186,6 +186,33 @@ pub mod sql {
             DELETE_APP_STATUS,
         ]
     });
+}
+
+/// What putting a claim back found (requeue.sql).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Requeued {
+    /// The task went back to the queue now.
+    pub requeued: bool,
+    /// It is running (or canceling) under this worker row, and was left alone.
+    pub running_here: bool,
+    /// It is final and ran: for how long.
+    pub ran: Option<Ran>,
+}
+
+/// How long a task that ended ran (from `started_at` to `finished_at`), and its domain.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ran {
+    pub domain: Uuid,
+    pub seconds: f64,
+}
+
+/// A [`Ran`] from a row's domain (column `at`) and seconds (`at + 1`), when both are there.
+fn ran(row: &Row, at: usize) -> Result<Option<Ran>, Error> {
+    let domain: Option<Uuid> = row.try_get(at)?;
+    let seconds: Option<f64> = row.try_get(at + 1)?;
+    Ok(domain
+        .zip(seconds)
+        .map(|(domain, seconds)| Ran { domain, seconds }))
 }
 
 /// The most tasks one read of queue_page.sql returns (its LIMIT).
@@ -765,16 +792,17 @@ impl Tasks {
         app_status: Uuid,
         started: bool,
     ) -> Result<bool, Error> {
-        Ok(self.requeue_rows(task, app_status, started).await?.0)
+        Ok(self.requeue_rows(task, app_status, started).await?.requeued)
     }
 
     /// [`Tasks::requeue`], also saying whether the task is running (or canceling) under this
-    /// worker row, in which case it was left alone: `(requeued, running_here)`.
+    /// worker row, in which case it was left alone, and how long it ran if it is final (the
+    /// release after Pulp ran it).
     pub async fn requeue_unless_running(
         &self,
         task: TaskId,
         app_status: Uuid,
-    ) -> Result<(bool, bool), Error> {
+    ) -> Result<Requeued, Error> {
         self.requeue_rows(task, app_status, false).await
     }
 
@@ -783,14 +811,18 @@ impl Tasks {
         task: TaskId,
         app_status: Uuid,
         started: bool,
-    ) -> Result<(bool, bool), Error> {
+    ) -> Result<Requeued, Error> {
         let rows = self
-            .query(sql::REQUEUE, &[&task, &app_status, &started])
+            .query(&sql::REQUEUE, &[&task, &app_status, &started])
             .await?;
         let row = rows
             .first()
             .ok_or_else(|| Error::Schema("requeue.sql returned no row".into()))?;
-        Ok((row.try_get(0)?, row.try_get(1)?))
+        Ok(Requeued {
+            requeued: row.try_get(0)?,
+            running_here: row.try_get(1)?,
+            ran: ran(row, 2)?,
+        })
     }
 
     /// Marks a claimed task running; `None` when it is not this holder's waiting task.
@@ -806,21 +838,21 @@ impl Tasks {
             .map_err(Error::from)
     }
 
-    /// Records a final state; `None` when the task is not this holder's incomplete task.
+    /// Records a final state: the state and how long the task ran; `None` when the task is not
+    /// this holder's incomplete task.
     pub async fn finish(
         &self,
         task: TaskId,
         app_status: Uuid,
         state: TaskState,
         error: Option<serde_json::Value>,
-    ) -> Result<Option<String>, Error> {
+    ) -> Result<Option<(String, Option<Ran>)>, Error> {
         let rows = self
             .query(&sql::FINISH, &[&task, &app_status, &state.as_str(), &error])
             .await?;
         rows.first()
-            .map(|r| r.try_get(0))
+            .map(|r| Ok((r.try_get(0)?, ran(r, 1)?)))
             .transpose()
-            .map_err(Error::from)
     }
 
     /// A task's state and claim, without locking; `None` when unknown.

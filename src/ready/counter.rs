@@ -68,6 +68,8 @@ pub struct LaneCounter {
     lanes: u64,
     /// The lanes by class (their sum is `lanes`).
     by_class: Map<Class, u64>,
+    /// Waiting tasks by domain, as noted while a full pass fed them ([`LaneCounter::note_waiting`]).
+    waiting: Map<Uuid, u64>,
     watermark: Option<Key>,
     /// Tasks fed since the counter was made.
     seen: u64,
@@ -101,6 +103,7 @@ impl LaneCounter {
             tracked: Map::default(),
             lanes: 0,
             by_class: Map::default(),
+            waiting: Map::default(),
             watermark: None,
             seen: 0,
             track_limit: limit,
@@ -120,6 +123,17 @@ impl LaneCounter {
             .iter()
             .filter(|(_, n)| **n > 0)
             .map(|(c, n)| (*c, *n))
+    }
+
+    /// Notes a waiting task of `domain` (a full pass notes every one it feeds; a maintained
+    /// pass none, so the numbers are those of the counter's full pass).
+    pub fn note_waiting(&mut self, domain: Uuid) {
+        *self.waiting.entry(domain).or_default() += 1;
+    }
+
+    /// The waiting tasks by domain that [`LaneCounter::note_waiting`] noted.
+    pub fn waiting_by_domain(&self) -> impl Iterator<Item = (Uuid, u64)> + '_ {
+        self.waiting.iter().map(|(d, n)| (*d, *n))
     }
 
     fn count(&mut self, class: Class, lane: bool) {

@@ -253,10 +253,15 @@ impl Tasks {
                     .await?
             }
         };
+        let full = after.is_none();
         let mut rows = std::pin::pin!(rows);
         while let Some(row) = rows.try_next().await? {
             let (key, record, class) = classed_lane_row(&row)?;
             counter.push_classed(key, &record, class);
+            // lanes.sql (a full pass) also says which are waiting.
+            if full && row.try_get::<_, bool>(5)? {
+                counter.note_waiting(class.domain);
+            }
         }
         Ok(())
     }

@@ -514,8 +514,9 @@ async fn the_sweep_counts_the_tasks_holding_locks_anew() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_shows_each_domains_wait_and_running_tasks() {
-    // A broker process of its own: its /metrics shows its own series only.
-    let mut env = Env::new().await;
+    // A broker process of its own: its /metrics shows its own series only. (The in-process
+    // broker's lane interval is short: the lane lock it leaves behind expires at once.)
+    let mut env = Env::with(|a| a.lanes.interval = Duration::from_millis(200)).await;
     env.broker.take().unwrap().shutdown().await.unwrap();
     task_in(&env, D1, "a0", false).await;
     task_in(&env, D1, "a1", false).await;
@@ -523,14 +524,34 @@ async fn prometheus_shows_each_domains_wait_and_running_tasks() {
     let broker = BrokerProcess::start(
         &env.db_url,
         &env.redis.url(),
-        &["--fair-refresh", "50ms"],
+        &[
+            "--fair-refresh",
+            "50ms",
+            "--lane-cutoff",
+            "0s",
+            "--lane-interval",
+            "200ms",
+        ],
         &[],
     )
     .await;
     let mut client = broker.client().await;
     let lease = open_on(&mut client, "w").await;
+    // The first lane pass (a full pass) counts the waiting tasks by domain.
+    let (w1, w2) = (
+        format!("dispatch_group_waiting{{group=\"{D1}\"}}"),
+        format!("dispatch_group_waiting{{group=\"{D2}\"}}"),
+    );
+    let counted = eventually(Duration::from_secs(10), || async {
+        let page = broker.metrics().await;
+        metric(&page, &w1) == Some(2.0) && metric(&page, &w2) == Some(1.0)
+    })
+    .await;
+    let page = broker.metrics().await;
+    assert!(counted.is_some(), "D1 has 2 waiting, D2 1:\n{page}");
+    let mut got = Vec::new();
     for _ in 0..3 {
-        assert!(fetch_on(&mut client, &lease).await.is_some());
+        got.push(fetch_on(&mut client, &lease).await.expect("a task"));
     }
     let (d1, d2) = (
         format!("dispatch_group_running{{group=\"{D1}\"}}"),
@@ -551,6 +572,72 @@ async fn prometheus_shows_each_domains_wait_and_running_tasks() {
         Some(2.0),
         "{page}"
     );
+    // A task run time is recorded when the broker records the final state (FinishTask) and
+    // when it releases the locks of a task Pulp ended itself (ReleaseLocks).
+    let d2 = pulp_task_of(&env, D2).await;
+    let d2_task = got
+        .iter()
+        .position(|t| id(t) == d2)
+        .expect("D2's task was handed out");
+    let by_pulp = got.remove(d2_task);
+    for t in got.iter().chain([&by_pulp]) {
+        client
+            .start_task(dispatch_broker::proto::StartTaskRequest {
+                lease_id: lease.clone(),
+                task_id: t.task_id.clone(),
+                fencing_token: t.fencing_token,
+            })
+            .await
+            .expect("StartTask");
+    }
+    client
+        .finish_task(dispatch_broker::proto::FinishTaskRequest {
+            lease_id: lease.clone(),
+            task_id: got[0].task_id.clone(),
+            fencing_token: got[0].fencing_token,
+            state: "completed".into(),
+            error: String::new(),
+        })
+        .await
+        .expect("FinishTask");
+    env.db
+        .execute(
+            "UPDATE core_task SET state = 'failed', finished_at = now() WHERE pulp_id = $1",
+            &[&id(&by_pulp)],
+        )
+        .await
+        .unwrap();
+    client
+        .release_locks(dispatch_broker::proto::ReleaseLocksRequest {
+            lease_id: lease.clone(),
+            task_id: by_pulp.task_id.clone(),
+            fencing_token: by_pulp.fencing_token,
+        })
+        .await
+        .expect("ReleaseLocks");
+    let page = broker.metrics().await;
+    for (domain, ran) in [(D1, 1.0), (D2, 1.0)] {
+        assert_eq!(
+            metric(
+                &page,
+                &format!("dispatch_task_run_seconds_count{{group=\"{domain}\"}}")
+            ),
+            Some(ran),
+            "{page}"
+        );
+    }
+}
+
+/// The one task of `domain` (a test's domain with a single task).
+async fn pulp_task_of(env: &Env, domain: Uuid) -> Uuid {
+    env.db
+        .query_one(
+            "SELECT pulp_id FROM core_task WHERE pulp_domain_id = $1",
+            &[&domain],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 #[tokio::test]
