@@ -131,7 +131,27 @@ pub struct FairnessReport {
     pub directed: bool,
     /// Every domain running, waiting or named.
     pub groups: Vec<crate::dispatch::fairness::GroupView>,
+    /// The overrides in force, each in words.
+    pub overrides: Vec<String>,
 }
+
+/// An override of the fairness policy an operator asks for (SetFairness), checked for form.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FairnessOverride {
+    /// The domain, by name or id (with `weight` and `cap`).
+    pub domain: Option<String>,
+    /// Its new weight (more than 0).
+    pub weight: Option<f64>,
+    /// Its new cap (`Some(None)`: no cap).
+    pub cap: Option<Option<u32>>,
+    /// The new reserve.
+    pub reserve: Option<u32>,
+    /// Drop every override instead.
+    pub reset: bool,
+}
+
+/// What SetFairness answers besides the audit record: the policy in force now.
+pub const OVERRIDE_NOTE: &str = "this override is not in the policy file: every replica applies it until the policy file changes (or Redis loses its data); write it into the policy file to keep it";
 
 /// Why a task is where it is.
 #[derive(Debug, Clone)]
@@ -234,7 +254,7 @@ impl SurveySource {
 /// What an audited action did, as logged, counted and returned.
 #[derive(Debug, Clone)]
 pub struct AuditRecord {
-    /// `revoke_lease` or `force_release`.
+    /// `revoke_lease`, `force_release` or `set_fairness`.
     pub action: &'static str,
     /// Who asked (the credential's name).
     pub actor: String,
@@ -481,17 +501,93 @@ impl Admin {
     /// Fairness: the policy in force and each domain's share, with what holds locks now.
     pub async fn fairness(&self) -> Result<FairnessReport> {
         let standing = self.locks.standing().await?;
-        let (policy, source) = self.fairness.policy();
+        let (_, source) = self.fairness.policy();
+        let rules = self.fairness.rules();
         Ok(FairnessReport {
             by: self.fairness.by(),
             source,
-            reserve: policy.reserve,
-            default_weight: policy.default_weight,
+            reserve: rules.reserve,
+            default_weight: rules.default_weight,
             live_leases: standing.live_leases,
             deferred_running: standing.deferred,
             directed: self.fairness.directed(),
             groups: self.fairness.view(&standing),
+            overrides: self.fairness.overrides(),
         })
+    }
+
+    /// SetFairness: records an override of the fairness policy in Redis (every replica reads it
+    /// within `--fair-refresh`; this one applies it at once), or drops them all. Audited.
+    pub async fn set_fairness(
+        &self,
+        actor: &str,
+        change: FairnessOverride,
+        reason: &str,
+    ) -> Result<(AuditRecord, FairnessReport)> {
+        use crate::fair::override_fields;
+        let target = match (&change.domain, change.reset) {
+            (_, true) => "overrides".to_owned(),
+            (Some(domain), false) => domain.clone(),
+            (None, false) => "reserve".to_owned(),
+        };
+        let group = match &change.domain {
+            Some(name) => Some(
+                self.fairness
+                    .domain_named(name)
+                    .ok_or_else(|| Error::NoSuchDomain(name.clone()))?,
+            ),
+            None => None,
+        };
+        if group.is_some() && self.fairness.by() == crate::fair::FairBy::None {
+            return Err(Error::Refused(
+                "fair dispatch groups no tasks by domain here (--fair-by none): weights and caps do not apply; only the reserve does".into(),
+            ));
+        }
+        let mut fields = Vec::new();
+        if let (Some(g), Some(w)) = (group, change.weight) {
+            fields.push(override_fields::weight(g, w));
+        }
+        if let (Some(g), Some(c)) = (group, change.cap) {
+            fields.push(override_fields::cap(g, c));
+        }
+        if let Some(r) = change.reserve {
+            fields.push(override_fields::reserve(r));
+        }
+        let this = self.clone();
+        let (actor, reason) = (actor.to_owned(), reason.to_owned());
+        let record = detached(async move {
+            intent("set_fairness", &actor, &target, &reason);
+            let kept = if change.reset {
+                this.locks.drop_fair_overrides().await?;
+                Vec::new()
+            } else {
+                this.locks
+                    .override_fairness(this.fairness.base(), &fields)
+                    .await?
+            };
+            this.fairness
+                .set_overrides(crate::fair::Overrides::from_fields(&kept));
+            // A cap lifted or a reserve lowered may free a waiting task.
+            this.waiters.wake();
+            let outcome = if change.reset {
+                "every override dropped".to_owned()
+            } else {
+                let overrides = this.fairness.overrides();
+                format!("overrides in force: {}", overrides.join("; "))
+            };
+            let record = AuditRecord {
+                action: "set_fairness",
+                actor,
+                target,
+                reason,
+                at: Utc::now(),
+                outcome,
+            };
+            audit(&record);
+            Ok(record)
+        })
+        .await?;
+        Ok((record, self.fairness().await?))
     }
 
     /// ListLeases.

@@ -429,34 +429,89 @@ pub async fn locks(args: &LocksArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `dispatch-broker fairness`.
+/// `dispatch-broker fairness`, `fairness set` and `fairness reset`.
 pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
-    let mut client = connect(&args.client).await?;
-    let report = client
-        .fairness(proto::FairnessRequest {})
+    use crate::config::FairnessAction;
+    let (request, client_args) = match &args.action {
+        None => {
+            let mut client = connect(&args.client).await?;
+            let report = client
+                .fairness(proto::FairnessRequest {})
+                .await
+                .map_err(refused)?
+                .into_inner();
+            print_fairness(&report, args.client.json);
+            return Ok(());
+        }
+        Some(FairnessAction::Set(set)) => (
+            proto::SetFairnessRequest {
+                domain: set.domain.clone().unwrap_or_default(),
+                weight: set.weight,
+                cap: set.cap,
+                no_cap: set.no_cap,
+                reserve: set.reserve,
+                reset: false,
+                reason: set.reason.clone(),
+            },
+            &set.client,
+        ),
+        Some(FairnessAction::Reset(reset)) => (
+            proto::SetFairnessRequest {
+                reset: true,
+                reason: reset.reason.clone(),
+                ..Default::default()
+            },
+            &reset.client,
+        ),
+    };
+    let mut client = connect(client_args).await?;
+    let r = client
+        .set_fairness(request)
         .await
         .map_err(refused)?
         .into_inner();
-    if args.client.json {
+    if client_args.json {
         print_json(&json!({
-            "fair_by": report.fair_by,
-            "source": report.source,
-            "reserve": report.reserve,
-            "default_weight": report.default_weight,
-            "live_leases": report.live_leases,
-            "deferred_running": report.deferred_running,
-            "directed": report.directed,
-            "domains": report.domains.iter().map(|d| json!({
-                "domain_id": d.domain_id,
-                "name": d.name,
-                "weight": d.weight,
-                "cap": d.cap,
-                "running": d.running,
-                "waiting": d.waiting,
-                "share": d.share,
-            })).collect::<Vec<_>>(),
+            "audit": audit_json(&r.audit),
+            "fairness": r.fairness.as_ref().map(fairness_json),
+            "note": r.note,
         }));
-        return Ok(());
+    } else {
+        print_audit(&r.audit);
+        if let Some(report) = &r.fairness {
+            print_fairness(report, false);
+        }
+        println!("note: {}", r.note);
+    }
+    Ok(())
+}
+
+fn fairness_json(report: &proto::FairnessResponse) -> Value {
+    json!({
+        "fair_by": report.fair_by,
+        "source": report.source,
+        "reserve": report.reserve,
+        "default_weight": report.default_weight,
+        "live_leases": report.live_leases,
+        "deferred_running": report.deferred_running,
+        "directed": report.directed,
+        "domains": report.domains.iter().map(|d| json!({
+            "domain_id": d.domain_id,
+            "name": d.name,
+            "weight": d.weight,
+            "cap": d.cap,
+            "running": d.running,
+            "waiting": d.waiting,
+            "share": d.share,
+        })).collect::<Vec<_>>(),
+        "overrides": report.overrides,
+    })
+}
+
+fn print_fairness(report: &proto::FairnessResponse, as_json: bool) {
+    if as_json {
+        print_json(&fairness_json(report));
+        return;
     }
     let mut t = table(&[
         "DOMAIN", "ID", "WEIGHT", "CAP", "RUNNING", "WAITING", "SHARE",
@@ -490,7 +545,12 @@ pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
         report.live_leases,
         report.deferred_running,
     );
-    Ok(())
+    if !report.overrides.is_empty() {
+        println!(
+            "overrides made at run time (not in the policy file): {}",
+            report.overrides.join("; ")
+        );
+    }
 }
 
 /// `dispatch-broker blocked`.

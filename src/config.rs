@@ -40,8 +40,9 @@ pub enum Command {
     /// The resources with the most tasks waiting behind them, and what holds up each head.
     Blocked(BlockedArgs),
     /// Fair dispatch as the broker applies it: the policy in force and each domain's weight,
-    /// cap, running tasks and share.
-    Fairness(FairnessArgs),
+    /// cap, running tasks and share; `fairness set` and `fairness reset` override the policy at
+    /// run time (audited).
+    Fairness(Box<FairnessArgs>),
     /// Revoke a lease as the sweeper would: release its locks, requeue its claimed tasks, fail
     /// its running tasks with the reason. Audited.
     Revoke(RevokeArgs),
@@ -206,7 +207,58 @@ pub struct BlockedArgs {
 
 /// Options of `fairness`.
 #[derive(Debug, Clone, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct FairnessArgs {
+    /// Override the policy at run time instead of showing it.
+    #[command(subcommand)]
+    pub action: Option<FairnessAction>,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// What `fairness` changes.
+#[derive(Debug, Clone, Subcommand)]
+pub enum FairnessAction {
+    /// Override one domain's weight or cap, or the reserve, on every replica (within
+    /// --fair-refresh). Audited. Not written to the policy file: it holds until the policy
+    /// file changes (or Redis loses its data); write it into the file to keep it.
+    Set(SetFairnessArgs),
+    /// Drop every override made at run time: the policy file (or the defaults) alone is in
+    /// force again. Audited.
+    Reset(ResetFairnessArgs),
+}
+
+/// Options of `fairness set`.
+#[derive(Debug, Clone, Args)]
+pub struct SetFairnessArgs {
+    /// The domain, by name or pulp_id (with --weight, --cap or --no-cap).
+    #[arg(long)]
+    pub domain: Option<String>,
+    /// Its new weight (more than 0).
+    #[arg(long, requires = "domain")]
+    pub weight: Option<f64>,
+    /// Its new cap: at most this many of its tasks hold locks at once.
+    #[arg(long, requires = "domain", conflicts_with = "no_cap")]
+    pub cap: Option<i64>,
+    /// Remove its cap (even one the policy file sets).
+    #[arg(long, requires = "domain")]
+    pub no_cap: bool,
+    /// The new reserve: leases' worth of capacity kept for immediate tasks.
+    #[arg(long)]
+    pub reserve: Option<i64>,
+    /// Why: logged and counted.
+    #[arg(long)]
+    pub reason: String,
+    #[command(flatten)]
+    pub client: AdminClientArgs,
+}
+
+/// Options of `fairness reset`.
+#[derive(Debug, Clone, Args)]
+pub struct ResetFairnessArgs {
+    /// Why: logged and counted.
+    #[arg(long)]
+    pub reason: String,
     #[command(flatten)]
     pub client: AdminClientArgs,
 }

@@ -169,7 +169,7 @@ enum Attempt {
     NotGranted,
     /// Ready, but fairness held it back (its group's cap, the reserve); it still reserves its
     /// resources.
-    HeldBack,
+    HeldBack(crate::fair::HeldBack),
     /// The claim found the task no longer waiting and unclaimed (canceled, finished or claimed
     /// meanwhile). Whether it still reserves anything is for the next look-up to say; the exact
     /// count of older conflicts keeps newer tasks from being judged ready meanwhile.
@@ -356,6 +356,8 @@ enum Seen {
     PassedOver,
     /// Granted by this replica since its page was read.
     Left,
+    /// Ready, but fairness held back an older task it would overtake ([`HeldInPass`]).
+    HeldBack,
     /// Ready, and tried for the claimant `who` ([`Claimants::get_mut`]).
     Attempt { who: usize, _mine: InFlight },
 }
@@ -366,7 +368,37 @@ enum Settled {
     Granted,
     Blocked,
     NotGranted,
+    /// Fairness held it back: the pass tries no later task it would let overtake it.
+    HeldBack(crate::fair::HeldBack),
     Lost,
+}
+
+/// What fairness held back so far in one pass. A later task of a group held at its cap is not
+/// tried in the same pass (the cap's count may drop meanwhile, and that task would overtake the
+/// one held back: FIFO within a capped group holds), nor, once the reserve held a deferred task
+/// back, any deferred task. Either would most likely be held back too: not trying them also
+/// saves an acquire each.
+#[derive(Debug, Default)]
+struct HeldInPass {
+    groups: HashSet<Uuid>,
+    deferred: bool,
+}
+
+impl HeldInPass {
+    /// Notes that `row` was held back, and why.
+    fn note(&mut self, row: &TaskRow, why: crate::fair::HeldBack) {
+        match why {
+            crate::fair::HeldBack::Cap { .. } => {
+                self.groups.insert(row.group);
+            }
+            crate::fair::HeldBack::Reserve { .. } => self.deferred = true,
+        }
+    }
+
+    /// Whether `row` must not be tried in this pass.
+    fn holds(&self, row: &TaskRow) -> bool {
+        self.groups.contains(&row.group) || (self.deferred && !row.immediate)
+    }
 }
 
 /// What a round's attempts came to ([`Dispatch::grant_round`]).
@@ -907,6 +939,7 @@ impl Dispatch {
             excluded.clone(),
             extra.iter().map(|r| r.id).collect(),
         );
+        let mut held = HeldInPass::default();
         'pages: loop {
             let (read_at, found) = match first_page.take() {
                 Some(found) => (first_read_at, found),
@@ -951,6 +984,7 @@ impl Dispatch {
                         }
                     },
                     passed_over,
+                    &held,
                 );
                 let round = self
                     .grant_round(&steps, &mut claimants, answer, stalled)
@@ -962,6 +996,9 @@ impl Dispatch {
                 // Settle in queue order: the hint is bookkept row by row.
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
+                    if let Some(Settled::HeldBack(why)) = settled {
+                        held.note(row, why);
+                    }
                     if !matches!(settled, Some(Settled::Granted)) {
                         // The next page skips the tasks that conflict with it. Not those that
                         // conflict with a task handed out: that one is held when the page is
@@ -1377,8 +1414,12 @@ impl Dispatch {
         versions: &BTreeMap<String, String>,
         read_at: impl Fn(&TaskRow) -> Instant,
         passed_over: &AtomicBool,
+        held: &HeldInPass,
     ) -> Vec<Step> {
         let mut steps: Vec<Step> = Vec::new();
+        // Groups with a cap tried in this round: one task each, so that two of a group's tasks
+        // never race for its last place (the newer could win: FIFO within the group).
+        let mut capped: HashSet<Uuid> = HashSet::new();
         while let Some(row) = rows.peek() {
             let ready_by_rule =
                 ready::obstacles(&row.candidate, reserved, versions).ready_by_rule();
@@ -1387,7 +1428,18 @@ impl Dispatch {
             } else if self.granted_after(&row.id, read_at(row)) {
                 // Granted by this replica since this page was read: left alone.
                 Seen::Left
+            } else if held.holds(row) {
+                Seen::HeldBack
             } else {
+                let cap = self
+                    .fairness
+                    .admission(row.group, row.immediate)
+                    .cap
+                    .is_some();
+                if cap && capped.contains(&row.group) {
+                    // Judged again once the round is settled.
+                    break;
+                }
                 match claimants.pick(row, &self.waiters) {
                     Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
                         // Another pass is granting it: whether it stays ready is that
@@ -1395,6 +1447,9 @@ impl Dispatch {
                         None => Seen::PassedOver,
                         Some(mine) => {
                             claimants.get_mut(who).state = Turn::Trying;
+                            if cap {
+                                capped.insert(row.group);
+                            }
                             Seen::Attempt { who, _mine: mine }
                         }
                     },
@@ -1494,7 +1549,8 @@ impl Dispatch {
                     Settled::Granted
                 }
                 Ok(Attempt::Blocked) => Settled::Blocked,
-                Ok(Attempt::NotGranted | Attempt::HeldBack) => Settled::NotGranted,
+                Ok(Attempt::NotGranted) => Settled::NotGranted,
+                Ok(Attempt::HeldBack(why)) => Settled::HeldBack(why),
                 Ok(Attempt::Lost) => Settled::Lost,
                 Ok(Attempt::LeaseGone) => {
                     claimant.state = Turn::Done;
@@ -1733,7 +1789,9 @@ impl Dispatch {
         {
             Attempt::Granted(grant) => Ok(Some(grant)),
             Attempt::LeaseGone => Err(Error::LeaseNotFound(lease_id.to_string())),
-            Attempt::NotGranted | Attempt::HeldBack | Attempt::Blocked | Attempt::Lost => Ok(None),
+            Attempt::NotGranted | Attempt::HeldBack(_) | Attempt::Blocked | Attempt::Lost => {
+                Ok(None)
+            }
         }
     }
 
@@ -1869,7 +1927,7 @@ impl Dispatch {
                     crate::fair::HeldBack::Cap { .. } => "cap",
                     crate::fair::HeldBack::Reserve { .. } => "reserve",
                 });
-                return Ok(Attempt::HeldBack);
+                return Ok(Attempt::HeldBack(why));
             }
         };
         match self.tasks.claim(row.id, app_status, start).await {
@@ -1988,7 +2046,7 @@ impl Dispatch {
             )
             .await?;
         let mut reserved = Reservations::default();
-        let mut held_groups: HashSet<Uuid> = HashSet::new();
+        let mut held = HeldInPass::default();
         for row in page.tasks {
             let ready_by_rule =
                 ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
@@ -1998,7 +2056,7 @@ impl Dispatch {
                 // it, so the page is not dry for everyone.
                 not_dry.store(true, Ordering::SeqCst);
             }
-            if !ready_by_rule || !offer.takes(&row) || held_groups.contains(&row.group) {
+            if !ready_by_rule || !offer.takes(&row) || held.holds(&row) {
                 continue;
             }
             let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
@@ -2015,11 +2073,11 @@ impl Dispatch {
                     return Ok(Some(grant));
                 }
                 Attempt::LeaseGone => return Err(self.lease_gone(call.lease_id)),
-                Attempt::HeldBack => {
-                    // Its group is at its cap (or the reserve is full): the page's other
-                    // groups' tasks are still tried, this group's are not.
+                Attempt::HeldBack(why) => {
+                    // Its group is at its cap: the page's other groups' tasks are still tried,
+                    // this group's are not (or, the reserve full, no deferred task is).
                     not_dry.store(true, Ordering::SeqCst);
-                    held_groups.insert(row.group);
+                    held.note(&row, why);
                 }
                 Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
             }

@@ -30,6 +30,9 @@ pub enum Error {
     /// No lock is held on the resource.
     #[error("no lock is held on {0}; `dispatch-broker locks` lists the held ones")]
     LockNotFound(String),
+    /// An operator named a domain the broker does not know by that name.
+    #[error("no domain named {0}: `dispatch-broker fairness` lists the domains the broker knows; name a domain by its pulp_id to set a rule for one it has not seen yet")]
+    NoSuchDomain(String),
     /// An operator's action was refused because it would be unsafe; the message says why and
     /// what to do instead.
     #[error("{0}")]

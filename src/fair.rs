@@ -216,6 +216,116 @@ impl Policy {
     }
 }
 
+/// **Overrides**: changes of the policy made at run time (the admin API's `SetFairness`), by
+/// group id. They are kept in Redis, so every replica applies them, and only over the policy
+/// file they were made against (its text's hash, `base`; 0 for no file): a new policy file drops
+/// them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overrides {
+    /// The hash of the policy file's text they were made against (0: no file).
+    pub base: u64,
+    /// A new reserve.
+    pub reserve: Option<u32>,
+    /// New weights.
+    pub weights: BTreeMap<Group, f64>,
+    /// New caps (`None`: the cap removed).
+    pub caps: BTreeMap<Group, Option<u32>>,
+}
+
+/// The field names and values of one override, as Redis keeps them (`{prefix}:fair:overrides`).
+pub mod override_fields {
+    use super::Group;
+
+    /// The field for a new reserve.
+    pub fn reserve(reserve: u32) -> (String, String) {
+        ("reserve".into(), reserve.to_string())
+    }
+
+    /// The field for a group's new weight.
+    pub fn weight(group: Group, weight: f64) -> (String, String) {
+        (format!("weight:{group}"), weight.to_string())
+    }
+
+    /// The field for a group's new cap (`None`: no cap).
+    pub fn cap(group: Group, cap: Option<u32>) -> (String, String) {
+        (
+            format!("cap:{group}"),
+            cap.map_or_else(|| "none".into(), |c| c.to_string()),
+        )
+    }
+}
+
+impl Overrides {
+    /// Reads the fields Redis keeps (see [`override_fields`]); fields it cannot read are left
+    /// out.
+    pub fn from_fields(fields: &[(String, String)]) -> Overrides {
+        let mut overrides = Overrides::default();
+        for (field, value) in fields {
+            match field.split_once(':') {
+                None if field == "base" => overrides.base = value.parse().unwrap_or_default(),
+                None if field == "reserve" => overrides.reserve = value.parse().ok(),
+                Some(("weight", group)) => {
+                    if let (Ok(g), Ok(w)) = (group.parse(), value.parse::<f64>()) {
+                        if w.is_finite() && w > 0.0 {
+                            overrides.weights.insert(g, w);
+                        }
+                    }
+                }
+                Some(("cap", group)) => {
+                    if let Ok(g) = group.parse() {
+                        match value.as_str() {
+                            "none" => {
+                                overrides.caps.insert(g, None);
+                            }
+                            n => {
+                                if let Ok(c) = n.parse() {
+                                    overrides.caps.insert(g, Some(c));
+                                }
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        overrides
+    }
+
+    /// True when nothing is changed.
+    pub fn is_empty(&self) -> bool {
+        self.reserve.is_none() && self.weights.is_empty() && self.caps.is_empty()
+    }
+
+    /// Makes these overrides over `rules`.
+    pub fn apply(&self, rules: &mut Rules) {
+        if let Some(reserve) = self.reserve {
+            rules.reserve = reserve;
+        }
+        for (group, weight) in &self.weights {
+            rules.by_group.entry(*group).or_default().weight = Some(*weight);
+        }
+        for (group, cap) in &self.caps {
+            rules.by_group.entry(*group).or_default().cap = *cap;
+        }
+    }
+
+    /// Each override in words, for the operator ("cap of acme: 3"), `name_of` naming a group.
+    pub fn describe(&self, name_of: impl Fn(Group) -> String) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(reserve) = self.reserve {
+            lines.push(format!("reserve: {reserve}"));
+        }
+        for (group, weight) in &self.weights {
+            lines.push(format!("weight of {}: {weight}", name_of(*group)));
+        }
+        for (group, cap) in &self.caps {
+            let cap = cap.map_or_else(|| "none".to_owned(), |c| c.to_string());
+            lines.push(format!("cap of {}: {cap}", name_of(*group)));
+        }
+        lines
+    }
+}
+
 /// The policy by group id: what dispatch and the gauge apply.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Rules {

@@ -54,6 +54,7 @@ impl From<Error> for Status {
             Error::TaskNotFound(_) => not_found(message, NOT_FOUND_TASK),
             Error::AppStatusNotFound(_) => not_found(message, NOT_FOUND_APP_STATUS),
             Error::LockNotFound(_) => not_found(message, NOT_FOUND_LOCK),
+            Error::NoSuchDomain(_) => not_found(message, NOT_FOUND_DOMAIN),
             Error::NotHolder(_) | Error::Refused(_) => Status::failed_precondition(message),
             Error::ResourceExhausted(_) => Status::resource_exhausted(message),
             Error::Redis(e) => match e {
@@ -85,6 +86,8 @@ pub const NOT_FOUND_LEASE: &str = "lease";
 pub const NOT_FOUND_TASK: &str = "task";
 /// [`NOT_FOUND_KEY`]: no lock is held on the resource (ForceRelease).
 pub const NOT_FOUND_LOCK: &str = "lock";
+/// [`NOT_FOUND_KEY`]: no domain has the name given (SetFairness).
+pub const NOT_FOUND_DOMAIN: &str = "domain";
 /// [`NOT_FOUND_KEY`]: the core_appstatus row named in OpenLease does not exist.
 pub const NOT_FOUND_APP_STATUS: &str = "app-status";
 

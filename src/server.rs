@@ -506,14 +506,14 @@ async fn fairness(
     tasks: &crate::tasks::Tasks,
 ) -> anyhow::Result<Fairness> {
     use crate::dispatch::fairness::Source;
-    let (policy, source) = match &args.policy {
-        None => (crate::fair::Policy::default(), Source::Default),
+    let (policy, source, base) = match &args.policy {
+        None => (crate::fair::Policy::default(), Source::Default, 0),
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read --fair-policy {}", path.display()))?;
             let policy = crate::fair::Policy::parse(&text)
                 .with_context(|| format!("--fair-policy {} refused", path.display()))?;
-            (policy, Source::File)
+            (policy, Source::File, crate::dispatch::fairness::hash(&text))
         }
     };
     let directed = tasks
@@ -525,8 +525,8 @@ async fn fairness(
             "fair dispatch's indexes are missing: tasks go out in queue order, without shares among domains or an express lane (caps and the reserve still hold); add them with `dispatch-broker migrate --fair-indexes`"
         );
     }
-    let fairness =
-        Fairness::new(args.by, policy, source, directed).with_metric_groups(args.metric_groups);
+    let fairness = Fairness::new(args.by, policy, source, base, directed)
+        .with_metric_groups(args.metric_groups);
     fairness
         .refresh(tasks)
         .await

@@ -24,7 +24,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::fair::{FairBy, Group, Policy, Rules, Standing};
+use crate::fair::{FairBy, Group, Overrides, Policy, Rules, Standing};
 use crate::ids::TaskId;
 use crate::locks::Admission;
 use crate::metrics::Stats;
@@ -94,8 +94,12 @@ pub struct GroupView {
 struct State {
     policy: Policy,
     source: Source,
+    /// The hash of the policy file's text in force (0: no file): the base of the overrides.
+    base: u64,
     /// The policy file as last read: its text's hash, or `None` when it could not be read.
     file_seen: Option<Option<u64>>,
+    /// The overrides made at run time, as last read from Redis (made only over `base`).
+    overrides: Overrides,
     names: HashMap<Group, String>,
     rules: Rules,
     /// The fair indexes exist: directed passes can read flat.
@@ -127,15 +131,18 @@ pub struct Plan {
 }
 
 impl Fairness {
-    /// Fairness with `policy` in force; `directed` when the fair indexes exist.
-    pub fn new(by: FairBy, policy: Policy, source: Source, directed: bool) -> Self {
+    /// Fairness with `policy` in force (read from a file whose text hashes to `base`, or 0);
+    /// `directed` when the fair indexes exist.
+    pub fn new(by: FairBy, policy: Policy, source: Source, base: u64, directed: bool) -> Self {
         let rules = policy.resolve(&HashMap::new());
         Fairness {
             by,
             state: Arc::new(RwLock::new(State {
                 policy,
                 source,
+                base,
                 file_seen: None,
+                overrides: Overrides::default(),
                 names: HashMap::new(),
                 rules,
                 directed,
@@ -336,12 +343,59 @@ impl Fairness {
         self.write().dry.insert(directed);
     }
 
-    /// Puts `policy` in force (from the file or the admin API).
-    pub fn set_policy(&self, policy: Policy, source: Source) {
+    /// Puts `policy` in force, read from a file whose text hashes to `base` (0: none).
+    pub fn set_policy(&self, policy: Policy, source: Source, base: u64) {
         let mut state = self.write();
-        state.rules = policy.resolve(&state.names);
         state.policy = policy;
         state.source = source;
+        state.base = base;
+        state.resolve();
+    }
+
+    /// Puts the overrides read from Redis in force (over the policy file they were made
+    /// against only); says whether they differ from those in force.
+    pub fn set_overrides(&self, overrides: Overrides) -> bool {
+        if self.read().overrides == overrides {
+            return false;
+        }
+        let mut state = self.write();
+        state.overrides = overrides;
+        state.resolve();
+        true
+    }
+
+    /// The base of overrides made now: the hash of the policy file's text in force (0: none).
+    pub fn base(&self) -> u64 {
+        self.read().base
+    }
+
+    /// The overrides in force, each in words; empty when none (or when they were made over
+    /// another policy file).
+    pub fn overrides(&self) -> Vec<String> {
+        let state = self.read();
+        if state.overrides.base != state.base {
+            return Vec::new();
+        }
+        state.overrides.describe(|g| {
+            state
+                .names
+                .get(&g)
+                .cloned()
+                .unwrap_or_else(|| g.to_string())
+        })
+    }
+
+    /// A domain named by its name (Pulp's `core_domain.name`) or id, as the directory knows
+    /// it; `None` for a name it does not know.
+    pub fn domain_named(&self, name_or_id: &str) -> Option<Group> {
+        if let Ok(id) = name_or_id.parse() {
+            return Some(id);
+        }
+        self.read()
+            .names
+            .iter()
+            .find(|(_, n)| n.as_str() == name_or_id)
+            .map(|(g, _)| *g)
     }
 
     /// Every group running or waiting, for the operator.
@@ -385,7 +439,7 @@ impl Fairness {
             let names = tasks.domain_names().await?;
             let mut state = self.write();
             state.names = names;
-            state.rules = state.policy.resolve(&state.names);
+            state.resolve();
         }
         let directed = self.read().directed;
         if !directed {
@@ -404,7 +458,7 @@ impl Fairness {
         let mut state = self.write();
         if let Some(names) = names {
             state.names = names;
-            state.rules = state.policy.resolve(&state.names);
+            state.resolve();
         }
         let before: HashSet<Group> = state.waiting.iter().map(|(g, _)| *g).collect();
         let news = !state.dry.is_empty()
@@ -438,8 +492,8 @@ impl Fairness {
             return;
         }
         self.write().file_seen = Some(now);
-        let text = match seen {
-            Ok((_, text)) => text,
+        let (base, text) = match seen {
+            Ok(seen) => seen,
             Err(e) => {
                 tracing::error!(path = %path.display(), error = %e, "cannot read the fairness policy file; the policy in force stays");
                 stats.policy_refused();
@@ -450,11 +504,11 @@ impl Fairness {
             Ok(policy) => {
                 let changed = {
                     let state = self.read();
-                    state.policy != policy || state.source != Source::File
+                    state.policy != policy || state.source != Source::File || state.base != base
                 };
                 if changed {
                     tracing::info!(path = %path.display(), groups = policy.groups.len(), reserve = policy.reserve, "fairness policy read");
-                    self.set_policy(policy, Source::File);
+                    self.set_policy(policy, Source::File, base);
                 }
             }
             Err(e) => {
@@ -484,6 +538,18 @@ impl Fairness {
                 _ = tick.tick() => {
                     if let Some(path) = &settings.policy_file {
                         self.reload(path, &stats);
+                    }
+                    match locks.fair_overrides().await {
+                        Ok(fields) => {
+                            if self.set_overrides(Overrides::from_fields(&fields)) {
+                                tracing::info!(overrides = ?self.overrides(), "fairness overrides read");
+                                // A cap lifted or a reserve lowered may free a waiting task.
+                                waiters.wake();
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "fair dispatch could not read the overrides");
+                        }
                     }
                 }
                 () = self.inserted.notified() => {}
@@ -521,9 +587,25 @@ impl Fairness {
     }
 }
 
-fn hash(text: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    text.hash(&mut h);
-    h.finish()
+/// A policy file text's hash: the same on every replica and every version (the base of the
+/// overrides made over it).
+pub fn hash(text: &str) -> u64 {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    // Never 0, which stands for "no file".
+    u64::from_be_bytes(first).max(1)
+}
+
+impl State {
+    /// The rules from the policy, the domains' names and the overrides (when made over this
+    /// policy file).
+    fn resolve(&mut self) {
+        let mut rules = self.policy.resolve(&self.names);
+        if self.overrides.base == self.base {
+            self.overrides.apply(&mut rules);
+        }
+        self.rules = rules;
+    }
 }

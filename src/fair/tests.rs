@@ -140,6 +140,43 @@ fn the_reserve_keeps_leases_for_immediate_tasks() {
 }
 
 #[test]
+fn run_time_overrides_are_read_from_their_fields_and_made_over_the_rules() {
+    let fields: Vec<(String, String)> = [
+        ("base".to_owned(), "42".to_owned()),
+        override_fields::reserve(2),
+        override_fields::weight(g(1), 3.0),
+        override_fields::cap(g(1), Some(4)),
+        override_fields::cap(g(2), None),
+        // Unreadable fields are left out.
+        ("weight:not-a-uuid".to_owned(), "1".to_owned()),
+        override_fields::weight(g(3), -1.0),
+        ("colour".to_owned(), "blue".to_owned()),
+    ]
+    .into_iter()
+    .collect();
+    let overrides = Overrides::from_fields(&fields);
+    assert_eq!(overrides.base, 42);
+    assert_eq!(overrides.reserve, Some(2));
+    assert_eq!(overrides.weights.len(), 1);
+    let mut r = rules(&[(2, 5.0)], &[(2, 1)], 0);
+    overrides.apply(&mut r);
+    assert_eq!(r.reserve, 2);
+    assert_eq!((r.weight(&g(1)), r.cap(&g(1))), (3.0, Some(4)));
+    // D2 keeps its weight and loses its cap.
+    assert_eq!((r.weight(&g(2)), r.cap(&g(2))), (5.0, None));
+    assert_eq!(
+        overrides.describe(|g| format!("D{}", g.as_u128())),
+        [
+            "reserve: 2",
+            "weight of D1: 3",
+            "cap of D1: 4",
+            "cap of D2: none"
+        ]
+    );
+    assert!(Overrides::from_fields(&[]).is_empty());
+}
+
+#[test]
 fn the_gauge_counts_lanes_under_caps_and_the_reserve() {
     // D1: 17 deferred lanes, capped at 3; D2: 2 deferred; D3: 1 immediate.
     let lanes = [(g(1), false, 17), (g(2), false, 2), (g(3), true, 1)];

@@ -302,31 +302,26 @@ impl proto::admin_server::Admin for AdminService {
             .fairness()
             .instrument(span("Fairness", &actor))
             .await?;
-        Ok(Response::new(proto::FairnessResponse {
-            fair_by: match report.by {
-                crate::fair::FairBy::Domain => "domain",
-                crate::fair::FairBy::None => "none",
-            }
-            .into(),
-            source: report.source.as_str().into(),
-            reserve: report.reserve,
-            default_weight: report.default_weight,
-            live_leases: report.live_leases,
-            deferred_running: report.deferred_running,
-            directed: report.directed,
-            domains: report
-                .groups
-                .into_iter()
-                .map(|g| proto::DomainShare {
-                    domain_id: g.group.to_string(),
-                    name: g.name.unwrap_or_default(),
-                    weight: g.weight,
-                    cap: g.cap,
-                    running: g.running,
-                    waiting: g.waiting,
-                    share: g.share,
-                })
-                .collect(),
+        Ok(Response::new(fairness_response(report)))
+    }
+
+    async fn set_fairness(
+        &self,
+        request: Request<proto::SetFairnessRequest>,
+    ) -> Result<Response<proto::SetFairnessResponse>, Status> {
+        let actor = actor(&request);
+        let r = request.get_ref();
+        let change = fairness_override(r)?;
+        let reason = reason(&r.reason, &self.limits)?;
+        let (audit, report) = self
+            .admin
+            .set_fairness(&actor, change, &reason)
+            .instrument(span("SetFairness", &actor))
+            .await?;
+        Ok(Response::new(proto::SetFairnessResponse {
+            audit: Some(audit.into()),
+            fairness: Some(fairness_response(report)),
+            note: crate::admin::OVERRIDE_NOTE.into(),
         }))
     }
 
@@ -372,4 +367,96 @@ impl proto::admin_server::Admin for AdminService {
             failed_tasks: released.failed,
         }))
     }
+}
+
+/// Fair dispatch as the admin API shows it.
+fn fairness_response(report: crate::admin::FairnessReport) -> proto::FairnessResponse {
+    proto::FairnessResponse {
+        fair_by: match report.by {
+            crate::fair::FairBy::Domain => "domain",
+            crate::fair::FairBy::None => "none",
+        }
+        .into(),
+        source: report.source.as_str().into(),
+        reserve: report.reserve,
+        default_weight: report.default_weight,
+        live_leases: report.live_leases,
+        deferred_running: report.deferred_running,
+        directed: report.directed,
+        domains: report
+            .groups
+            .into_iter()
+            .map(|g| proto::DomainShare {
+                domain_id: g.group.to_string(),
+                name: g.name.unwrap_or_default(),
+                weight: g.weight,
+                cap: g.cap,
+                running: g.running,
+                waiting: g.waiting,
+                share: g.share,
+            })
+            .collect(),
+        overrides: report.overrides,
+    }
+}
+
+/// A SetFairnessRequest checked for form: what to override, or a message saying what to fix.
+fn fairness_override(
+    r: &proto::SetFairnessRequest,
+) -> Result<crate::admin::FairnessOverride, Status> {
+    let bad = |m: String| Err(Status::invalid_argument(m));
+    let domain = Some(r.domain.trim()).filter(|d| !d.is_empty());
+    let by_domain = r.weight.is_some() || r.cap.is_some() || r.no_cap;
+    if r.reset {
+        if by_domain || r.reserve.is_some() || domain.is_some() {
+            return bad("reset drops every override; ask for it alone".into());
+        }
+        return Ok(crate::admin::FairnessOverride {
+            reset: true,
+            ..Default::default()
+        });
+    }
+    if !by_domain && r.reserve.is_none() {
+        return bad(
+            "nothing to override: give a domain with weight, cap or no_cap, or a reserve, or reset"
+                .into(),
+        );
+    }
+    if by_domain && domain.is_none() {
+        return bad("weight, cap and no_cap need a domain (its name or pulp_id)".into());
+    }
+    if domain.is_some() && !by_domain {
+        return bad("a domain needs a weight, cap or no_cap to override".into());
+    }
+    if let Some(w) = r.weight {
+        if !(w.is_finite() && w > 0.0) {
+            return bad(format!(
+                "weight {w} is not more than 0: give a positive weight"
+            ));
+        }
+    }
+    if r.cap.is_some() && r.no_cap {
+        return bad("give cap or no_cap, not both".into());
+    }
+    let count = |name: &str, v: i64| -> Result<u32, Status> {
+        u32::try_from(v).map_err(|_| {
+            Status::invalid_argument(format!(
+                "{name} {v} is out of range: give 0 or more (at most {})",
+                u32::MAX
+            ))
+        })
+    };
+    let cap = match (r.cap, r.no_cap) {
+        (Some(c), _) => Some(Some(count("cap", c)?)),
+        (None, true) => Some(None),
+        (None, false) => None,
+    };
+    let reserve = r.reserve.map(|v| count("reserve", v)).transpose()?;
+    Ok(crate::admin::FairnessOverride {
+        domain: domain.map(str::to_owned),
+        weight: r.weight,
+        cap,
+        reserve,
+        reset: false,
+    })
 }

@@ -112,6 +112,12 @@ pub(super) fn parse_acquire(reply: Value) -> Result<Acquire, Error> {
     }
 }
 
+/// A hash's fields and values from Redis' flat reply.
+fn pairs(flat: Vec<String>) -> Vec<(String, String)> {
+    let mut flat = flat.into_iter();
+    std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
+}
+
 impl Locks {
     /// What holds locks now, on every replica: tasks by group, deferred tasks, live leases
     /// (standing.lua, one call; changes nothing).
@@ -145,6 +151,37 @@ impl Locks {
             standing.running.insert(group, count(pair.get(1))?);
         }
         Ok(standing)
+    }
+
+    /// The fairness policy's overrides made at run time, as Redis keeps them (field, value).
+    pub async fn fair_overrides(&self) -> Result<Vec<(String, String)>, Error> {
+        let flat: Vec<String> = self
+            .command(redis::cmd("HGETALL").arg(self.keys.fair_overrides()))
+            .await?;
+        Ok(pairs(flat))
+    }
+
+    /// Records overrides of the fairness policy (`fields`: see `fair::override_fields`) made over
+    /// the policy file whose text hashes to `base`, dropping any made over another; returns every
+    /// override kept now.
+    pub async fn override_fairness(
+        &self,
+        base: u64,
+        fields: &[(String, String)],
+    ) -> Result<Vec<(String, String)>, Error> {
+        let mut invocation = self.scripts.fair_override.key(self.keys.fair_overrides());
+        invocation.arg(base.to_string());
+        for (field, value) in fields {
+            invocation.arg(field).arg(value);
+        }
+        let flat: Vec<String> = self.run_reading(&invocation).await?;
+        Ok(pairs(flat))
+    }
+
+    /// Drops every override of the fairness policy made at run time.
+    pub async fn drop_fair_overrides(&self) -> Result<(), Error> {
+        self.command(redis::cmd("DEL").arg(self.keys.fair_overrides()))
+            .await
     }
 
     /// Counts the tasks holding locks anew, by group and deferred (recount.lua; the sweeping

@@ -121,6 +121,12 @@ impl Keys {
         format!("{}:deferred", self.tag)
     }
 
+    /// Hash of the fairness policy's overrides made at run time (`fair::Overrides`; not lock
+    /// state).
+    pub fn fair_overrides(&self) -> String {
+        format!("{}:fair:overrides", self.tag)
+    }
+
     /// A pattern matching every key of this prefix (for tests and diagnostics only; the broker
     /// itself never scans the keyspace).
     pub fn all_pattern(&self) -> String {

@@ -40,6 +40,7 @@ pub(super) struct Scripts {
     pub release_orphan: Script,
     pub standing: Script,
     pub recount: Script,
+    pub fair_override: Script,
 }
 
 impl Scripts {
@@ -68,10 +69,11 @@ impl Scripts {
             release_orphan: script!("release_orphan.lua"),
             standing: script!("standing.lua"),
             recount: script!("recount.lua"),
+            fair_override: script!("fair_override.lua"),
         }
     }
 
-    pub fn all(&self) -> [&Script; 23] {
+    pub fn all(&self) -> [&Script; 24] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -96,6 +98,7 @@ impl Scripts {
             &self.release_orphan,
             &self.standing,
             &self.recount,
+            &self.fair_override,
         ]
     }
 }

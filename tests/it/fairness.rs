@@ -717,3 +717,255 @@ async fn the_lane_gauge_counts_a_capped_domain_at_its_cap_and_the_reserve_in_ful
     lanes.compute_now().await.unwrap();
     assert_eq!(lanes.current().lanes, 9);
 }
+
+/// SetFairness through the admin API.
+async fn set_fairness(
+    admin: &mut dispatch_broker::proto::admin_client::AdminClient<tonic::transport::Channel>,
+    request: dispatch_broker::proto::SetFairnessRequest,
+) -> Result<dispatch_broker::proto::SetFairnessResponse, tonic::Status> {
+    admin.set_fairness(request).await.map(|r| r.into_inner())
+}
+
+/// Runs the CLI against the broker at `addr`; its standard output (it must succeed).
+async fn cli(addr: String, args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+            .args(&args)
+            .args(["--addr", &addr])
+            .env_remove("DISPATCH_ADMIN_TOKEN")
+            .env_remove("DISPATCH_ADMIN_TOKEN_FILE")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[tokio::test]
+async fn an_override_holds_on_every_replica_until_the_policy_file_changes() {
+    use dispatch_broker::proto::SetFairnessRequest;
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 1\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let mut d1 = Vec::new();
+    for i in 0..5 {
+        d1.push(task_in(&env, D1, &format!("a{i}"), false).await);
+    }
+    let (_other, mut other_client) = env.second_replica().await;
+    let here = env.open("here").await;
+    let there = open_on(&mut other_client, "there").await;
+    let t = env.fetch(&here).await.expect("D1's first task");
+    assert_eq!(id(&t), d1[0]);
+    assert!(env.fetch(&here).await.is_none(), "D1 is at its cap of 1");
+    let addr = format!("http://{}", env.broker().addr);
+    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(addr.clone())
+        .await
+        .unwrap();
+    // Bad requests are refused, naming what to fix, and change nothing.
+    let refused = [
+        (
+            SetFairnessRequest {
+                domain: D1.to_string(),
+                weight: Some(0.0),
+                reason: "r".into(),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "not more than 0",
+        ),
+        (
+            SetFairnessRequest {
+                domain: D1.to_string(),
+                cap: Some(-1),
+                reason: "r".into(),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "give 0 or more",
+        ),
+        (
+            SetFairnessRequest {
+                domain: "nope".into(),
+                cap: Some(3),
+                reason: "r".into(),
+                ..Default::default()
+            },
+            tonic::Code::NotFound,
+            "no domain named nope",
+        ),
+        (
+            SetFairnessRequest {
+                reason: "r".into(),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "nothing to override",
+        ),
+        (
+            SetFairnessRequest {
+                domain: D1.to_string(),
+                cap: Some(3),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "reason is required",
+        ),
+    ];
+    for (request, code, says) in refused {
+        let e = set_fairness(&mut admin, request).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+        assert!(e.message().contains(says), "{}", e.message());
+    }
+    assert!(
+        env.broker()
+            .locks
+            .fair_overrides()
+            .await
+            .unwrap()
+            .is_empty(),
+        "a refused override changes nothing"
+    );
+    // D1's cap raised to 3 at run time: audited, shown, and noted as not in the file.
+    let r = set_fairness(
+        &mut admin,
+        SetFairnessRequest {
+            domain: D1.to_string(),
+            cap: Some(3),
+            reason: "the backlog must drain".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let audit = r.audit.unwrap();
+    assert_eq!(
+        (audit.action.as_str(), audit.target.as_str()),
+        ("set_fairness", D1.to_string().as_str())
+    );
+    assert!(r.note.contains("not in the policy file"), "{}", r.note);
+    let report = r.fairness.unwrap();
+    assert_eq!(report.overrides, [format!("cap of {D1}: 3")]);
+    let share = report
+        .domains
+        .iter()
+        .find(|d| d.domain_id == D1.to_string())
+        .unwrap();
+    assert_eq!(share.cap, Some(3));
+    // The other replica applies it within --fair-refresh.
+    let t = fetch_waiting(&mut other_client, &there)
+        .await
+        .expect("D1's second task, on the other replica");
+    assert_eq!(id(&t), d1[1]);
+    let t = env.fetch(&here).await.expect("D1's third task");
+    assert_eq!(id(&t), d1[2]);
+    assert!(
+        env.fetch(&here).await.is_none(),
+        "D1 is at its new cap of 3"
+    );
+    // Through the CLI: the override is shown, and said not to be in the file; reset drops it.
+    let text = cli(
+        addr.clone(),
+        &[
+            "fairness",
+            "set",
+            "--domain",
+            &D1.to_string(),
+            "--weight",
+            "2",
+            "--reason",
+            "cli",
+        ],
+    )
+    .await;
+    assert!(text.contains("set_fairness"), "{text}");
+    assert!(text.contains("not in the policy file"), "{text}");
+    assert!(text.contains(&format!("weight of {D1}: 2")), "{text}");
+    let text = cli(addr.clone(), &["fairness", "reset", "--reason", "done"]).await;
+    assert!(text.contains("every override dropped"), "{text}");
+    let report = admin
+        .fairness(dispatch_broker::proto::FairnessRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(report.overrides.is_empty());
+    // A new policy file ends the overrides made over the old one.
+    set_fairness(
+        &mut admin,
+        SetFairnessRequest {
+            reserve: Some(1),
+            reason: "r".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    std::fs::write(
+        policy.path(),
+        "# edited\n[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 1\n",
+    )
+    .unwrap();
+    let fairness = env.broker().fairness.clone();
+    let dropped = eventually(Duration::from_secs(10), || {
+        let fairness = fairness.clone();
+        async move { fairness.overrides().is_empty() && fairness.rules().reserve == 0 }
+    })
+    .await;
+    assert!(dropped.is_some(), "{:?}", env.broker().fairness.overrides());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_fetching_at_once_get_a_capped_domains_oldest_tasks() {
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-0000000000d1\"]\ncap = 2\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.policy = Some(path);
+    })
+    .await;
+    let mut d1 = Vec::new();
+    for i in 0..8 {
+        d1.push(task_in(&env, D1, &format!("a{i}"), false).await);
+    }
+    // Four workers wait at once: one pass serves them all, and D1's cap leaves room for two.
+    // Whatever the order the attempts reach Redis in, the two are D1's oldest.
+    let mut calls = Vec::new();
+    for w in 0..4 {
+        let lease = env.open(&format!("w{w}")).await;
+        let mut client = env.client.clone();
+        calls.push(tokio::spawn(async move {
+            let mut request = fetch_request(&lease);
+            request.wait = Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            });
+            client
+                .fetch_task(request)
+                .await
+                .expect("FetchTask")
+                .into_inner()
+                .task
+        }));
+    }
+    let mut got: Vec<Uuid> = Vec::new();
+    for call in calls {
+        if let Some(t) = call.await.unwrap() {
+            got.push(id(&t));
+        }
+    }
+    got.sort();
+    let mut oldest = vec![d1[0], d1[1]];
+    oldest.sort();
+    assert_eq!(got, oldest, "D1's two oldest tasks, and no other");
+}
