@@ -971,7 +971,7 @@ impl Dispatch {
                 if rows.peek().is_none() || claimants.nobody_left() {
                     break;
                 }
-                let steps = self.judge_round(
+                let (steps, passed) = self.judge_round(
                     &mut rows,
                     &mut claimants,
                     &mut reserved,
@@ -983,9 +983,11 @@ impl Dispatch {
                             read_at
                         }
                     },
-                    passed_over,
                     &held,
                 );
+                if passed {
+                    passed_over.store(true, Ordering::SeqCst);
+                }
                 let round = self
                     .grant_round(&steps, &mut claimants, answer, stalled)
                     .await;
@@ -1405,7 +1407,8 @@ impl Dispatch {
     /// A stage of a pass's round: judges rows in queue order by the rule (against `reserved`,
     /// which every row judged then joins) until every claimant is trying one or nobody is left,
     /// picking a claimant for each ready row. A row this replica granted after it was read
-    /// (`read_at`) is left alone.
+    /// (`read_at`) is left alone, and so is one fairness would let overtake a task it `held`
+    /// back. Also says whether it passed over a ready task nobody in the pass could take.
     fn judge_round(
         &self,
         rows: &mut std::iter::Peekable<std::vec::IntoIter<TaskRow>>,
@@ -1413,9 +1416,9 @@ impl Dispatch {
         reserved: &mut Reservations,
         versions: &BTreeMap<String, String>,
         read_at: impl Fn(&TaskRow) -> Instant,
-        passed_over: &AtomicBool,
         held: &HeldInPass,
-    ) -> Vec<Step> {
+    ) -> (Vec<Step>, bool) {
+        let mut passed_over = false;
         let mut steps: Vec<Step> = Vec::new();
         // Groups with a cap tried in this round: one task each, so that two of a group's tasks
         // never race for its last place (the newer could win: FIFO within the group).
@@ -1457,7 +1460,7 @@ impl Dispatch {
                     // it is judged again once the round is settled.
                     Pick::Busy => break,
                     Pick::Nobody => {
-                        passed_over.store(true, Ordering::SeqCst);
+                        passed_over = true;
                         Seen::PassedOver
                     }
                 }
@@ -1472,7 +1475,7 @@ impl Dispatch {
                 break;
             }
         }
-        steps
+        (steps, passed_over)
     }
 
     /// A stage of a pass's round: tries the round's attempts at once (lock, then claim), and
