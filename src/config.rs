@@ -890,6 +890,13 @@ mod tests {
                 sub.get_name().to_string(),
                 dispatch_testkit::reference::command_options(sub, false),
             );
+            // `fairness set`: a section of its own.
+            for nested in sub.get_subcommands().filter(|n| n.get_name() != "help") {
+                real.insert(
+                    format!("{} {}", sub.get_name(), nested.get_name()),
+                    dispatch_testkit::reference::command_options(nested, false),
+                );
+            }
         }
         real.retain(|_, table| !table.is_empty());
         let doc = std::fs::read_to_string(concat!(

@@ -162,6 +162,7 @@ mod tests {
             k.change_floor(),
             k.running(),
             k.deferred(),
+            k.fair_overrides(),
             k.all_pattern(),
         ];
         // Every builder of this file is in the list (all but `new` and `tag`), so a new one
