@@ -479,14 +479,15 @@ impl Admin {
         explanation.ready = rule.ready_by_rule();
         if explanation.ready {
             let standing = self.locks.standing().await?;
-            let group = self.fairness.group_of(task.row.group);
+            let group = self.fairness.group_of_row(&task.row);
             explanation.held_back = self
                 .fairness
                 .rules()
                 .holds_back(&standing, &group, task.row.immediate)
                 .map(|why| match why {
                     crate::fair::HeldBack::Cap { cap } => format!(
-                        "domain {} is at its cap of {cap} running",
+                        "{} {} is at its cap of {cap} running",
+                        self.fairness.group_word(),
                         self.fairness.name_of(group)
                     ),
                     other => other.to_string(),

@@ -385,19 +385,19 @@ struct HeldInPass {
 }
 
 impl HeldInPass {
-    /// Notes that `row` was held back, and why.
-    fn note(&mut self, row: &TaskRow, why: crate::fair::HeldBack) {
+    /// Notes that a task of `group` was held back, and why.
+    fn note(&mut self, group: Uuid, why: crate::fair::HeldBack) {
         match why {
             crate::fair::HeldBack::Cap { .. } => {
-                self.groups.insert(row.group);
+                self.groups.insert(group);
             }
             crate::fair::HeldBack::Reserve { .. } => self.deferred = true,
         }
     }
 
-    /// Whether `row` must not be tried in this pass.
-    fn holds(&self, row: &TaskRow) -> bool {
-        self.groups.contains(&row.group) || (self.deferred && !row.immediate)
+    /// Whether a task of `group` must not be tried in this pass.
+    fn holds(&self, group: Uuid, immediate: bool) -> bool {
+        self.groups.contains(&group) || (self.deferred && !immediate)
     }
 }
 
@@ -999,7 +999,7 @@ impl Dispatch {
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
                     if let Some(Settled::HeldBack(why)) = settled {
-                        held.note(row, why);
+                        held.note(self.fairness.group_of_row(row), why);
                     }
                     if !matches!(settled, Some(Settled::Granted)) {
                         // The next page skips the tasks that conflict with it. Not those that
@@ -1431,15 +1431,12 @@ impl Dispatch {
             } else if self.granted_after(&row.id, read_at(row)) {
                 // Granted by this replica since this page was read: left alone.
                 Seen::Left
-            } else if held.holds(row) {
+            } else if held.holds(self.fairness.group_of_row(row), row.immediate) {
                 Seen::HeldBack
             } else {
-                let cap = self
-                    .fairness
-                    .admission(row.group, row.immediate)
-                    .cap
-                    .is_some();
-                if cap && capped.contains(&row.group) {
+                let group = self.fairness.group_of_row(row);
+                let cap = self.fairness.admission(group, row.immediate).cap.is_some();
+                if cap && capped.contains(&group) {
                     // Judged again once the round is settled.
                     break;
                 }
@@ -1451,7 +1448,7 @@ impl Dispatch {
                         Some(mine) => {
                             claimants.get_mut(who).state = Turn::Trying;
                             if cap {
-                                capped.insert(row.group);
+                                capped.insert(group);
                             }
                             Seen::Attempt { who, _mine: mine }
                         }
@@ -1897,7 +1894,9 @@ impl Dispatch {
                 "lease {lease_id} names no valid core_appstatus row"
             ))
         })?;
-        let admission = self.fairness.admission(row.group, row.immediate);
+        let admission = self
+            .fairness
+            .admission(self.fairness.group_of_row(row), row.immediate);
         let acquired = match self
             .locks
             .acquire(lease_id, row.id, resources, admission)
@@ -1948,10 +1947,8 @@ impl Dispatch {
                 }
                 tracing::info!(task_id = %row.id, %lease_id, %fencing_token, "task handed out");
                 let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
-                self.stats.task_waited(
-                    self.fairness.label(self.fairness.group_of(row.group)),
-                    waited,
-                );
+                self.stats
+                    .task_waited(self.fairness.label(self.fairness.group_of_row(row)), waited);
                 Ok(Attempt::Granted(Grant {
                     task_id: row.id,
                     name: row.name.clone(),
@@ -2059,7 +2056,8 @@ impl Dispatch {
                 // it, so the page is not dry for everyone.
                 not_dry.store(true, Ordering::SeqCst);
             }
-            if !ready_by_rule || !offer.takes(&row) || held.holds(&row) {
+            let group = self.fairness.group_of_row(&row);
+            if !ready_by_rule || !offer.takes(&row) || held.holds(group, row.immediate) {
                 continue;
             }
             let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
@@ -2080,7 +2078,7 @@ impl Dispatch {
                     // Its group is at its cap: the page's other groups' tasks are still tried,
                     // this group's are not (or, the reserve full, no deferred task is).
                     not_dry.store(true, Ordering::SeqCst);
-                    held.note(&row, why);
+                    held.note(group, why);
                 }
                 Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
             }
@@ -2107,7 +2105,9 @@ impl Dispatch {
 
     /// Records how long a task that ended ran, under its group's label.
     fn task_ran(&self, ran: crate::tasks::Ran) {
-        let label = self.fairness.label(self.fairness.group_of(ran.domain));
+        let label = self
+            .fairness
+            .label(self.fairness.group_of(ran.domain, ran.task_group));
         self.stats.task_ran(label, ran.seconds.max(0.0));
     }
 

@@ -4,7 +4,8 @@
 //! The readiness rule (`ready`) is untouched: it decides whether a task may run at all, and FIFO
 //! per resource holds. This rule only orders the ready tasks (docs/design.md, "Fair dispatch"):
 //!
-//! - A task's **group** is its `core_task.pulp_domain_id` (`--fair-by domain`, the default), or
+//! - A task's **group** is its `core_task.pulp_domain_id` (`--fair-by domain`, the default), its
+//!   `core_task.task_group_id` (`--fair-by task-group`; tasks of no task group are one group), or
 //!   one group for every task (`--fair-by none`: plain FIFO).
 //! - A group's **usage** is the number of its tasks that hold locks now (claimed or running, on
 //!   any replica: Redis counts them), divided by its **weight** (1 unless the policy says).
@@ -35,6 +36,18 @@ pub enum FairBy {
     /// Pulp's domain (`core_task.pulp_domain_id`).
     #[default]
     Domain,
+    /// Pulp's task group (`core_task.task_group_id`); the tasks of no task group are one group
+    /// (the nil id). The policy names task groups by id.
+    TaskGroup,
+}
+
+/// A task's group under `by`, from its domain and task group (the one place the key is chosen).
+pub fn group_of(by: FairBy, domain: Uuid, task_group: Option<Uuid>) -> Group {
+    match by {
+        FairBy::None => Uuid::nil(),
+        FairBy::Domain => domain,
+        FairBy::TaskGroup => task_group.unwrap_or_else(Uuid::nil),
+    }
 }
 
 /// A group: a domain's `pulp_id` (the nil id is the one group of `--fair-by none`).

@@ -266,7 +266,7 @@ impl Lanes {
                 }
                 let survey = (
                     encode_survey(&counter.most_blocked(SURVEY_KEEP)),
-                    encode_waiting(counter.waiting_by_domain()),
+                    encode_waiting(self.waiting_by_group(&counter)),
                 );
                 let k = Kept {
                     counter,
@@ -407,7 +407,18 @@ impl Lanes {
         Ok(())
     }
 
-    /// Publishes the waiting tasks by domain of the survey stamped `surveyed_at_ms`
+    /// The waiting tasks a full pass counted, by group.
+    fn waiting_by_group(&self, counter: &LaneCounter) -> impl Iterator<Item = (uuid::Uuid, u64)> {
+        let mut by_group: std::collections::HashMap<uuid::Uuid, u64> = Default::default();
+        for (class, n) in counter.waiting_by_class() {
+            *by_group
+                .entry(self.fairness.group_of(class.domain, class.task_group))
+                .or_default() += n;
+        }
+        by_group.into_iter()
+    }
+
+    /// Publishes the waiting tasks by group of the survey stamped `surveyed_at_ms`
     /// (`dispatch_group_waiting`), once per survey: domains under their metric label, the rest
     /// as `other`; labels published before and left out now are set to 0.
     async fn publish_waiting(&self, surveyed_at_ms: i64) -> Result<()> {
@@ -422,8 +433,8 @@ impl Lanes {
         let json = self.locks.lanes_waiting().await?.unwrap_or_default();
         let (top, rest) = decode_waiting(&json);
         let mut waiting: std::collections::BTreeMap<String, u64> = Default::default();
-        for (domain, n) in top {
-            let label = self.fairness.label(self.fairness.group_of(domain));
+        for (group, n) in top {
+            let label = self.fairness.label(group);
             *waiting.entry(label).or_default() += n;
         }
         if rest > 0 {

@@ -145,6 +145,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         bg_tasks.clone(),
         Arc::clone(&background_stats),
         replica.clone(),
+        args.fair.by,
     );
     // Know the lock state (rebuilding it if Redis lost it) before serving anything.
     if let Err(e) = recovery.check().await {
@@ -520,9 +521,9 @@ async fn fairness(
         .has_fair_indexes()
         .await
         .context("cannot read the schema")?;
-    if !directed && (args.by == crate::fair::FairBy::Domain) {
+    if !directed && (args.by != crate::fair::FairBy::None) {
         tracing::warn!(
-            "fair dispatch's indexes are missing: tasks go out in queue order, without shares among domains or an express lane (caps and the reserve still hold); add them with `dispatch-broker migrate --fair-indexes`"
+            "fair dispatch's indexes are missing: tasks go out in queue order, without shares among groups or an express lane (caps and the reserve still hold); add them with `dispatch-broker migrate --fair-indexes`"
         );
     }
     let fairness = Fairness::new(args.by, policy, source, base, directed)

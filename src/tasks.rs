@@ -101,7 +101,14 @@ pub mod sql {
     pub static MIGRATE: LazyLock<String> = with_states!("tasks/migrate.sql");
     pub const LANES_INDEX: &str = include_str!("tasks/lanes_index.sql");
     pub const FAIR_INDEXES: &str = include_str!("tasks/fair_indexes.sql");
-    pub const GROUPS_WAITING: &str = include_str!("tasks/groups_waiting.sql");
+    /// groups_waiting.sql by domain.
+    pub static GROUPS_WAITING: LazyLock<String> = LazyLock::new(|| {
+        include_str!("tasks/groups_waiting.sql").replace("$group", super::DOMAIN_GROUP)
+    });
+    /// groups_waiting.sql by task group.
+    pub static GROUPS_WAITING_BY_TASK_GROUP: LazyLock<String> = LazyLock::new(|| {
+        include_str!("tasks/groups_waiting.sql").replace("$group", super::TASK_GROUP_GROUP)
+    });
     pub const DOMAIN_NAMES: &str = include_str!("tasks/domain_names.sql");
     pub const DOMAIN_TABLE: &str = include_str!("tasks/domain_table.sql");
     pub const NOTIFY_TRIGGER: &str = include_str!("tasks/notify_trigger.sql");
@@ -148,9 +155,10 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 34]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 35]> = LazyLock::new(|| {
         [
-            GROUPS_WAITING,
+            GROUPS_WAITING.as_str(),
+            GROUPS_WAITING_BY_TASK_GROUP.as_str(),
             DOMAIN_TABLE,
             QUEUE_PAGE,
             QUEUE_KNOWN,
@@ -203,17 +211,29 @@ pub struct Requeued {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ran {
     pub domain: Uuid,
+    pub task_group: Option<Uuid>,
     pub seconds: f64,
 }
 
-/// A [`Ran`] from a row's domain (column `at`) and seconds (`at + 1`), when both are there.
+/// A [`Ran`] from a row's domain (column `at`), task group (`at + 1`) and seconds (`at + 2`),
+/// when the domain and the seconds are there.
 fn ran(row: &Row, at: usize) -> Result<Option<Ran>, Error> {
     let domain: Option<Uuid> = row.try_get(at)?;
-    let seconds: Option<f64> = row.try_get(at + 1)?;
-    Ok(domain
-        .zip(seconds)
-        .map(|(domain, seconds)| Ran { domain, seconds }))
+    let task_group: Option<Uuid> = row.try_get(at + 1)?;
+    let seconds: Option<f64> = row.try_get(at + 2)?;
+    Ok(domain.zip(seconds).map(|(domain, seconds)| Ran {
+        domain,
+        task_group,
+        seconds,
+    }))
 }
+
+/// A task's group as SQL writes it under `--fair-by domain` (dispatch_groups_idx's key) ...
+const DOMAIN_GROUP: &str = "t.pulp_domain_id";
+/// ... and under `--fair-by task-group` (dispatch_task_groups_idx's key: no task group is the nil
+/// id).
+const TASK_GROUP_GROUP: &str =
+    "coalesce(t.task_group_id, '00000000-0000-0000-0000-000000000000'::uuid)";
 
 /// The most tasks one read of queue_page.sql returns (its LIMIT).
 pub const QUEUE_PAGE_ROWS: usize = 5000;
@@ -265,8 +285,10 @@ pub struct TaskRow {
     pub name: String,
     /// `immediate`.
     pub immediate: bool,
-    /// `pulp_domain_id`: its group for fair dispatch (src/fair.rs).
-    pub group: Uuid,
+    /// `pulp_domain_id`: its group for fair dispatch by domain (`fair::group_of`).
+    pub domain: Uuid,
+    /// `task_group_id`: its group for fair dispatch by task group.
+    pub task_group: Option<Uuid>,
     /// The decision inputs for `ready::judge`.
     pub candidate: Candidate,
 }
@@ -275,8 +297,10 @@ pub struct TaskRow {
 /// immediate ones, in queue order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Directed {
-    /// The tasks of one group (`pulp_domain_id`).
+    /// The tasks of one domain (`pulp_domain_id`).
     Group(Uuid),
+    /// The tasks of one task group (`task_group_id`; the nil id: of none).
+    TaskGroup(Uuid),
     /// Pulp's immediate tasks.
     Immediate,
 }
@@ -331,10 +355,12 @@ pub struct ClaimedTask {
     pub worker_ttl_ms: i64,
     /// The worker's component versions.
     pub worker_versions: BTreeMap<String, String>,
-    /// `pulp_domain_id`: its group for fair dispatch.
-    pub group: Uuid,
+    /// `pulp_domain_id`: its group for fair dispatch by domain.
+    pub domain: Uuid,
     /// `immediate`.
     pub immediate: bool,
+    /// `task_group_id`: its group for fair dispatch by task group.
+    pub task_group: Option<Uuid>,
 }
 
 /// An older incomplete task that conflicts with an explained one.
@@ -378,6 +404,7 @@ fn classed_lane_row(row: &Row) -> Result<(Key, Vec<&str>, crate::ready::Class), 
     let class = crate::ready::Class {
         domain: row.try_get(3)?,
         immediate: row.try_get(4)?,
+        task_group: row.try_get(5)?,
     };
     Ok((key, record, class))
 }
@@ -534,6 +561,9 @@ impl Tasks {
             .prepare_cached(&candidates_sql(1, Some(Directed::Group(Uuid::nil()))))
             .await?;
         client
+            .prepare_cached(&candidates_sql(1, Some(Directed::TaskGroup(Uuid::nil()))))
+            .await?;
+        client
             .prepare_cached(&candidates_sql(1, Some(Directed::Immediate)))
             .await?;
         client.prepare_cached(&sql::TASK).await?;
@@ -672,7 +702,7 @@ impl Tasks {
         let (near_created, near_id) = near.head_end_params();
         let statement = candidates_sql(limit, directed);
         let group = match directed {
-            Some(Directed::Group(g)) => Some(g),
+            Some(Directed::Group(g) | Directed::TaskGroup(g)) => Some(g),
             _ => None,
         };
         let mut params: Vec<&(dyn ToSql + Sync)> = vec![
@@ -1124,8 +1154,9 @@ impl Tasks {
                     worker_versions: versions
                         .and_then(|v| serde_json::from_str(&v).ok())
                         .unwrap_or_default(),
-                    group: r.try_get(6)?,
+                    domain: r.try_get(6)?,
                     immediate: r.try_get(7)?,
+                    task_group: r.try_get(8)?,
                 })
             })
             .collect()
@@ -1162,7 +1193,8 @@ impl Tasks {
             tx.commit().await?;
         }
         drop(client);
-        // A table an older `migrate` made has no pulp_domain_id; Pulp's always has one.
+        // A table an older `migrate` made has no pulp_domain_id or task_group_id; Pulp's always
+        // has both.
         let present = self.schema_items().await?;
         let domain_column_added = exists
             && !present.iter().any(|i| i == "core_task.pulp_domain_id")
@@ -1176,15 +1208,34 @@ impl Tasks {
                 )
                 .await?;
         }
+        let task_group_column_added = exists
+            && !present.iter().any(|i| i == "core_task.task_group_id")
+            && !present.iter().any(|i| i == "core_domain");
+        if task_group_column_added {
+            self.client()
+                .await?
+                .batch_execute("ALTER TABLE core_task ADD COLUMN IF NOT EXISTS task_group_id uuid")
+                .await?;
+        }
         let fair_indexes_created = fair_indexes && !present.iter().any(|i| i == "fair-indexes");
         if fair_indexes_created {
             let client = self.client().await?;
-            client
-                .batch_execute("DROP INDEX CONCURRENTLY IF EXISTS dispatch_groups_idx")
+            // The leftovers of a failed concurrent build are invalid: dropped, then built anew.
+            let invalid = client
+                .query(
+                    "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+                     WHERE c.relnamespace = current_schema()::regnamespace AND NOT i.indisvalid \
+                       AND c.relname IN ('dispatch_groups_idx', 'dispatch_immediate_idx', \
+                                         'dispatch_task_groups_idx')",
+                    &[],
+                )
                 .await?;
-            client
-                .batch_execute("DROP INDEX CONCURRENTLY IF EXISTS dispatch_immediate_idx")
-                .await?;
+            for row in invalid {
+                let name: String = row.try_get(0)?;
+                client
+                    .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {name}"))
+                    .await?;
+            }
             for statement in sql::FAIR_INDEXES
                 .split(";\n")
                 .filter(|s| s.contains("CREATE"))
@@ -1223,6 +1274,7 @@ impl Tasks {
             lanes_index_created,
             fair_indexes_created,
             domain_column_added,
+            task_group_column_added,
             notify_trigger_created,
             gin_fastupdate_changed,
             missing: migrate::missing(&present),
@@ -1234,9 +1286,14 @@ impl Tasks {
     /// position, and whether an immediate task waits (groups_waiting.sql: a skip scan).
     pub async fn groups_waiting(
         &self,
+        by: crate::fair::FairBy,
         max: i64,
     ) -> Result<(Vec<(Uuid, (DateTime<Utc>, TaskId))>, bool), Error> {
-        let mut rows = self.query_read(sql::GROUPS_WAITING, &[&max]).await?;
+        let statement = match by {
+            crate::fair::FairBy::TaskGroup => &sql::GROUPS_WAITING_BY_TASK_GROUP,
+            _ => &sql::GROUPS_WAITING,
+        };
+        let mut rows = self.query_read(statement, &[&max]).await?;
         let closing = rows.pop().ok_or_else(|| {
             Error::Unexpected("groups_waiting.sql returned no closing row".into())
         })?;
@@ -1309,7 +1366,8 @@ fn task_row(row: &Row) -> Result<TaskRow, Error> {
         created: row.try_get(1)?,
         name: row.try_get(2)?,
         immediate: row.try_get(5)?,
-        group: row.try_get("task_group")?,
+        domain: row.try_get("domain")?,
+        task_group: row.try_get("task_group")?,
         candidate: Candidate {
             resources: Resources::from_record(&record),
             older_conflicts: row.try_get(6)?,
@@ -1399,6 +1457,13 @@ fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
             "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.pulp_domain_id = $8::uuid\n\
              \x20         ORDER BY u.pulp_domain_id, u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
         ),
+        Some(Directed::TaskGroup(_)) => {
+            let group = TASK_GROUP_GROUP.replace("t.", "u.");
+            format!(
+                "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND {group} = $8::uuid\n\
+                 \x20         ORDER BY {group}, u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+            )
+        }
         Some(Directed::Immediate) => format!(
             "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.immediate\n\
              \x20         ORDER BY u.pulp_created, u.pulp_id LIMIT {scan}) t\n"

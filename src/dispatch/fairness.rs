@@ -192,26 +192,35 @@ impl Fairness {
         self.state.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A task's group (one group for all under `--fair-by none`).
-    pub fn group_of(&self, group: Uuid) -> Group {
-        match self.by {
-            FairBy::None => Uuid::nil(),
-            FairBy::Domain => group,
-        }
+    /// A task's group, from its domain and task group (`fair::group_of`).
+    pub fn group_of(&self, domain: Uuid, task_group: Option<Uuid>) -> Group {
+        crate::fair::group_of(self.by, domain, task_group)
+    }
+
+    /// A waiting task's group.
+    pub fn group_of_row(&self, row: &crate::tasks::TaskRow) -> Group {
+        self.group_of(row.domain, row.task_group)
     }
 
     /// What the acquire script checks for a task of `group`.
-    pub fn admission(&self, group: Uuid, immediate: bool) -> Admission {
-        let group = self.group_of(group);
+    pub fn admission(&self, group: Group, immediate: bool) -> Admission {
         let state = self.read();
         Admission {
             group,
             immediate,
             cap: match self.by {
                 FairBy::None => None,
-                FairBy::Domain => state.rules.cap(&group),
+                FairBy::Domain | FairBy::TaskGroup => state.rules.cap(&group),
             },
             reserve: state.rules.reserve,
+        }
+    }
+
+    /// The directed page of one group's tasks, under this grouping.
+    fn directed_group(&self, group: Group) -> Directed {
+        match self.by {
+            FairBy::TaskGroup => Directed::TaskGroup(group),
+            FairBy::None | FairBy::Domain => Directed::Group(group),
         }
     }
 
@@ -222,7 +231,7 @@ impl Fairness {
         let state = self.read();
         let lanes = by_class
             .into_iter()
-            .map(|(c, n)| (self.group_of(c.domain), c.immediate, n));
+            .map(|(c, n)| (self.group_of(c.domain, c.task_group), c.immediate, n));
         match self.by {
             FairBy::None => Rules {
                 default_weight: state.rules.default_weight,
@@ -230,7 +239,16 @@ impl Fairness {
                 by_group: HashMap::new(),
             }
             .lanes(lanes),
-            FairBy::Domain => state.rules.lanes(lanes),
+            FairBy::Domain | FairBy::TaskGroup => state.rules.lanes(lanes),
+        }
+    }
+
+    /// What the operator calls a group: `domain`, `task group`, or `group` (one for all).
+    pub fn group_word(&self) -> &'static str {
+        match self.by {
+            FairBy::Domain => "domain",
+            FairBy::TaskGroup => "task group",
+            FairBy::None => "group",
         }
     }
 
@@ -277,7 +295,7 @@ impl Fairness {
     }
 
     fn engaged_in(&self, state: &State) -> bool {
-        self.by == FairBy::Domain
+        self.by != FairBy::None
             && state.directed
             && (state.immediate_waiting || state.waiting.len() > 1)
     }
@@ -298,7 +316,7 @@ impl Fairness {
             state.rules.holds_back(standing, &Uuid::nil(), false),
             Some(crate::fair::HeldBack::Reserve { .. })
         );
-        let all_capped = self.by == FairBy::Domain
+        let all_capped = self.by != FairBy::None
             && state.directed
             && !state.waiting.is_empty()
             && state
@@ -324,7 +342,7 @@ impl Fairness {
             let open: Vec<(Group, (DateTime<Utc>, TaskId))> = state
                 .waiting
                 .iter()
-                .filter(|(g, _)| !state.dry.contains(&Directed::Group(*g)))
+                .filter(|(g, _)| !state.dry.contains(&self.directed_group(*g)))
                 .copied()
                 .collect();
             plan.directed.extend(
@@ -332,7 +350,7 @@ impl Fairness {
                     .rules
                     .first(standing, &open, MAX_DIRECTED)
                     .into_iter()
-                    .map(Directed::Group),
+                    .map(|g| self.directed_group(g)),
             );
         }
         plan
@@ -445,8 +463,9 @@ impl Fairness {
         if !directed {
             return Ok(false);
         }
-        let (waiting, immediate_waiting) = tasks.groups_waiting(MAX_GROUPS).await?;
-        let unknown = {
+        let (waiting, immediate_waiting) = tasks.groups_waiting(self.by, MAX_GROUPS).await?;
+        // Names are domains' (task groups have none).
+        let unknown = self.by == FairBy::Domain && {
             let state = self.read();
             waiting.iter().any(|(g, _)| !state.names.contains_key(g))
         };
@@ -565,7 +584,7 @@ impl Fairness {
                     tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
                 }
             }
-            if self.by == FairBy::Domain {
+            if self.by != FairBy::None {
                 if let Ok(standing) = locks.standing().await {
                     let mut running: std::collections::BTreeMap<String, u32> = Default::default();
                     for (group, n) in &standing.running {

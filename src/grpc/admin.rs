@@ -374,6 +374,7 @@ fn fairness_response(report: crate::admin::FairnessReport) -> proto::FairnessRes
     proto::FairnessResponse {
         fair_by: match report.by {
             crate::fair::FairBy::Domain => "domain",
+            crate::fair::FairBy::TaskGroup => "task-group",
             crate::fair::FairBy::None => "none",
         }
         .into(),

@@ -40,6 +40,8 @@ pub struct Recovery {
     stats: Arc<Stats>,
     /// This replica's id, as holder of the rebuild lock.
     replica: String,
+    /// What fair dispatch groups tasks by: a rebuild counts the tasks holding locks by group.
+    by: crate::fair::FairBy,
     /// One rebuild at a time in this replica.
     busy: Arc<tokio::sync::Mutex<()>>,
     /// Set when a grant was refused although the epoch matched: the counter went backwards.
@@ -48,12 +50,19 @@ pub struct Recovery {
 
 impl Recovery {
     /// Builds the watcher for one replica.
-    pub fn new(locks: Locks, tasks: Tasks, stats: Arc<Stats>, replica: String) -> Self {
+    pub fn new(
+        locks: Locks,
+        tasks: Tasks,
+        stats: Arc<Stats>,
+        replica: String,
+        by: crate::fair::FairBy,
+    ) -> Self {
         Recovery {
             locks,
             tasks,
             stats,
             replica,
+            by,
             busy: Arc::new(tokio::sync::Mutex::new(())),
             suspect: Arc::new(AtomicBool::new(false)),
         }
@@ -184,7 +193,10 @@ impl Recovery {
                     lease_id,
                     task.task_id,
                     &task.resources,
-                    locks::Admission::counted(task.group, task.immediate),
+                    locks::Admission::counted(
+                        crate::fair::group_of(self.by, task.domain, task.task_group),
+                        task.immediate,
+                    ),
                 )
                 .await?
             {

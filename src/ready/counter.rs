@@ -42,11 +42,13 @@ struct Places {
 }
 
 /// What fair dispatch's caps and reserve ask of a lane (`fair::Rules::lanes`): its domain
-/// (Pulp's `pulp_domain_id`) and whether it is immediate. The count itself ignores it.
+/// (Pulp's `pulp_domain_id`) and task group (`task_group_id`), of which `fair::group_of` makes
+/// its group, and whether it is immediate. The count itself ignores it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Class {
     pub domain: Uuid,
     pub immediate: bool,
+    pub task_group: Option<Uuid>,
 }
 
 /// A task the count depends on: it holds a place, or it is a lane.
@@ -68,8 +70,9 @@ pub struct LaneCounter {
     lanes: u64,
     /// The lanes by class (their sum is `lanes`).
     by_class: Map<Class, u64>,
-    /// Waiting tasks by domain, as noted while a full pass fed them ([`LaneCounter::note_waiting`]).
-    waiting: Map<Uuid, u64>,
+    /// Waiting tasks by class (immediate or not alike), as noted while a full pass fed them
+    /// ([`LaneCounter::note_waiting`]).
+    waiting: Map<Class, u64>,
     watermark: Option<Key>,
     /// Tasks fed since the counter was made.
     seen: u64,
@@ -125,15 +128,20 @@ impl LaneCounter {
             .map(|(c, n)| (*c, *n))
     }
 
-    /// Notes a waiting task of `domain` (a full pass notes every one it feeds; a maintained
+    /// Notes a waiting task of `class` (a full pass notes every one it feeds; a maintained
     /// pass none, so the numbers are those of the counter's full pass).
-    pub fn note_waiting(&mut self, domain: Uuid) {
-        *self.waiting.entry(domain).or_default() += 1;
+    pub fn note_waiting(&mut self, class: Class) {
+        let class = Class {
+            immediate: false,
+            ..class
+        };
+        *self.waiting.entry(class).or_default() += 1;
     }
 
-    /// The waiting tasks by domain that [`LaneCounter::note_waiting`] noted.
-    pub fn waiting_by_domain(&self) -> impl Iterator<Item = (Uuid, u64)> + '_ {
-        self.waiting.iter().map(|(d, n)| (*d, *n))
+    /// The waiting tasks by class (`immediate` always false) that
+    /// [`LaneCounter::note_waiting`] noted.
+    pub fn waiting_by_class(&self) -> impl Iterator<Item = (Class, u64)> + '_ {
+        self.waiting.iter().map(|(c, n)| (*c, *n))
     }
 
     fn count(&mut self, class: Class, lane: bool) {

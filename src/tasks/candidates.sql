@@ -26,7 +26,8 @@
 --                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
 --                 and sorts it
 -- Returns: the page's tasks in queue order (pulp_id, pulp_created, name, record, versions (JSON
---          text), immediate, older_conflicts, ..., task_group (pulp_domain_id)), then one closing row whose pulp_id is NULL and
+--          text), immediate, older_conflicts, ..., domain (pulp_domain_id), task_group
+--          (task_group_id)), then one closing row whose pulp_id is NULL and
 --          which holds the held entries this page skipped by (held_entries) and, when the page is
 --          not full, the tail: every waiting task created up to it, now or committed later, was
 --          returned or skipped (for the scan hint)
@@ -50,7 +51,7 @@ excluded AS (
 page AS (
     SELECT t.pulp_id, t.pulp_created, t.name,
            coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
-           t.versions, t.immediate, t.pulp_domain_id
+           t.versions, t.immediate, t.pulp_domain_id, t.task_group_id
     FROM core_task t
     -- $only
     WHERE t.state = 'waiting'
@@ -76,7 +77,8 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
        coalesce(p.immediate, false) AS immediate,
        c.older_conflicts,
-       NULL::text[] AS held_entries, NULL::timestamptz AS tail, p.pulp_domain_id AS task_group
+       NULL::text[] AS held_entries, NULL::timestamptz AS tail, p.pulp_domain_id AS domain,
+       p.task_group_id AS task_group
 FROM page p
 -- $readiness_lookup
 UNION ALL
@@ -94,6 +96,6 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                   min(w.xact_start)) END
            FROM writers w)
        END,
-       NULL
+       NULL, NULL
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1

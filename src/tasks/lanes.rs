@@ -259,8 +259,8 @@ impl Tasks {
             let (key, record, class) = classed_lane_row(&row)?;
             counter.push_classed(key, &record, class);
             // lanes.sql (a full pass) also says which are waiting.
-            if full && row.try_get::<_, bool>(5)? {
-                counter.note_waiting(class.domain);
+            if full && row.try_get::<_, bool>(6)? {
+                counter.note_waiting(class);
             }
         }
         Ok(())

@@ -4,10 +4,12 @@
 --
 -- $1 timestamptz, $2 uuid  only tasks after this position
 -- $3 timestamptz, $4 uuid  and not after this one (the last task the counter saw)
--- Returns: reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, immediate per task;
+-- Returns: reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, immediate,
+-- task_group_id per task;
 -- at most 512 (a literal, so the generic plan is the ordered range scan of dispatch_lanes_idx).
 -- Never writes.
-SELECT reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, coalesce(immediate, false)
+SELECT reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, coalesce(immediate, false),
+       task_group_id
 FROM core_task
 WHERE state IN ('waiting', 'running')
   AND (pulp_created, pulp_id) > ($1::timestamptz, $2::uuid)

@@ -5,9 +5,11 @@
 -- between the oldest place repaired and the last task its counter saw.
 --
 -- $1 text[]  the record entries (r and shared:r per resource)
--- Returns: reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, immediate per task.
+-- Returns: reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, immediate,
+-- task_group_id per task.
 -- Never writes.
-SELECT reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, coalesce(immediate, false)
+SELECT reserved_resources_record, pulp_id, pulp_created, pulp_domain_id, coalesce(immediate, false),
+       task_group_id
 FROM core_task
 WHERE state NOT IN ($final_states)
   AND reserved_resources_record && $1::text[]

@@ -15,6 +15,7 @@ pub const REQUIRED_COLUMNS: &[&str] = &[
     "core_task.finished_at",
     "core_task.error",
     "core_task.pulp_domain_id",
+    "core_task.task_group_id",
     "core_appstatus.pulp_id",
     "core_appstatus.pulp_created",
     "core_appstatus.pulp_last_updated",
@@ -36,6 +37,8 @@ pub struct Outcome {
     pub fair_indexes_created: bool,
     /// True when `pulp_domain_id` was added to a table made by an older `migrate`.
     pub domain_column_added: bool,
+    /// True when `task_group_id` was added to a table made by an older `migrate`.
+    pub task_group_column_added: bool,
     /// True when `--notify-trigger` installed the insert notification trigger now.
     pub notify_trigger_created: bool,
     /// True when `--gin-fastupdate-off` turned off the GIN index's pending list now.
@@ -135,6 +138,7 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
     } else if outcome.lanes_index_created
         || outcome.fair_indexes_created
         || outcome.domain_column_added
+        || outcome.task_group_column_added
         || outcome.notify_trigger_created
         || outcome.gin_fastupdate_changed
     {
@@ -144,8 +148,11 @@ pub async fn run(args: &crate::config::MigrateArgs) -> anyhow::Result<()> {
         if outcome.domain_column_added {
             println!("core_task already exists; added the column pulp_domain_id (every task in the default domain)");
         }
+        if outcome.task_group_column_added {
+            println!("core_task already exists; added the column task_group_id (no task in a task group)");
+        }
         if outcome.fair_indexes_created {
-            println!("core_task already exists; added fair dispatch's indexes dispatch_groups_idx and dispatch_immediate_idx");
+            println!("core_task already exists; added fair dispatch's indexes dispatch_groups_idx, dispatch_immediate_idx and dispatch_task_groups_idx");
         }
         if outcome.notify_trigger_created {
             println!("core_task already exists; added the insert notification trigger dispatch_task_notify");

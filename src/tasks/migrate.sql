@@ -31,7 +31,9 @@ CREATE TABLE IF NOT EXISTS core_task (
     immediate boolean DEFAULT false,
     deferred boolean DEFAULT true,
     -- Pulp's domain (a foreign key to core_domain there); one default domain here.
-    pulp_domain_id uuid NOT NULL DEFAULT '00000000-0000-0000-0000-000000000000'
+    pulp_domain_id uuid NOT NULL DEFAULT '00000000-0000-0000-0000-000000000000',
+    -- Pulp's task group (a foreign key to core_taskgroup there), if any.
+    task_group_id uuid
 );
 
 CREATE INDEX IF NOT EXISTS core_task_state_pulp_created_idx ON core_task (state, pulp_created);
@@ -49,6 +51,10 @@ CREATE INDEX IF NOT EXISTS dispatch_groups_idx ON core_task (pulp_domain_id, pul
     WHERE state = 'waiting';
 CREATE INDEX IF NOT EXISTS dispatch_immediate_idx ON core_task (pulp_created, pulp_id)
     WHERE state = 'waiting' AND immediate;
+CREATE INDEX IF NOT EXISTS dispatch_task_groups_idx
+    ON core_task ((coalesce(task_group_id, '00000000-0000-0000-0000-000000000000'::uuid)),
+                  pulp_created, pulp_id)
+    WHERE state = 'waiting';
 -- The lane gauge's index (lanes_index.sql makes the same one concurrently on existing databases).
 CREATE INDEX IF NOT EXISTS dispatch_lanes_idx ON core_task (pulp_created, pulp_id)
     WHERE state IN ('waiting', 'running');

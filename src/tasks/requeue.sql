@@ -6,11 +6,11 @@
 -- under this row), it ends canceled, as a waiting task asked to cancel does.
 -- Otherwise never touches a task that is running, final, or claimed by someone else.
 -- Returns: requeued (it went back to the queue now), running_here (it is running or canceling
--- under this row: not touched), the task's domain, and how long it ran when it is final (seconds
+-- under this row: not touched), the task's domain and task group, and how long it ran when it is final (seconds
 -- from started_at to finished_at, as Pulp recorded them; NULL otherwise): a release after Pulp
 -- ran the task is when the broker learns it ended.
 WITH task AS (
-    SELECT state, app_lock_id, pulp_domain_id,
+    SELECT state, app_lock_id, pulp_domain_id, task_group_id,
            CASE WHEN state IN ($final_states)
                 THEN extract(epoch FROM finished_at - started_at)::float8 END AS ran
     FROM core_task WHERE pulp_id = $1
@@ -29,4 +29,5 @@ SELECT EXISTS (SELECT 1 FROM requeued) AS requeued,
        coalesce((SELECT state IN ('running', 'canceling') AND app_lock_id = $2 FROM task), false)
            AS running_here,
        (SELECT pulp_domain_id FROM task) AS domain,
+       (SELECT task_group_id FROM task) AS task_group,
        (SELECT ran FROM task) AS ran

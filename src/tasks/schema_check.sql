@@ -3,8 +3,8 @@
 -- core_task(reserved_resources_record), 'extension:hstore', and 'lanes-index' when the optional
 -- dispatch_lanes_idx exists and is valid (a failed concurrent build leaves an invalid one), and
 -- 'gin-fastupdate-off' when every such GIN index has its pending list turned off, and
--- 'fair-indexes' when fair dispatch's dispatch_groups_idx and dispatch_immediate_idx both exist
--- and are valid, 'core_domain' when Pulp's domain table is there, and
+-- 'fair-indexes' when fair dispatch's dispatch_groups_idx, dispatch_immediate_idx and
+-- dispatch_task_groups_idx all exist and are valid, 'core_domain' when Pulp's domain table is there, and
 -- 'stamp-trigger' when an enabled insert trigger on core_task stamps pulp_created (Pulp's
 -- on_insert_timestamp_task, or the broker's own dispatch_task_stamp_created from migrate.sql).
 SELECT table_name || '.' || column_name AS item
@@ -23,8 +23,8 @@ WHERE c.relname = 'dispatch_lanes_idx' AND c.relnamespace = current_schema()::re
 UNION ALL
 SELECT 'fair-indexes' WHERE (
     SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-    WHERE c.relname IN ('dispatch_groups_idx', 'dispatch_immediate_idx')
-      AND c.relnamespace = current_schema()::regnamespace AND i.indisvalid) = 2
+    WHERE c.relname IN ('dispatch_groups_idx', 'dispatch_immediate_idx', 'dispatch_task_groups_idx')
+      AND c.relnamespace = current_schema()::regnamespace AND i.indisvalid) = 3
 UNION ALL
 SELECT 'core_domain' WHERE to_regclass(quote_ident(current_schema()) || '.core_domain') IS NOT NULL
 UNION ALL

@@ -11,16 +11,17 @@
 -- $4 text[]       the long queues' entries and how many tasks carry each, as candidates.sql's
 -- $5 int[]        $6 and $7
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
---          state, app_lock_id, task_group (pulp_domain_id)
+--          state, app_lock_id, domain (pulp_domain_id), task_group (task_group_id)
 -- Read under candidates_settings.sql, as candidates.sql is. Never writes.
 SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        hstore_to_json(p.versions)::text AS versions,
        coalesce(p.immediate, false) AS immediate,
-       c.older_conflicts, p.state, p.app_lock_id, p.pulp_domain_id AS task_group
+       c.older_conflicts, p.state, p.app_lock_id, p.pulp_domain_id AS domain,
+       p.task_group_id AS task_group
 FROM (
     SELECT t.pulp_id, t.pulp_created, t.name,
            coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
-           t.versions, t.immediate, t.state, t.app_lock_id, t.pulp_domain_id
+           t.versions, t.immediate, t.state, t.app_lock_id, t.pulp_domain_id, t.task_group_id
     FROM core_task t
     WHERE t.pulp_id = ANY ($1::uuid[])
 ) p

@@ -969,3 +969,86 @@ async fn workers_fetching_at_once_get_a_capped_domains_oldest_tasks() {
     oldest.sort();
     assert_eq!(got, oldest, "D1's two oldest tasks, and no other");
 }
+
+#[tokio::test]
+async fn by_task_group_a_task_group_is_capped_and_the_tasks_of_none_get_the_workers() {
+    const G1: Uuid = Uuid::from_u128(0x91);
+    let policy = policy_file("[groups.\"00000000-0000-0000-0000-000000000091\"]\ncap = 1\n");
+    let path = policy.path().to_owned();
+    let mut env = Env::with(move |a| {
+        fast(a);
+        a.fair.by = dispatch_broker::fair::FairBy::TaskGroup;
+        a.fair.policy = Some(path);
+    })
+    .await;
+    // One domain: three tasks of task group G1, then two of no task group.
+    let mut g1 = Vec::new();
+    for i in 0..3 {
+        let id = task_in(&env, D1, &format!("g{i}"), false).await;
+        env.db
+            .execute(
+                "UPDATE core_task SET task_group_id = $2 WHERE pulp_id = $1",
+                &[&id, &G1],
+            )
+            .await
+            .unwrap();
+        g1.push(id);
+    }
+    let none = [
+        task_in(&env, D1, "n0", false).await,
+        task_in(&env, D1, "n1", false).await,
+    ];
+    directory_knows(&env, 2).await;
+    let leases = [
+        env.open("a").await,
+        env.open("b").await,
+        env.open("c").await,
+        env.open("d").await,
+    ];
+    let t = env.fetch(&leases[0]).await.expect("G1's first task");
+    assert_eq!(id(&t), g1[0]);
+    // G1 is at its cap of 1: the tasks of no task group get the next workers, in FIFO order.
+    let t = env
+        .fetch(&leases[1])
+        .await
+        .expect("a task of no task group");
+    assert_eq!(id(&t), none[0]);
+    let t = env
+        .fetch(&leases[2])
+        .await
+        .expect("a task of no task group");
+    assert_eq!(id(&t), none[1]);
+    assert!(env.fetch(&leases[3]).await.is_none(), "G1 is at its cap");
+    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(format!(
+        "http://{}",
+        env.broker().addr
+    ))
+    .await
+    .unwrap();
+    let why = admin
+        .explain_task(dispatch_broker::proto::ExplainTaskRequest {
+            task_id: g1[1].to_string(),
+            max_conflicts: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        why.summary
+            .contains(&format!("task group {G1} is at its cap of 1 running")),
+        "{}",
+        why.summary
+    );
+    let report = admin
+        .fairness(dispatch_broker::proto::FairnessRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(report.fair_by, "task-group");
+    let share = report
+        .domains
+        .iter()
+        .find(|d| d.domain_id == G1.to_string())
+        .expect("G1 listed");
+    assert_eq!((share.cap, share.running), (Some(1), 1));
+}

@@ -209,7 +209,11 @@ async fn a_pulp_database_without_its_stamping_trigger_is_refused() {
 }
 
 /// Fair dispatch's indexes (fair_indexes.sql).
-const FAIR_INDEXES: &[&str] = &["dispatch_groups_idx", "dispatch_immediate_idx"];
+const FAIR_INDEXES: &[&str] = &[
+    "dispatch_groups_idx",
+    "dispatch_immediate_idx",
+    "dispatch_task_groups_idx",
+];
 
 /// The definitions of the indexes named `names`, by name.
 async fn index_defs(db: &tokio_postgres::Client, names: &[&str]) -> Vec<String> {
@@ -275,6 +279,10 @@ async fn migrate_fair_indexes_adds_exactly_the_fresh_databases_indexes_and_nothi
     let tasks = task_store(&url).await;
     let first = tasks.migrate(false, false, false, true).await.unwrap();
     assert!(first.fair_indexes_created && !first.created && !first.domain_column_added);
+    assert!(
+        !first.task_group_column_added,
+        "Pulp's core_task has task_group_id"
+    );
     assert!(first.missing.is_empty());
     assert!(
         !first.optional.iter().any(|o| o.contains("--fair-indexes")),
@@ -288,7 +296,7 @@ async fn migrate_fair_indexes_adds_exactly_the_fresh_databases_indexes_and_nothi
         .into_iter()
         .filter(|item| !before.contains(item))
         .collect();
-    assert_eq!(added.len(), 2, "added: {added:?}");
+    assert_eq!(added.len(), 3, "added: {added:?}");
     let fresh_url = tokio::task::spawn_blocking(support::fresh_database)
         .await
         .unwrap();
@@ -297,9 +305,27 @@ async fn migrate_fair_indexes_adds_exactly_the_fresh_databases_indexes_and_nothi
         index_defs(&db, FAIR_INDEXES).await,
         index_defs(&fresh, FAIR_INDEXES).await
     );
-    assert_eq!(index_defs(&db, FAIR_INDEXES).await.len(), 2);
+    assert_eq!(index_defs(&db, FAIR_INDEXES).await.len(), 3);
     // Pulp's database has pulp_domain_id already: a directed page reads one domain's tasks.
     assert!(tasks.has_fair_indexes().await.unwrap());
+    // The directory by task group is a skip scan of dispatch_task_groups_idx (its expression is
+    // the statement's), in a generic plan as the broker's sessions make it.
+    db.batch_execute(&format!(
+        "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; \
+         PREPARE by_task_group(bigint) AS {}",
+        dispatch_broker::tasks::sql::GROUPS_WAITING_BY_TASK_GROUP.as_str()
+    ))
+    .await
+    .unwrap();
+    let plan: String = db
+        .query("EXPLAIN EXECUTE by_task_group(100)", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0) + "\n")
+        .collect();
+    assert!(plan.contains("dispatch_task_groups_idx"), "{plan}");
+    assert!(!plan.contains("Sort"), "{plan}");
 }
 
 #[tokio::test]
