@@ -328,7 +328,8 @@ mod tests {
             created: Utc::now(),
             name: "t".to_owned(),
             immediate: false,
-            group: Uuid::nil(),
+            domain: Uuid::nil(),
+            task_group: None,
             candidate: crate::ready::Candidate {
                 resources: Resources::from_record(record),
                 older_conflicts: 0,

@@ -23,6 +23,7 @@ fn class_of(id: TaskId) -> Class {
     Class {
         domain: Uuid::from_u128(n % 3),
         immediate: n.is_multiple_of(5),
+        task_group: n.is_multiple_of(7).then(|| Uuid::from_u128(n % 2)),
     }
 }
 
