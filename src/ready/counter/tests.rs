@@ -38,7 +38,7 @@ fn counted(queue: &[(Key, Vec<String>)]) -> LaneCounter {
 /// The lanes by class, sorted.
 fn by_class(counter: &LaneCounter) -> Vec<(Class, u64)> {
     let mut lanes: Vec<(Class, u64)> = counter.lanes_by_class().collect();
-    lanes.sort_by_key(|(c, _)| (c.domain, c.immediate));
+    lanes.sort_by_key(|(c, _)| (c.domain, c.immediate, c.task_group));
     lanes
 }
 
