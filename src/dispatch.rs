@@ -2103,7 +2103,11 @@ impl Dispatch {
 
     /// Puts a claimed task that never started back in the queue (no-op otherwise); true when
     /// the task is running (or canceling) under `app_status` instead, and so was left alone.
-    async fn requeue_claim(&self, task_id: TaskId, app_status: Uuid) -> Result<bool> {
+    async fn requeue_claim(
+        &self,
+        task_id: TaskId,
+        app_status: Uuid,
+    ) -> Result<crate::tasks::Requeued> {
         let found = self
             .tasks
             .requeue_unless_running(task_id, app_status)
@@ -2112,10 +2116,7 @@ impl Dispatch {
             self.requeue.note_requeue(task_id).await;
             tracing::info!(%task_id, "released before start; task back in the queue");
         }
-        if let Some(ran) = found.ran {
-            self.task_ran(ran);
-        }
-        Ok(found.running_here)
+        Ok(found)
     }
 
     /// Records how long a task that ended ran, under its group's label.
@@ -2222,12 +2223,16 @@ impl Dispatch {
         // fails (Redis slow, or the lease expired but not yet swept), it goes back after the
         // release instead. (A failed check is not fatal: the release below retries.)
         let mut put_back = false;
+        // How long the task ran, if it ended: recorded once its locks are released now.
+        let mut ran = None;
         if let Ok(Ok(app_status)) = self.locks.holder(lease_id, task_id, fencing_token).await {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 // A running task keeps its locks until its final state is recorded: released
                 // now, it would run unprotected (and its claim without locks would look like
                 // lost Redis writes to the reconciler).
-                if self.requeue_claim(task_id, app_status).await? {
+                let found = self.requeue_claim(task_id, app_status).await?;
+                ran = found.ran;
+                if found.running_here {
                     return Err(Error::NotHolder(format!(
                         "task {task_id} is running: record its final state first (FinishTask, \
                          or Pulp's own set_completed/set_failed), then release; nothing was \
@@ -2243,12 +2248,16 @@ impl Dispatch {
             .await?;
         if !put_back && matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
-                self.requeue_claim(task_id, app_status).await?;
+                ran = self.requeue_claim(task_id, app_status).await?.ran;
             }
         }
         match outcome {
             Release::Released => {
                 self.stats.locks_released("release", 1);
+                // Only the release that freed the locks says the task ran (not a retry).
+                if let Some(ran) = ran {
+                    self.task_ran(ran);
+                }
                 Ok(true)
             }
             Release::NotHeld => Ok(false),

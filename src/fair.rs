@@ -409,14 +409,23 @@ impl Rules {
         self.by_group.get(group).and_then(|r| r.cap)
     }
 
-    /// The lane gauge's count under the caps and the reserve, from the lanes the readiness rule
-    /// counts by (group, immediate): how many workers could be busy at once.
+    /// The lane gauge's count under the caps and the reserve: how many leases it takes for
+    /// every lane the caps allow to hold its locks at once, and the reserve beside them. `lanes`
+    /// are the lanes the readiness rule counts by (group, immediate, how many), the tasks that
+    /// hold locks now among them; `standing` says how many of each group hold locks.
     ///
-    /// - A group contributes at most its cap (its immediate lanes first, as they go first).
-    /// - While deferred lanes remain, the reserve is counted in full (or the immediate lanes, if
+    /// - What holds locks counts as it is, even beyond a cap lowered since (its leases are
+    ///   busy); a group's tasks holding locks are taken to be its deferred lanes first.
+    /// - The rest of a group's lanes wait: they count up to what its cap leaves, the immediate
+    ///   ones first (as they go first).
+    /// - While deferred lanes remain, the reserve counts in full (or the immediate lanes, if
     ///   more): deferred tasks use at most live leases minus the reserve, so running them all
     ///   takes that many leases more.
-    pub fn lanes(&self, lanes: impl IntoIterator<Item = (Group, bool, u64)>) -> u64 {
+    pub fn lanes(
+        &self,
+        lanes: impl IntoIterator<Item = (Group, bool, u64)>,
+        standing: &Standing,
+    ) -> u64 {
         let mut by_group: HashMap<Group, (u64, u64)> = HashMap::new();
         for (group, immediate, n) in lanes {
             let counts = by_group.entry(group).or_default();
@@ -426,12 +435,21 @@ impl Rules {
                 counts.1 += n;
             }
         }
+        for group in standing.running.keys() {
+            by_group.entry(*group).or_default();
+        }
         let (mut immediate, mut deferred) = (0u64, 0u64);
         for (group, (i, d)) in by_group {
-            let cap = self.cap(&group).map_or(u64::MAX, u64::from);
-            let i = i.min(cap);
-            immediate += i;
-            deferred += d.min(cap - i);
+            let running = u64::from(standing.running_of(&group));
+            let (running_deferred, running_immediate) = (running.min(d), running - running.min(d));
+            let places = self
+                .cap(&group)
+                .map_or(u64::MAX, u64::from)
+                .saturating_sub(running);
+            let waiting_immediate = i.saturating_sub(running_immediate).min(places);
+            let waiting_deferred = (d - running_deferred).min(places - waiting_immediate);
+            immediate += running_immediate + waiting_immediate;
+            deferred += running_deferred + waiting_deferred;
         }
         if deferred == 0 {
             immediate

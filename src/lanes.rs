@@ -275,11 +275,13 @@ impl Lanes {
                 (k, Some(survey), "full")
             }
         };
-        // What the readiness rule counts, limited by fair dispatch's caps and reserve.
-        let lanes = self.fairness.lanes(now.counter.lanes_by_class());
+        // What the readiness rule counts, limited by fair dispatch's caps and reserve (what
+        // holds locks now counts as it is).
+        let standing = self.locks.standing().await?;
+        let lanes = self.fairness.lanes(now.counter.lanes_by_class(), &standing);
         tracing::trace!(
             lanes,
-            ready = now.counter.lanes(),
+            uncapped = now.counter.lanes(),
             "lanes under caps and the reserve"
         );
         // The counter stays valid whether or not Redis takes the value.

@@ -224,10 +224,14 @@ impl Fairness {
         }
     }
 
-    /// The lane gauge's count from the lanes by class (`ready::LaneCounter::lanes_by_class`),
-    /// under the caps and the reserve in force (`fair::Rules::lanes`; no caps under
-    /// `--fair-by none`).
-    pub fn lanes(&self, by_class: impl IntoIterator<Item = (Class, u64)>) -> u64 {
+    /// The lane gauge's count from the lanes by class (`ready::LaneCounter::lanes_by_class`)
+    /// and what holds locks now, under the caps and the reserve in force (`fair::Rules::lanes`;
+    /// no caps under `--fair-by none`).
+    pub fn lanes(
+        &self,
+        by_class: impl IntoIterator<Item = (Class, u64)>,
+        standing: &Standing,
+    ) -> u64 {
         let state = self.read();
         let lanes = by_class
             .into_iter()
@@ -238,8 +242,8 @@ impl Fairness {
                 reserve: state.rules.reserve,
                 by_group: HashMap::new(),
             }
-            .lanes(lanes),
-            FairBy::Domain | FairBy::TaskGroup => state.rules.lanes(lanes),
+            .lanes(lanes, standing),
+            FairBy::Domain | FairBy::TaskGroup => state.rules.lanes(lanes, standing),
         }
     }
 

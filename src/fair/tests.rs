@@ -178,24 +178,34 @@ fn run_time_overrides_are_read_from_their_fields_and_made_over_the_rules() {
 
 #[test]
 fn the_gauge_counts_lanes_under_caps_and_the_reserve() {
+    let none = Standing::default();
     // D1: 17 deferred lanes, capped at 3; D2: 2 deferred; D3: 1 immediate.
     let lanes = [(g(1), false, 17), (g(2), false, 2), (g(3), true, 1)];
-    assert_eq!(rules(&[], &[], 0).lanes(lanes), 20);
-    assert_eq!(rules(&[], &[(1, 3)], 0).lanes(lanes), 6);
+    assert_eq!(rules(&[], &[], 0).lanes(lanes, &none), 20);
+    assert_eq!(rules(&[], &[(1, 3)], 0).lanes(lanes, &none), 6);
     // A reserve of 2: the deferred 5 need 2 leases more than themselves.
-    assert_eq!(rules(&[], &[(1, 3)], 2).lanes(lanes), 7);
+    assert_eq!(rules(&[], &[(1, 3)], 2).lanes(lanes, &none), 7);
     // Immediate lanes beyond the reserve are counted as they are.
     assert_eq!(
-        rules(&[], &[(1, 3)], 2).lanes([(g(3), true, 4), (g(2), false, 1)]),
+        rules(&[], &[(1, 3)], 2).lanes([(g(3), true, 4), (g(2), false, 1)], &none),
         5
     );
     // No deferred lane: nothing to keep the reserve from.
-    assert_eq!(rules(&[], &[], 2).lanes([(g(3), true, 1)]), 1);
-    assert_eq!(rules(&[], &[], 2).lanes([]), 0);
+    assert_eq!(rules(&[], &[], 2).lanes([(g(3), true, 1)], &none), 1);
+    assert_eq!(rules(&[], &[], 2).lanes([], &none), 0);
     // A cap counts immediate lanes first.
     assert_eq!(
-        rules(&[], &[(1, 3)], 0).lanes([(g(1), true, 2), (g(1), false, 5)]),
+        rules(&[], &[(1, 3)], 0).lanes([(g(1), true, 2), (g(1), false, 5)], &none),
         3
+    );
+    // A cap lowered to 2 while 5 of D1's tasks hold locks: their 5 leases are busy.
+    let five = standing(&[(1, 5)], 5, 5);
+    assert_eq!(rules(&[], &[(1, 2)], 0).lanes([(g(1), false, 9)], &five), 5);
+    // 3 deferred tasks hold D1's 3 places; its immediate task waits for one: 3 + the reserve.
+    let three = standing(&[(1, 3)], 3, 3);
+    assert_eq!(
+        rules(&[], &[(1, 3)], 2).lanes([(g(1), false, 3), (g(1), true, 1)], &three),
+        5
     );
 }
 
@@ -395,21 +405,34 @@ proptest! {
     }
 
     /// The gauge's count is the fewest live leases with which every lane the caps allow can
-    /// hold its locks at once, granting as `holds_back` allows (immediate lanes first).
+    /// hold its locks at once, granting as `holds_back` allows (immediate lanes first), what
+    /// holds locks already included (even beyond a cap); and while deferred tasks hold locks,
+    /// the reserve beside them.
     #[test]
     fn the_gauge_counts_the_leases_that_run_every_allowed_lane(
-        lanes in proptest::collection::vec((0u128..4, any::<bool>(), 0u64..6), 0..8),
+        waiting in proptest::collection::vec((0u128..4, any::<bool>(), 0u64..6), 0..8),
+        running in proptest::collection::vec((0u128..4, 0u32..4), 0..3),
         caps in proptest::collection::vec((0u128..4, 0u32..5), 0..3),
         reserve in 0u32..4,
     ) {
         let r = rules(&[], &caps, reserve);
-        let granted = |leases: u32| -> u64 {
-            let mut s = standing(&[], 0, leases);
+        let mut holding: HashMap<Group, u32> = HashMap::new();
+        for (n, k) in &running {
+            *holding.entry(g(*n)).or_default() += k;
+        }
+        let already: u32 = holding.values().sum();
+        // Grants what `leases` leases allow: (tasks holding locks, deferred among them).
+        let granted = |leases: u32| -> (u64, u32) {
+            let mut s = Standing {
+                running: holding.clone(),
+                deferred: already,
+                live_leases: leases,
+            };
             let mut left: Vec<(Group, bool, u64)> =
-                lanes.iter().map(|(n, i, c)| (g(*n), *i, *c)).collect();
+                waiting.iter().map(|(n, i, c)| (g(*n), *i, *c)).collect();
             // Immediate lanes first, as dispatch hands them out.
             left.sort_by_key(|(_, immediate, _)| !*immediate);
-            let mut held = 0u64;
+            let mut held = u64::from(already);
             loop {
                 let next = left.iter_mut().find(|(group, immediate, n)| {
                     *n > 0 && r.holds_back(&s, group, *immediate).is_none()
@@ -423,12 +446,27 @@ proptest! {
                             s.deferred += 1;
                         }
                     }
-                    _ => return held,
+                    _ => return (held, s.deferred),
                 }
             }
         };
-        let all = granted(1_000);
-        let fewest = (0..=1_000u32).find(|l| granted(*l) == all).unwrap();
-        prop_assert_eq!(r.lanes(lanes.iter().map(|(n, i, c)| (g(*n), *i, *c))), u64::from(fewest));
+        let (all, deferred) = granted(1_000);
+        let fewest = (already..=1_000u32).find(|l| granted(*l).0 == all).unwrap();
+        let expected = if deferred > 0 {
+            fewest.max(deferred + reserve)
+        } else {
+            fewest
+        };
+        // What holds locks is among the lanes (as deferred lanes).
+        let lanes = waiting
+            .iter()
+            .map(|(n, i, c)| (g(*n), *i, *c))
+            .chain(running.iter().map(|(n, k)| (g(*n), false, u64::from(*k))));
+        let standing = Standing {
+            running: holding.clone(),
+            deferred: already,
+            live_leases: 0,
+        };
+        prop_assert_eq!(r.lanes(lanes, &standing), u64::from(expected));
     }
 }
