@@ -532,11 +532,15 @@ impl Admin {
             (None, false) => "reserve".to_owned(),
         };
         let group = match &change.domain {
-            Some(name) => Some(
-                self.fairness
-                    .domain_named(name)
-                    .ok_or_else(|| Error::NoSuchDomain(name.clone()))?,
-            ),
+            Some(name) => {
+                let mut group = self.fairness.domain_named(name);
+                if group.is_none() && self.fairness.by() == crate::fair::FairBy::Domain {
+                    // A domain this replica has not seen waiting yet: its name is read now.
+                    self.fairness.learn_names(self.tasks.domain_names().await?);
+                    group = self.fairness.domain_named(name);
+                }
+                Some(group.ok_or_else(|| Error::NoSuchDomain(name.clone()))?)
+            }
             None => None,
         };
         if group.is_some() && self.fairness.by() == crate::fair::FairBy::None {
@@ -558,14 +562,27 @@ impl Admin {
         let (actor, reason) = (actor.to_owned(), reason.to_owned());
         let record = detached(async move {
             intent("set_fairness", &actor, &target, &reason);
-            let kept = if change.reset {
-                this.locks.drop_fair_overrides().await?;
-                Vec::new()
-            } else {
-                this.locks
-                    .override_fairness(this.fairness.base(), &fields)
-                    .await?
-            };
+            let kept =
+                if change.reset {
+                    this.locks.drop_fair_overrides().await?;
+                    Vec::new()
+                } else {
+                    match this
+                        .locks
+                        .override_fairness(this.fairness.base(), &fields)
+                        .await?
+                    {
+                        Ok(kept) => kept,
+                        Err(_) => return Err(Error::Refused(
+                            "the overrides kept were made over another policy file: the policy \
+                             file changed since (or the replicas disagree on it while a new one \
+                             rolls out). Nothing was changed. Once every replica reads the same \
+                             file, drop the old overrides with `dispatch-broker fairness reset`, \
+                             then set this one again"
+                                .into(),
+                        )),
+                    }
+                };
             this.fairness
                 .set_overrides(crate::fair::Overrides::from_fields(&kept));
             // A cap lifted or a reserve lowered may free a waiting task.

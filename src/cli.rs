@@ -481,7 +481,9 @@ pub async fn fairness(args: &FairnessArgs) -> anyhow::Result<()> {
         if let Some(report) = &r.fairness {
             print_fairness(report, false);
         }
-        println!("note: {}", r.note);
+        if !r.note.is_empty() {
+            println!("note: {}", r.note);
+        }
     }
     Ok(())
 }

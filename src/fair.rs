@@ -231,8 +231,8 @@ impl Policy {
 
 /// **Overrides**: changes of the policy made at run time (the admin API's `SetFairness`), by
 /// group id. They are kept in Redis, so every replica applies them, and only over the policy
-/// file they were made against (its text's hash, `base`; 0 for no file): a new policy file drops
-/// them.
+/// file they were made against (its text's hash, `base`; 0 for no file, where they hold until
+/// dropped): a new policy file ends them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
     /// The hash of the policy file's text they were made against (0: no file).

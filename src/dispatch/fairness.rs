@@ -368,6 +368,9 @@ impl Fairness {
     /// Puts `policy` in force, read from a file whose text hashes to `base` (0: none).
     pub fn set_policy(&self, policy: Policy, source: Source, base: u64) {
         let mut state = self.write();
+        if state.base != base && !state.overrides.is_empty() && state.overrides.base != base {
+            tracing::warn!("the overrides made at run time no longer apply: the policy file changed; `dispatch-broker fairness reset` drops them");
+        }
         state.policy = policy;
         state.source = source;
         state.base = base;
@@ -381,6 +384,9 @@ impl Fairness {
             return false;
         }
         let mut state = self.write();
+        if !overrides.is_empty() && overrides.base != state.base {
+            tracing::warn!("overrides made at run time over another policy file are kept in redis and not applied; `dispatch-broker fairness reset` drops them");
+        }
         state.overrides = overrides;
         state.resolve();
         true
@@ -391,20 +397,31 @@ impl Fairness {
         self.read().base
     }
 
-    /// The overrides in force, each in words; empty when none (or when they were made over
-    /// another policy file).
+    /// The overrides kept, each in words; those made over another policy file, which are not
+    /// applied, say so.
     pub fn overrides(&self) -> Vec<String> {
         let state = self.read();
-        if state.overrides.base != state.base {
-            return Vec::new();
-        }
-        state.overrides.describe(|g| {
+        let lines = state.overrides.describe(|g| {
             state
                 .names
                 .get(&g)
                 .cloned()
                 .unwrap_or_else(|| g.to_string())
-        })
+        });
+        if state.overrides.base == state.base {
+            return lines;
+        }
+        lines
+            .into_iter()
+            .map(|l| format!("not applied (made over another policy file): {l}"))
+            .collect()
+    }
+
+    /// Takes the domains' names as read now (an operator named one this replica has not seen).
+    pub fn learn_names(&self, names: HashMap<Group, String>) {
+        let mut state = self.write();
+        state.names = names;
+        state.resolve();
     }
 
     /// A domain named by its name (Pulp's `core_domain.name`) or id, as the directory knows

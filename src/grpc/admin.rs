@@ -312,6 +312,7 @@ impl proto::admin_server::Admin for AdminService {
         let actor = actor(&request);
         let r = request.get_ref();
         let change = fairness_override(r)?;
+        let reset = change.reset;
         let reason = reason(&r.reason, &self.limits)?;
         let (audit, report) = self
             .admin
@@ -321,7 +322,11 @@ impl proto::admin_server::Admin for AdminService {
         Ok(Response::new(proto::SetFairnessResponse {
             audit: Some(audit.into()),
             fairness: Some(fairness_response(report)),
-            note: crate::admin::OVERRIDE_NOTE.into(),
+            note: if reset {
+                String::new()
+            } else {
+                crate::admin::OVERRIDE_NOTE.into()
+            },
         }))
     }
 

@@ -162,20 +162,40 @@ impl Locks {
     }
 
     /// Records overrides of the fairness policy (`fields`: see `fair::override_fields`) made over
-    /// the policy file whose text hashes to `base`, dropping any made over another; returns every
-    /// override kept now.
+    /// the policy file whose text hashes to `base`: every override kept now, or `Err(kept)`, the
+    /// base of the overrides kept, when they were made over another policy file (nothing is
+    /// changed then).
     pub async fn override_fairness(
         &self,
         base: u64,
         fields: &[(String, String)],
-    ) -> Result<Vec<(String, String)>, Error> {
+    ) -> Result<Result<Vec<(String, String)>, u64>, Error> {
         let mut invocation = self.scripts.fair_override.key(self.keys.fair_overrides());
         invocation.arg(base.to_string());
         for (field, value) in fields {
             invocation.arg(field).arg(value);
         }
-        let flat: Vec<String> = self.run_reading(&invocation).await?;
-        Ok(pairs(flat))
+        let reply: Value = self.run_reading(&invocation).await?;
+        let bad = || protocol("fair_override", &reply);
+        let Value::Array(items) = &reply else {
+            return Err(bad());
+        };
+        match items.first() {
+            Some(Value::Int(1)) => {
+                let flat: Vec<String> = items[1..]
+                    .iter()
+                    .map(|v| text(Some(v)).ok_or_else(bad))
+                    .collect::<Result<_, _>>()?;
+                Ok(Ok(pairs(flat)))
+            }
+            Some(Value::Int(0)) => {
+                let kept = text(items.get(1))
+                    .and_then(|b| b.parse().ok())
+                    .ok_or_else(bad)?;
+                Ok(Err(kept))
+            }
+            _ => Err(bad()),
+        }
     }
 
     /// Drops every override of the fairness policy made at run time.

@@ -102,17 +102,19 @@ impl Locks {
         Ok(set.is_some())
     }
 
-    /// Deletes every key of this prefix except the rebuild lock, the epoch and the fencing
-    /// counter (only a rebuild does this, after marking the epoch, so no replica grants
-    /// meanwhile; it is the one path that scans the keyspace).
+    /// Deletes every key of this prefix except the rebuild lock, the epoch, the fencing
+    /// counter and the fairness overrides (only a rebuild does this, after marking the epoch,
+    /// so no replica grants meanwhile; it is the one path that scans the keyspace).
     pub async fn wipe(&self) -> Result<u64, Error> {
         let mut conn = self.conn().await?;
-        // The change counter is kept too, so scan-hint sequences never go backwards.
+        // The change counter is kept too, so scan-hint sequences never go backwards; and the
+        // operators' overrides, which are not lock state and cannot be rebuilt from Postgres.
         let keep = [
             self.keys.recovery(),
             self.keys.epoch(),
             self.keys.fence(),
             self.keys.change_seq(),
+            self.keys.fair_overrides(),
         ];
         let mut cursor: u64 = 0;
         let mut deleted = 0;

@@ -920,12 +920,42 @@ async fn an_override_holds_on_every_replica_until_the_policy_file_changes() {
     )
     .unwrap();
     let fairness = env.broker().fairness.clone();
-    let dropped = eventually(Duration::from_secs(10), || {
+    let ended = eventually(Duration::from_secs(10), || {
         let fairness = fairness.clone();
-        async move { fairness.overrides().is_empty() && fairness.rules().reserve == 0 }
+        async move { fairness.rules().reserve == 0 }
     })
     .await;
-    assert!(dropped.is_some(), "{:?}", env.broker().fairness.overrides());
+    assert!(ended.is_some(), "{:?}", env.broker().fairness.overrides());
+    assert_eq!(
+        env.broker().fairness.overrides(),
+        ["not applied (made over another policy file): reserve: 1"]
+    );
+    // A new override is refused until the old ones are dropped: a replica still on the old
+    // file must not erase what was made over the new one.
+    let e = set_fairness(
+        &mut admin,
+        SetFairnessRequest {
+            reserve: Some(2),
+            reason: "r".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{}", e.message());
+    assert!(e.message().contains("fairness reset"), "{}", e.message());
+    cli(addr.clone(), &["fairness", "reset", "--reason", "new file"]).await;
+    set_fairness(
+        &mut admin,
+        SetFairnessRequest {
+            reserve: Some(2),
+            reason: "r".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(env.broker().fairness.rules().reserve, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
