@@ -429,7 +429,11 @@ impl Lanes {
             .lock()
             .map(|p| p.0)
             .unwrap_or_default();
-        if surveyed_at_ms == 0 || surveyed_at_ms == published {
+        // Under `--fair-by none` there is one group: no series by group, as for running tasks.
+        if surveyed_at_ms == 0
+            || surveyed_at_ms == published
+            || self.fairness.by() == crate::fair::FairBy::None
+        {
             return Ok(());
         }
         let json = self.locks.lanes_waiting().await?.unwrap_or_default();
