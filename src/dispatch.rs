@@ -388,15 +388,11 @@ impl HeldInPass {
     /// Notes that a task of `group` was held back, and why.
     fn note(&mut self, group: Uuid, why: crate::fair::HeldBack) {
         match why {
-            crate::fair::HeldBack::Cap { .. } => self.hold_group(group),
+            crate::fair::HeldBack::Cap { .. } => {
+                self.groups.insert(group);
+            }
             crate::fair::HeldBack::Reserve { .. } => self.deferred = true,
         }
-    }
-
-    /// Tries no later task of `group` in this pass: one of its tasks is held back, or another
-    /// pass is granting one (a newer one could take its group's last place under the cap).
-    fn hold_group(&mut self, group: Uuid) {
-        self.groups.insert(group);
     }
 
     /// Whether a task of `group` must not be tried in this pass.
@@ -987,7 +983,7 @@ impl Dispatch {
                             read_at
                         }
                     },
-                    &mut held,
+                    &held,
                 );
                 if passed {
                     passed_over.store(true, Ordering::SeqCst);
@@ -1420,7 +1416,7 @@ impl Dispatch {
         reserved: &mut Reservations,
         versions: &BTreeMap<String, String>,
         read_at: impl Fn(&TaskRow) -> Instant,
-        held: &mut HeldInPass,
+        held: &HeldInPass,
     ) -> (Vec<Step>, bool) {
         let mut passed_over = false;
         let mut steps: Vec<Step> = Vec::new();
@@ -1447,14 +1443,8 @@ impl Dispatch {
                 match claimants.pick(row, &self.waiters) {
                     Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
                         // Another pass is granting it: whether it stays ready is that
-                        // pass's business. (Its group's newer tasks wait for this pass, if
-                        // the group has a cap.)
-                        None => {
-                            if cap {
-                                held.hold_group(group);
-                            }
-                            Seen::PassedOver
-                        }
+                        // pass's business.
+                        None => Seen::PassedOver,
                         Some(mine) => {
                             claimants.get_mut(who).state = Turn::Trying;
                             if cap {
@@ -2071,11 +2061,6 @@ impl Dispatch {
                 continue;
             }
             let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
-                // Another pass is granting it: under a cap, its group's newer tasks must not
-                // take the place it may need.
-                if self.fairness.admission(group, row.immediate).cap.is_some() {
-                    held.hold_group(group);
-                }
                 continue;
             };
             match self
