@@ -356,8 +356,6 @@ enum Seen {
     PassedOver,
     /// Granted by this replica since its page was read.
     Left,
-    /// Ready, but fairness held back an older task it would overtake ([`HeldInPass`]).
-    HeldBack,
     /// Ready, and tried for the claimant `who` ([`Claimants::get_mut`]).
     Attempt { who: usize, _mine: InFlight },
 }
@@ -368,16 +366,15 @@ enum Settled {
     Granted,
     Blocked,
     NotGranted,
-    /// Fairness held it back: the pass tries no later task it would let overtake it.
-    HeldBack(crate::fair::HeldBack),
     Lost,
 }
 
-/// What fairness held back so far in one pass. A later task of a group held at its cap is not
-/// tried in the same pass (the cap's count may drop meanwhile, and that task would overtake the
-/// one held back: FIFO within a capped group holds), nor, once the reserve held a deferred task
-/// back, any deferred task. Either would most likely be held back too: not trying them also
-/// saves an acquire each.
+/// What fairness held back so far in one directed pass (one group's page, or the immediate
+/// tasks'). A later task of a group held at its cap is not tried in the same page (the cap's
+/// count may drop meanwhile, and that task would overtake the one held back), nor, once the
+/// reserve held a deferred task back, any deferred task. Either would most likely be held back
+/// too: not trying them also saves an acquire each. (The pass in queue order tries on: it
+/// serves every waiting fetch, and a place freed while it walks is granted by it.)
 #[derive(Debug, Default)]
 struct HeldInPass {
     groups: HashSet<Uuid>,
@@ -939,7 +936,6 @@ impl Dispatch {
             excluded.clone(),
             extra.iter().map(|r| r.id).collect(),
         );
-        let mut held = HeldInPass::default();
         'pages: loop {
             let (read_at, found) = match first_page.take() {
                 Some(found) => (first_read_at, found),
@@ -983,7 +979,6 @@ impl Dispatch {
                             read_at
                         }
                     },
-                    &held,
                 );
                 if passed {
                     passed_over.store(true, Ordering::SeqCst);
@@ -998,9 +993,6 @@ impl Dispatch {
                 // Settle in queue order: the hint is bookkept row by row.
                 for (step, settled) in steps.into_iter().zip(settled) {
                     let row = &step.row;
-                    if let Some(Settled::HeldBack(why)) = settled {
-                        held.note(self.fairness.group_of_row(row), why);
-                    }
                     if !matches!(settled, Some(Settled::Granted)) {
                         // The next page skips the tasks that conflict with it. Not those that
                         // conflict with a task handed out: that one is held when the page is
@@ -1406,9 +1398,9 @@ impl Dispatch {
 
     /// A stage of a pass's round: judges rows in queue order by the rule (against `reserved`,
     /// which every row judged then joins) until every claimant is trying one or nobody is left,
-    /// picking a claimant for each ready row. A row this replica granted after it was read
-    /// (`read_at`) is left alone, and so is one fairness would let overtake a task it `held`
-    /// back. Also says whether it passed over a ready task nobody in the pass could take.
+    /// picking a claimant for each ready row, one task per capped group (two could race for its
+    /// last place). A row this replica granted after it was read (`read_at`) is left alone. Also
+    /// says whether it passed over a ready task nobody in the pass could take.
     fn judge_round(
         &self,
         rows: &mut std::iter::Peekable<std::vec::IntoIter<TaskRow>>,
@@ -1416,7 +1408,6 @@ impl Dispatch {
         reserved: &mut Reservations,
         versions: &BTreeMap<String, String>,
         read_at: impl Fn(&TaskRow) -> Instant,
-        held: &HeldInPass,
     ) -> (Vec<Step>, bool) {
         let mut passed_over = false;
         let mut steps: Vec<Step> = Vec::new();
@@ -1431,8 +1422,6 @@ impl Dispatch {
             } else if self.granted_after(&row.id, read_at(row)) {
                 // Granted by this replica since this page was read: left alone.
                 Seen::Left
-            } else if held.holds(self.fairness.group_of_row(row), row.immediate) {
-                Seen::HeldBack
             } else {
                 let group = self.fairness.group_of_row(row);
                 let cap = self.fairness.admission(group, row.immediate).cap.is_some();
@@ -1549,8 +1538,7 @@ impl Dispatch {
                     Settled::Granted
                 }
                 Ok(Attempt::Blocked) => Settled::Blocked,
-                Ok(Attempt::NotGranted) => Settled::NotGranted,
-                Ok(Attempt::HeldBack(why)) => Settled::HeldBack(why),
+                Ok(Attempt::NotGranted | Attempt::HeldBack(_)) => Settled::NotGranted,
                 Ok(Attempt::Lost) => Settled::Lost,
                 Ok(Attempt::LeaseGone) => {
                     claimant.state = Turn::Done;
