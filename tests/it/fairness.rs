@@ -1085,3 +1085,54 @@ async fn by_task_group_a_task_group_is_capped_and_the_tasks_of_none_get_the_work
         .expect("G1 listed");
     assert_eq!((share.cap, share.running), (Some(1), 1));
 }
+
+#[tokio::test]
+async fn a_rebuild_of_the_lock_state_keeps_the_overrides() {
+    let mut env = Env::with(|a| {
+        fast(a);
+        a.sweep_interval = Duration::from_millis(200);
+    })
+    .await;
+    let fields = [dispatch_broker::fair::override_fields::cap(D1, Some(1))];
+    let kept = env
+        .broker()
+        .locks
+        .override_fairness(0, &fields)
+        .await
+        .unwrap()
+        .expect("no overrides of another policy file");
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    task_in(&env, D1, "a0", false).await;
+    let lease = env.open("w").await;
+    env.fetch(&lease).await.expect("D1's task");
+    // The epoch goes (Redis lost part of its data): the broker rebuilds the lock state, which
+    // deletes every key but the few it keeps.
+    use deadpool_redis::redis;
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg("{dispatch}:epoch")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let rebuilt = eventually(Duration::from_secs(20), || {
+        let mut conn = conn.clone();
+        async move {
+            let epoch: Option<String> = redis::cmd("GET")
+                .arg("{dispatch}:epoch")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            epoch.is_some()
+        }
+    })
+    .await;
+    assert!(rebuilt.is_some(), "the lock state was not rebuilt");
+    let overrides = env.broker().locks.fair_overrides().await.unwrap();
+    assert!(
+        overrides
+            .iter()
+            .any(|(f, v)| f == &format!("cap:{D1}") && v == "1"),
+        "{overrides:?}"
+    );
+}
