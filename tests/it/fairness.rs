@@ -866,13 +866,18 @@ async fn an_override_holds_on_every_replica_until_the_policy_file_changes() {
         .find(|d| d.domain_id == D1.to_string())
         .unwrap();
     assert_eq!(share.cap, Some(3));
-    // The other replica applies it within --fair-refresh.
-    let t = fetch_waiting(&mut other_client, &there)
+    // The other replica applies it within --fair-refresh. (Which of D1's next two it hands out
+    // first is not promised: a pass that met d1[1] held back by the old cap walks on, and the
+    // override may arrive before it meets d1[2]; design.md, "Fair dispatch".)
+    let second = fetch_waiting(&mut other_client, &there)
         .await
         .expect("D1's second task, on the other replica");
-    assert_eq!(id(&t), d1[1]);
-    let t = env.fetch(&here).await.expect("D1's third task");
-    assert_eq!(id(&t), d1[2]);
+    let third = env.fetch(&here).await.expect("D1's third task");
+    let mut both = vec![id(&second), id(&third)];
+    both.sort();
+    let mut next_two = vec![d1[1], d1[2]];
+    next_two.sort();
+    assert_eq!(both, next_two);
     assert!(
         env.fetch(&here).await.is_none(),
         "D1 is at its new cap of 3"
