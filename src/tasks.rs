@@ -1196,27 +1196,17 @@ impl Tasks {
         // A table an older `migrate` made has no pulp_domain_id or task_group_id; Pulp's always
         // has both.
         let present = self.schema_items().await?;
-        let domain_column_added = exists
-            && !present.iter().any(|i| i == "core_task.pulp_domain_id")
-            && !present.iter().any(|i| i == "core_domain");
-        if domain_column_added {
-            self.client()
-                .await?
-                .batch_execute(
-                    "ALTER TABLE core_task ADD COLUMN IF NOT EXISTS pulp_domain_id uuid NOT NULL \
-                     DEFAULT '00000000-0000-0000-0000-000000000000'",
+        let own_schema = exists && !present.iter().any(|i| i == "core_domain");
+        let domain_column_added = own_schema
+            && self
+                .add_column(
+                    &present,
+                    "pulp_domain_id",
+                    "uuid NOT NULL DEFAULT '00000000-0000-0000-0000-000000000000'",
                 )
                 .await?;
-        }
-        let task_group_column_added = exists
-            && !present.iter().any(|i| i == "core_task.task_group_id")
-            && !present.iter().any(|i| i == "core_domain");
-        if task_group_column_added {
-            self.client()
-                .await?
-                .batch_execute("ALTER TABLE core_task ADD COLUMN IF NOT EXISTS task_group_id uuid")
-                .await?;
-        }
+        let task_group_column_added =
+            own_schema && self.add_column(&present, "task_group_id", "uuid").await?;
         let fair_indexes_created = fair_indexes && !present.iter().any(|i| i == "fair-indexes");
         if fair_indexes_created {
             let client = self.client().await?;
@@ -1320,6 +1310,26 @@ impl Tasks {
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
             .collect()
+    }
+
+    /// Adds `column` (of `definition`) to a `core_task` an older `migrate` made, when the schema
+    /// items `present` lack it; true when it was added.
+    async fn add_column(
+        &self,
+        present: &[String],
+        column: &str,
+        definition: &str,
+    ) -> Result<bool, Error> {
+        if present.iter().any(|i| *i == format!("core_task.{column}")) {
+            return Ok(false);
+        }
+        self.client()
+            .await?
+            .batch_execute(&format!(
+                "ALTER TABLE core_task ADD COLUMN IF NOT EXISTS {column} {definition}"
+            ))
+            .await?;
+        Ok(true)
     }
 
     /// Whether fair dispatch's indexes exist and are valid (`migrate --fair-indexes`).

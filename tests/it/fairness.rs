@@ -199,20 +199,8 @@ async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica()
     assert_eq!(id(&t), d1[2]);
     assert!(env.fetch(&here).await.is_none(), "D1 is at its cap again");
     // The operator is told why D1's next task waits.
-    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(format!(
-        "http://{}",
-        env.broker().addr
-    ))
-    .await
-    .unwrap();
-    let why = admin
-        .explain_task(dispatch_broker::proto::ExplainTaskRequest {
-            task_id: d1[3].to_string(),
-            max_conflicts: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut admin = admin_of(&env).await;
+    let why = explained(&mut admin, d1[3]).await;
     assert!(
         why.summary.contains(&format!(
             "held back by fair dispatch: domain {D1} is at its cap of 2 running"
@@ -252,23 +240,7 @@ async fn a_capped_domain_waits_and_the_others_get_the_workers_on_every_replica()
         .expect("D2 listed");
     assert_eq!((d2_share.cap, d2_share.running), (None, 1));
     assert_eq!(d1_share.share, 0.5);
-    let addr = format!("http://{}", env.broker().addr);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
-            .args(["fairness", "--addr", &addr])
-            .env_remove("DISPATCH_ADMIN_TOKEN")
-            .env_remove("DISPATCH_ADMIN_TOKEN_FILE")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = cli(format!("http://{}", env.broker().addr), &["fairness"]).await;
     let d1_row = text
         .lines()
         .find(|l| l.contains(&D1.to_string()))
@@ -721,6 +693,33 @@ async fn the_lane_gauge_counts_a_capped_domain_at_its_cap_and_the_reserve_in_ful
     assert_eq!(lanes.current().lanes, 9);
 }
 
+/// An admin client of the broker of `env`.
+async fn admin_of(
+    env: &Env,
+) -> dispatch_broker::proto::admin_client::AdminClient<tonic::transport::Channel> {
+    dispatch_broker::proto::admin_client::AdminClient::connect(format!(
+        "http://{}",
+        env.broker().addr
+    ))
+    .await
+    .unwrap()
+}
+
+/// ExplainTask's answer for `task`.
+async fn explained(
+    admin: &mut dispatch_broker::proto::admin_client::AdminClient<tonic::transport::Channel>,
+    task: Uuid,
+) -> dispatch_broker::proto::Explanation {
+    admin
+        .explain_task(dispatch_broker::proto::ExplainTaskRequest {
+            task_id: task.to_string(),
+            max_conflicts: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// SetFairness through the admin API.
 async fn set_fairness(
     admin: &mut dispatch_broker::proto::admin_client::AdminClient<tonic::transport::Channel>,
@@ -773,9 +772,7 @@ async fn an_override_holds_on_every_replica_until_the_policy_file_changes() {
     assert_eq!(id(&t), d1[0]);
     assert!(env.fetch(&here).await.is_none(), "D1 is at its cap of 1");
     let addr = format!("http://{}", env.broker().addr);
-    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(addr.clone())
-        .await
-        .unwrap();
+    let mut admin = admin_of(&env).await;
     // Bad requests are refused, naming what to fix, and change nothing.
     let refused = [
         (
@@ -1057,20 +1054,8 @@ async fn by_task_group_a_task_group_is_capped_and_the_tasks_of_none_get_the_work
         .expect("a task of no task group");
     assert_eq!(id(&t), none[1]);
     assert!(env.fetch(&leases[3]).await.is_none(), "G1 is at its cap");
-    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(format!(
-        "http://{}",
-        env.broker().addr
-    ))
-    .await
-    .unwrap();
-    let why = admin
-        .explain_task(dispatch_broker::proto::ExplainTaskRequest {
-            task_id: g1[1].to_string(),
-            max_conflicts: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut admin = admin_of(&env).await;
+    let why = explained(&mut admin, g1[1]).await;
     assert!(
         why.summary
             .contains(&format!("task group {G1} is at its cap of 1 running")),
