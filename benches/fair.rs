@@ -317,7 +317,12 @@ fn seconds(d: f64) -> String {
 
 /// 20,000 ready tasks over `domains` domains on Pulp's schema; the FetchTask latencies of one
 /// worker fetching and finishing.
-async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Duration> {
+async fn cost(
+    pg: &Postgres,
+    redis: &Redis,
+    n: usize,
+    domains: i32,
+) -> (Vec<Duration>, dispatch_broker::metrics::StatsSnapshot) {
     const TASKS: i32 = 20_000;
     const WARM: usize = 200;
     const FETCHES: usize = 2_000;
@@ -347,8 +352,10 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
             .await
             .unwrap();
         let left = std::sync::Arc::clone(&left);
+        let stats = std::sync::Arc::clone(&broker.stats);
         handles.push(tokio::spawn(async move {
             let mut times = Vec::new();
+            let mut warm = None;
             while left
                 .fetch_update(
                     std::sync::atomic::Ordering::SeqCst,
@@ -357,6 +364,9 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
                 )
                 .is_ok()
             {
+                if times.len() == WARM / COST_WORKERS {
+                    warm = Some(stats.snapshot());
+                }
                 let start = Instant::now();
                 let task = worker.next_task_started(Duration::ZERO).await.unwrap();
                 times.push(start.elapsed());
@@ -364,19 +374,22 @@ async fn cost(pg: &Postgres, redis: &Redis, n: usize, domains: i32) -> Vec<Durat
                     task.finish(FinalState::Completed, None).await.unwrap();
                 }
             }
+            let measured = stats.snapshot() - warm.unwrap_or_default();
             worker.close().await.unwrap();
-            times
+            (times, measured)
         }));
     }
     let mut times = Vec::new();
+    let mut measured = dispatch_broker::metrics::StatsSnapshot::default();
     for handle in handles {
-        let mine = handle.await.unwrap();
+        let (mine, counted) = handle.await.unwrap();
+        measured = counted;
         // Each worker's first fetches warm the connections and prepared statements.
         times.extend(mine.into_iter().skip(WARM / COST_WORKERS));
     }
     broker.shutdown().await.unwrap();
     times.sort();
-    times
+    (times, measured)
 }
 
 #[tokio::main]
@@ -390,17 +403,23 @@ async fn main() {
             tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
                 .await
                 .unwrap();
-        let one = cost(&pg, &redis, 0, 1).await;
-        let many = cost(&pg, &redis, 1, domains).await;
+        let (one, one_counted) = cost(&pg, &redis, 0, 1).await;
+        let (many, many_counted) = cost(&pg, &redis, 1, domains).await;
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        println!("| domains waiting | FetchTask p50 | p99 | p50 vs one domain |");
-        println!("|---:|---:|---:|---:|");
-        for (n, times) in [(1, &one), (domains, &many)] {
+        println!("| domains waiting | FetchTask p50 | p99 | p50 vs one domain | Postgres statements / fetch (in passes) | Redis calls / fetch (in passes) | directed passes / fetch |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        for (n, times, c) in [(1, &one, one_counted), (domains, &many, many_counted)] {
+            let per = |x: u64| x as f64 / times.len() as f64;
             println!(
-                "| {n} | {:.2} ms | {:.2} ms | {:.2} |",
+                "| {n} | {:.2} ms | {:.2} ms | {:.2} | {:.2} ({:.2}) | {:.2} ({:.2}) | {:.2} |",
                 ms(percentile(times, 0.5)),
                 ms(percentile(times, 0.99)),
-                ms(percentile(times, 0.5)) / ms(percentile(&one, 0.5))
+                ms(percentile(times, 0.5)) / ms(percentile(&one, 0.5)),
+                per(c.postgres_statements),
+                per(c.fetch_postgres_statements),
+                per(c.redis_calls),
+                per(c.fetch_redis_calls),
+                per(c.directed_passes),
             );
         }
         return;

@@ -2023,19 +2023,31 @@ impl Dispatch {
             None => self.live_lease(call.lease_id).await?,
         };
         let offer = call.offer(Arc::clone(&lease));
-        let page = self
-            .tasks
-            .candidates(
-                &[],
-                None,
-                &self.near(),
-                self.policy.first_page,
-                Some(directed),
-            )
-            .await?;
+        let max_age = self.policy.hint_max_age.min(RECENT);
+        let (rows, whole, read_at) = match self.fairness.take_leftover(directed, max_age) {
+            Some(leftover) => {
+                self.stats.page_carried();
+                (leftover.rows, leftover.whole, leftover.read_at)
+            }
+            None => {
+                let read_at = Instant::now();
+                let page = self
+                    .tasks
+                    .candidates(
+                        &[],
+                        None,
+                        &self.near(),
+                        self.policy.first_page,
+                        Some(directed),
+                    )
+                    .await?;
+                (page.tasks, page.whole, read_at)
+            }
+        };
         let mut reserved = Reservations::default();
         let mut held = HeldInPass::default();
-        for row in page.tasks {
+        let mut rows = rows.into_iter();
+        while let Some(row) = rows.next() {
             let ready_by_rule =
                 ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
             reserved.reserve(&row.candidate.resources);
@@ -2058,6 +2070,22 @@ impl Dispatch {
                 Attempt::Granted(grant) => {
                     if let Ok(mut recent) = self.recent.lock() {
                         recent.note(grant.task_id);
+                    }
+                    // The page's rest goes to the next directed pass of this page.
+                    let rest: Vec<TaskRow> = rows.collect();
+                    self.fairness.handed_out(
+                        directed,
+                        (row.created, row.id),
+                        rest.first().map(|r| (r.created, r.id)),
+                        whole,
+                    );
+                    if !rest.is_empty() && !max_age.is_zero() {
+                        let leftover = fairness::Leftover {
+                            rows: rest,
+                            whole,
+                            read_at,
+                        };
+                        self.fairness.keep_leftover(directed, leftover, max_age);
                     }
                     return Ok(Some(grant));
                 }

@@ -527,6 +527,38 @@ impl Rules {
         open.into_iter().map(|(_, _, g)| g).collect()
     }
 
+    /// The same as [`Rules::first`] over the open groups, in time that does not grow with the
+    /// number of groups that hold no locks: `idle_first` yields the open groups in (key, group)
+    /// order and `open` gives an open group's key (`None`: not open). A group holding no lock
+    /// has usage 0 and every other a positive one (weights are finite and positive), so the
+    /// order is the groups holding none by key, then those holding some by usage. The walk
+    /// passes over at most the groups holding locks and those capped at 0.
+    pub fn first_in_order<K: Ord + Copy>(
+        &self,
+        standing: &Standing,
+        idle_first: impl IntoIterator<Item = (K, Group)>,
+        open: impl Fn(&Group) -> Option<K>,
+        n: usize,
+    ) -> Vec<Group> {
+        let mut first: Vec<Group> = idle_first
+            .into_iter()
+            .filter(|(_, g)| standing.running_of(g) == 0 && !self.at_cap(standing, g))
+            .map(|(_, g)| g)
+            .take(n)
+            .collect();
+        if first.len() < n {
+            let mut running: Vec<(f64, K, Group)> = standing
+                .running
+                .iter()
+                .filter(|(g, r)| **r > 0 && !self.at_cap(standing, g))
+                .filter_map(|(g, _)| open(g).map(|k| (self.usage(standing, g), k, *g)))
+                .collect();
+            running.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            first.extend(running.into_iter().map(|(_, _, g)| g).take(n - first.len()));
+        }
+        first
+    }
+
     /// Whether `group` holds as many task locks as its cap.
     pub fn at_cap(&self, standing: &Standing, group: &Group) -> bool {
         self.cap(group)

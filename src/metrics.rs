@@ -402,6 +402,8 @@ pub struct Stats {
     queue_starts: AtomicU64,
     hints_trusted: AtomicU64,
     pages_carried: AtomicU64,
+    directed_passes: AtomicU64,
+    directed_dry: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -437,6 +439,10 @@ pub struct StatsSnapshot {
     pub hints_trusted: u64,
     /// Passes that judged a carried page instead of reading a first page.
     pub pages_carried: u64,
+    /// Fair dispatch's directed passes made.
+    pub directed_passes: u64,
+    /// Directed passes that handed out nothing.
+    pub directed_dry: u64,
 }
 
 impl Stats {
@@ -496,6 +502,10 @@ impl Stats {
 
     /// Counts a directed pass of fair dispatch.
     pub fn directed_pass(&self, granted: bool) {
+        self.directed_passes.fetch_add(1, Ordering::Relaxed);
+        if !granted {
+            self.directed_dry.fetch_add(1, Ordering::Relaxed);
+        }
         metrics::counter!(FAIR_DIRECTED_PASSES_TOTAL, "outcome" => if granted { "granted" } else { "dry" })
             .increment(1);
     }
@@ -583,6 +593,8 @@ impl Stats {
             queue_starts: self.queue_starts.load(Ordering::Relaxed),
             hints_trusted: self.hints_trusted.load(Ordering::Relaxed),
             pages_carried: self.pages_carried.load(Ordering::Relaxed),
+            directed_passes: self.directed_passes.load(Ordering::Relaxed),
+            directed_dry: self.directed_dry.load(Ordering::Relaxed),
         }
     }
 }
@@ -606,6 +618,8 @@ impl std::ops::Sub for StatsSnapshot {
             queue_starts: self.queue_starts - earlier.queue_starts,
             hints_trusted: self.hints_trusted - earlier.hints_trusted,
             pages_carried: self.pages_carried - earlier.pages_carried,
+            directed_passes: self.directed_passes - earlier.directed_passes,
+            directed_dry: self.directed_dry - earlier.directed_dry,
         }
     }
 }

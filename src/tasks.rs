@@ -730,11 +730,18 @@ impl Tasks {
             ));
         }
         let tasks: Vec<TaskRow> = rows.iter().map(task_row).collect::<Result<_, _>>()?;
+        let scanned: Option<i64> = closing.try_get("scanned")?;
+        // Fewer rows than its scope may read, and every one returned: the group's (or the
+        // immediate tasks') every waiting task as of the read.
+        let whole = scanned.is_some_and(|n| {
+            n < limit.max(1).saturating_mul(DIRECTED_SCAN_PER_ROW) && n == tasks.len() as i64
+        });
         Ok(Page {
             full: tasks.len() as i64 >= limit,
             tasks,
             held: closing.try_get(7)?,
             tail: closing.try_get(8)?,
+            whole,
         })
     }
 
@@ -1406,6 +1413,9 @@ pub struct Page {
     /// later) was returned or skipped. `None` on a full page, or when an open writer's start
     /// cannot be read.
     pub tail: Option<DateTime<Utc>>,
+    /// A directed page that holds every waiting task of its group (or every immediate one) as
+    /// of the read: its scope read fewer rows than it may, and the page returned them all.
+    pub whole: bool,
 }
 
 impl Page {
@@ -1455,32 +1465,46 @@ fn task_with_state(row: &Row) -> Result<TaskWithState, Error> {
 }
 
 /// candidates.sql with its page size written in as a number (see the file's header): one
-/// prepared statement per page size, each planned once per connection.
-fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
+/// prepared statement per page size, each planned once per connection; for a directed page, the
+/// `scope` it reads in place of every waiting task.
+pub fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
     const FROM: &str = "FROM core_task t\n    -- $only\n";
-    debug_assert_eq!(sql::CANDIDATES.matches(FROM).count(), 1);
+    const SCOPE: &str = "-- $scope\n";
+    const SCANNED: &str = "NULL::bigint -- $scanned\n";
+    // A directed page's tail is of no use (it is the whole queue's): not computed.
+    const TAIL: &str = "CASE WHEN (SELECT count(*) FROM page) < $page_size THEN (";
+    for marker in [FROM, SCOPE, SCANNED, TAIL] {
+        debug_assert_eq!(sql::CANDIDATES.matches(marker).count(), 1);
+    }
     let limit = limit.max(1);
     let scan = limit.saturating_mul(DIRECTED_SCAN_PER_ROW);
-    let only = match directed {
-        None => "FROM core_task t\n".to_owned(),
+    let scope = match directed {
+        None => {
+            return sql::CANDIDATES
+                .replace(FROM, "FROM core_task t\n")
+                .replace("$page_size", &limit.to_string());
+        }
         Some(Directed::Group(_)) => format!(
-            "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.pulp_domain_id = $8::uuid\n\
-             \x20         ORDER BY u.pulp_domain_id, u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+            "SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.pulp_domain_id = $8::uuid\n\
+             \x20   ORDER BY u.pulp_domain_id, u.pulp_created, u.pulp_id LIMIT {scan}"
         ),
         Some(Directed::TaskGroup(_)) => {
             let group = TASK_GROUP_GROUP.replace("t.", "u.");
             format!(
-                "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND {group} = $8::uuid\n\
-                 \x20         ORDER BY {group}, u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+                "SELECT * FROM core_task u WHERE u.state = 'waiting' AND {group} = $8::uuid\n\
+                 \x20   ORDER BY {group}, u.pulp_created, u.pulp_id LIMIT {scan}"
             )
         }
         Some(Directed::Immediate) => format!(
-            "FROM (SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.immediate\n\
-             \x20         ORDER BY u.pulp_created, u.pulp_id LIMIT {scan}) t\n"
+            "SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.immediate\n\
+             \x20   ORDER BY u.pulp_created, u.pulp_id LIMIT {scan}"
         ),
     };
     sql::CANDIDATES
-        .replace(FROM, &only)
+        .replace(SCOPE, &format!("scope AS (\n    {scope}\n),\n"))
+        .replace(FROM, "FROM scope t\n")
+        .replace(SCANNED, "(SELECT count(*) FROM scope)\n")
+        .replace(TAIL, "CASE WHEN false THEN (")
         .replace("$page_size", &limit.to_string())
 }
 

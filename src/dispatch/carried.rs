@@ -130,6 +130,7 @@ impl Carried {
             full: true,
             held: self.held.clone(),
             tail: None,
+            whole: false,
         }
     }
 }

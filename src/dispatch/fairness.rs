@@ -16,10 +16,10 @@
 //! until the next read. The policy file is read at the same pace and applied when it changed; a
 //! file that cannot be used is refused with the line named, and the policy in force stays.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -30,7 +30,7 @@ use crate::locks::Admission;
 use crate::metrics::Stats;
 use crate::ready::Class;
 use crate::shutdown::Shutdown;
-use crate::tasks::{Directed, Tasks};
+use crate::tasks::{Directed, TaskRow, Tasks};
 
 /// Groups a fetch makes directed passes for, at most (after the express lane).
 pub const MAX_DIRECTED: usize = 3;
@@ -104,9 +104,105 @@ struct State {
     rules: Rules,
     /// The fair indexes exist: directed passes can read flat.
     directed: bool,
-    waiting: Vec<(Group, (DateTime<Utc>, TaskId))>,
+    directory: Directory,
     immediate_waiting: bool,
     dry: HashSet<Directed>,
+}
+
+/// A queue position: a task's (pulp_created, pulp_id).
+pub(super) type Position = (DateTime<Utc>, TaskId);
+
+/// The groups with waiting tasks, as the directory read them and fetches learned since: each
+/// with its oldest waiting task's position, and those not dry in that order, so that a fetch
+/// finds the first groups of the fair order without looking at every group
+/// ([`Rules::first_in_order`]).
+#[derive(Debug, Default)]
+struct Directory {
+    /// Every group with waiting tasks, with its oldest waiting task's position.
+    oldest: HashMap<Group, Position>,
+    /// The groups not dry, by their oldest waiting task's position.
+    open: BTreeSet<(Position, Group)>,
+}
+
+impl Directory {
+    /// As read (every group open).
+    fn read(waiting: Vec<(Group, Position)>) -> Self {
+        Directory {
+            open: waiting.iter().map(|(g, p)| (*p, *g)).collect(),
+            oldest: waiting.into_iter().collect(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.oldest.len()
+    }
+
+    fn contains(&self, group: &Group) -> bool {
+        self.oldest.contains_key(group)
+    }
+
+    /// An open group's oldest waiting task's position (`None`: not waiting, or dry).
+    fn open_at(&self, group: &Group) -> Option<Position> {
+        let at = *self.oldest.get(group)?;
+        self.open.contains(&(at, *group)).then_some(at)
+    }
+
+    /// The group is dry until the next read.
+    fn close(&mut self, group: &Group) {
+        if let Some(at) = self.oldest.get(group) {
+            self.open.remove(&(*at, *group));
+        }
+    }
+
+    /// A fetch handed out the group's task at `at`: its oldest waiting task is now at `next`, or,
+    /// `None`, it has none left that this replica knows of (until the next read).
+    fn advance(&mut self, group: &Group, at: Position, next: Option<Position>) {
+        let Some(oldest) = self.oldest.get(group).copied() else {
+            return;
+        };
+        if oldest > at {
+            // Read since: the read knows better.
+            return;
+        }
+        let was_open = self.open.remove(&(oldest, *group));
+        match next {
+            Some(next) => {
+                self.oldest.insert(*group, next);
+                if was_open {
+                    self.open.insert((next, *group));
+                }
+            }
+            None => {
+                self.oldest.remove(group);
+            }
+        }
+    }
+}
+
+/// The rest of a directed page past the task a fetch handed out from it, kept for the next
+/// directed pass of the same group (or of the immediate tasks) to judge instead of reading them
+/// again, while younger than `--fetch-hint-max-age` (and a second). Their exact look-ups stay
+/// true as those of a carried page in queue order do (`super::carried::Carried`): no older
+/// conflicting task can appear later, and what made one unready since (a lock taken, the task
+/// claimed, canceled or finished) is caught by the acquire script and the claim. What they
+/// cannot show is what made a task ready since: a task of the group that a held lock hid from
+/// the page, or a claim put back, goes after them until they are used or too old; FIFO per
+/// resource holds (such a task conflicts with none of them, or their look-ups name it).
+#[derive(Debug)]
+pub(super) struct Leftover {
+    /// In queue order.
+    pub(super) rows: Vec<TaskRow>,
+    /// The page held every waiting task of its group as of the read (`Page::whole`).
+    pub(super) whole: bool,
+    /// When the page was read.
+    pub(super) read_at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Leftovers {
+    by_page: HashMap<Directed, Leftover>,
+    /// Kept until there are this many; then those too old are dropped.
+    prune_at: usize,
 }
 
 /// Fair dispatch's state on one replica.
@@ -114,6 +210,7 @@ struct State {
 pub struct Fairness {
     by: FairBy,
     state: Arc<RwLock<State>>,
+    leftovers: Arc<Mutex<Leftovers>>,
     labels: Arc<std::sync::Mutex<HashMap<Group, String>>>,
     max_labels: usize,
     inserted: Arc<tokio::sync::Notify>,
@@ -146,10 +243,11 @@ impl Fairness {
                 names: HashMap::new(),
                 rules,
                 directed,
-                waiting: Vec::new(),
+                directory: Directory::default(),
                 immediate_waiting: false,
                 dry: HashSet::new(),
             })),
+            leftovers: Arc::new(Mutex::new(Leftovers::default())),
             labels: Arc::new(std::sync::Mutex::new(HashMap::new())),
             max_labels: 20,
             inserted: Arc::new(tokio::sync::Notify::new()),
@@ -301,7 +399,7 @@ impl Fairness {
     fn engaged_in(&self, state: &State) -> bool {
         self.by != FairBy::None
             && state.directed
-            && (state.immediate_waiting || state.waiting.len() > 1)
+            && (state.immediate_waiting || state.directory.len() > 1)
     }
 
     /// Whether fetches make directed passes now (several domains, or an immediate task, wait),
@@ -322,11 +420,8 @@ impl Fairness {
         );
         let all_capped = self.by != FairBy::None
             && state.directed
-            && !state.waiting.is_empty()
-            && state
-                .waiting
-                .iter()
-                .all(|(g, _)| state.rules.at_cap(standing, g));
+            && state.directory.len() > 0
+            && state.all_capped(standing);
         let mut plan = Plan {
             directed: Vec::new(),
             // The directory may be a read behind: an immediate task it does not know yet is
@@ -342,17 +437,16 @@ impl Fairness {
         if state.immediate_waiting && !state.dry.contains(&Directed::Immediate) {
             plan.directed.push(Directed::Immediate);
         }
-        if state.waiting.len() > 1 && !deferred_held {
-            let open: Vec<(Group, (DateTime<Utc>, TaskId))> = state
-                .waiting
-                .iter()
-                .filter(|(g, _)| !state.dry.contains(&self.directed_group(*g)))
-                .copied()
-                .collect();
+        if state.directory.len() > 1 && !deferred_held {
             plan.directed.extend(
                 state
                     .rules
-                    .first(standing, &open, MAX_DIRECTED)
+                    .first_in_order(
+                        standing,
+                        state.directory.open.iter().copied(),
+                        |g| state.directory.open_at(g),
+                        MAX_DIRECTED,
+                    )
                     .into_iter()
                     .map(|g| self.directed_group(g)),
             );
@@ -360,9 +454,61 @@ impl Fairness {
         plan
     }
 
+    /// The rest of `directed`'s last page, when younger than `max_age` (taken: one pass judges
+    /// it).
+    pub(super) fn take_leftover(&self, directed: Directed, max_age: Duration) -> Option<Leftover> {
+        let mut leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
+        leftovers
+            .by_page
+            .remove(&directed)
+            .filter(|l| l.read_at.elapsed() <= max_age)
+    }
+
+    /// Keeps the rest of `directed`'s page for the next pass (those older than `max_age` are
+    /// dropped now and then).
+    pub(super) fn keep_leftover(&self, directed: Directed, leftover: Leftover, max_age: Duration) {
+        let mut leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
+        leftovers.by_page.insert(directed, leftover);
+        if leftovers.by_page.len() >= leftovers.prune_at {
+            leftovers
+                .by_page
+                .retain(|_, l| l.read_at.elapsed() <= max_age);
+            leftovers.prune_at = (leftovers.by_page.len() * 2).max(64);
+        }
+    }
+
+    /// A directed pass handed out the task at `at` from `directed`'s page: the group's oldest
+    /// waiting task is now at `next` (the page's next row), or, with none and a `whole` page,
+    /// the group (or the immediate tasks) has none left that this replica knows of until the
+    /// next directory read. The fair order follows without a read.
+    pub(super) fn handed_out(
+        &self,
+        directed: Directed,
+        at: Position,
+        next: Option<Position>,
+        whole: bool,
+    ) {
+        if next.is_none() && !whole {
+            return;
+        }
+        let mut state = self.write();
+        match directed {
+            Directed::Group(g) | Directed::TaskGroup(g) => state.directory.advance(&g, at, next),
+            Directed::Immediate => {
+                if next.is_none() {
+                    state.dry.insert(Directed::Immediate);
+                }
+            }
+        }
+    }
+
     /// A directed page held nothing ready: skip it until the next directory read.
     pub fn dry(&self, directed: Directed) {
-        self.write().dry.insert(directed);
+        let mut state = self.write();
+        if let Directed::Group(g) | Directed::TaskGroup(g) = directed {
+            state.directory.close(&g);
+        }
+        state.dry.insert(directed);
     }
 
     /// Puts `policy` in force, read from a file whose text hashes to `base` (0: none).
@@ -440,7 +586,7 @@ impl Fairness {
     /// Every group running or waiting, for the operator.
     pub fn view(&self, standing: &Standing) -> Vec<GroupView> {
         let state = self.read();
-        let waiting: HashSet<Group> = state.waiting.iter().map(|(g, _)| *g).collect();
+        let waiting: HashSet<Group> = state.directory.oldest.keys().copied().collect();
         let groups: HashSet<Group> = standing
             .running
             .keys()
@@ -500,11 +646,10 @@ impl Fairness {
             state.names = names;
             state.resolve();
         }
-        let before: HashSet<Group> = state.waiting.iter().map(|(g, _)| *g).collect();
         let news = !state.dry.is_empty()
             || (immediate_waiting && !state.immediate_waiting)
-            || waiting.iter().any(|(g, _)| !before.contains(g));
-        state.waiting = waiting;
+            || waiting.iter().any(|(g, _)| !state.directory.contains(g));
+        state.directory = Directory::read(waiting);
         state.immediate_waiting = immediate_waiting;
         state.dry.clear();
         // Only news to fair dispatch: a fetch in queue order finds what it needs without.
@@ -639,6 +784,25 @@ pub fn hash(text: &str) -> u64 {
 }
 
 impl State {
+    /// Whether every waiting group holds as many task locks as its cap. Only the groups
+    /// holding locks and those capped at 0 can: the others are not looked at one by one when
+    /// there are more waiting groups than those.
+    fn all_capped(&self, standing: &Standing) -> bool {
+        let may_be = standing.running.values().filter(|r| **r > 0).count()
+            + self
+                .rules
+                .by_group
+                .values()
+                .filter(|r| r.cap == Some(0))
+                .count();
+        self.directory.len() <= may_be
+            && self
+                .directory
+                .oldest
+                .keys()
+                .all(|g| self.rules.at_cap(standing, g))
+    }
+
     /// The rules from the policy, the domains' names and the overrides (when made over this
     /// policy file).
     fn resolve(&mut self) {
@@ -647,5 +811,85 @@ impl State {
             self.overrides.apply(&mut rules);
         }
         self.rules = rules;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(second: i64, id: u128) -> Position {
+        (
+            DateTime::from_timestamp(second, 0).unwrap(),
+            TaskId(Uuid::from_u128(id)),
+        )
+    }
+
+    fn g(n: u128) -> Group {
+        Uuid::from_u128(n)
+    }
+
+    fn open(d: &Directory) -> Vec<Group> {
+        d.open.iter().map(|(_, g)| *g).collect()
+    }
+
+    #[test]
+    fn the_directory_keeps_open_groups_by_their_oldest_task() {
+        let mut d = Directory::read(vec![
+            (g(1), at(30, 1)),
+            (g(2), at(10, 2)),
+            (g(3), at(20, 3)),
+        ]);
+        assert_eq!(open(&d), [g(2), g(3), g(1)]);
+        // Dry: still waiting, no longer open.
+        d.close(&g(3));
+        assert_eq!(open(&d), [g(2), g(1)]);
+        assert_eq!(d.len(), 3);
+        assert_eq!(d.open_at(&g(3)), None);
+        assert_eq!(d.open_at(&g(2)), Some(at(10, 2)));
+        // A task handed out: the group's next task is its oldest.
+        d.advance(&g(2), at(10, 2), Some(at(40, 4)));
+        assert_eq!(open(&d), [g(1), g(2)]);
+        assert_eq!(d.open_at(&g(2)), Some(at(40, 4)));
+        // A dry group stays closed when it moves on.
+        d.advance(&g(3), at(20, 3), Some(at(50, 5)));
+        assert_eq!(d.open_at(&g(3)), None);
+        assert!(d.contains(&g(3)));
+        // None left: no longer waiting.
+        d.advance(&g(1), at(30, 1), None);
+        assert!(!d.contains(&g(1)));
+        assert_eq!(open(&d), [g(2)]);
+    }
+
+    #[test]
+    fn a_read_since_the_page_knows_better_than_the_page() {
+        let mut d = Directory::read(vec![(g(1), at(30, 1))]);
+        // The page was read before the task at 30 became the oldest: its grant at 20 is old news.
+        d.advance(&g(1), at(20, 9), None);
+        assert_eq!(d.open_at(&g(1)), Some(at(30, 1)));
+    }
+
+    #[test]
+    fn the_plan_directs_the_first_groups_of_the_fair_order_among_many() {
+        let fairness = Fairness::new(FairBy::Domain, Policy::default(), Source::Default, 0, true);
+        let waiting: Vec<(Group, Position)> =
+            (1..=10_000u128).map(|n| (g(n), at(n as i64, n))).collect();
+        fairness.write().directory = Directory::read(waiting);
+        // Groups 1 and 2 hold locks: the idle groups with the oldest tasks go first.
+        let standing = Standing {
+            running: [(g(1), 1), (g(2), 1)].into_iter().collect(),
+            deferred: 2,
+            live_leases: 4,
+        };
+        let plan = fairness.plan(&standing);
+        assert_eq!(
+            plan.directed,
+            [3, 4, 5].map(|n| Directed::Group(g(n))).to_vec()
+        );
+        fairness.dry(Directed::Group(g(4)));
+        assert_eq!(
+            fairness.plan(&standing).directed,
+            [3, 5, 6].map(|n| Directed::Group(g(n))).to_vec()
+        );
     }
 }

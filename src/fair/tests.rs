@@ -286,6 +286,33 @@ proptest! {
         prop_assert_eq!(&head[..], &all[..n.min(all.len())]);
     }
 
+    /// The walk over the groups by key gives the same head as the order, whatever the weights,
+    /// caps (0 among them) and standing.
+    #[test]
+    fn the_walk_in_key_order_gives_the_orders_head(
+        waiting in prop::collection::vec((0u128..50, 0u32..20), 0..40),
+        running in prop::collection::vec((0u128..50, 0u32..5), 0..20),
+        caps in prop::collection::vec((0u128..50, 0u32..3), 0..5),
+        weights in prop::collection::vec((0u128..50, 1u32..8), 0..5),
+        n in 0usize..45,
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let waiting: Vec<(Group, u32)> = waiting
+            .into_iter()
+            .filter(|(n, _)| seen.insert(*n))
+            .map(|(n, k)| (g(n), k))
+            .collect();
+        let weights: Vec<(u128, f64)> =
+            weights.into_iter().map(|(n, w)| (n, f64::from(w) / 4.0)).collect();
+        let r = rules(&weights, &caps, 0);
+        let s = standing(&running, 0, 10);
+        let mut by_key: Vec<(u32, Group)> = waiting.iter().map(|(g, k)| (*k, *g)).collect();
+        by_key.sort();
+        let keys: std::collections::HashMap<Group, u32> = waiting.iter().copied().collect();
+        let walked = r.first_in_order(&s, by_key, |g| keys.get(g).copied(), n);
+        prop_assert_eq!(walked, r.first(&s, &waiting, n));
+    }
+
     /// Driving dispatch by `choose` over the ready tasks: every task handed out is ready, FIFO
     /// holds per resource and within a group, caps are never exceeded, and a deferred task is
     /// never handed out into the reserve.

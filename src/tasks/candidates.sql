@@ -16,11 +16,14 @@
 --                 many tasks carry each: a task whose conflict keys include some is looked up
 --                 against the incomplete tasks older than it as long as they are no more than
 --                 that many
--- $only          (a line) nothing for a pass in queue order; for a directed pass (fair dispatch,
---                 src/dispatch/fairness.rs) a subquery in place of `core_task t`: the first
---                 $scan waiting tasks of one group ($8 uuid, dispatch_groups_idx) or the first
---                 immediate ones (dispatch_immediate_idx), so a directed page reads at most $scan
---                 rows however long that group's queue is
+-- $scope, $only, $scanned  (lines) nothing for a pass in queue order; for a directed pass (fair
+--                 dispatch, src/dispatch/fairness.rs) a CTE `scope` and `scope t` in place of
+--                 `core_task t`: the first $scan waiting tasks of one group ($8 uuid,
+--                 dispatch_groups_idx) or the first immediate ones (dispatch_immediate_idx), so a
+--                 directed page reads at most $scan rows however long that group's queue is; and
+--                 the closing row's `scanned`, how many rows the scope read (fewer than $scan,
+--                 each of them returned: the page holds every waiting task of its group); its
+--                 tail, which is the whole queue's, is not computed
 -- $page_size      the page size (the LIMIT), written into the text as a number by tasks.rs
 --                 (one prepared statement per page size): the broker's sessions use generic
 --                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
@@ -30,7 +33,7 @@
 --          (task_group_id)), then one closing row whose pulp_id is NULL and
 --          which holds the held entries this page skipped by (held_entries) and, when the page is
 --          not full, the tail: every waiting task created up to it, now or committed later, was
---          returned or skipped (for the scan hint)
+--          returned or skipped (for the scan hint); and, for a directed page, `scanned`
 --
 -- Tasks overlapping the conflict keys of claimed or running tasks are skipped in SQL too, so a
 -- resource whose head task runs does not make every fetch read its queue. The skip is only a
@@ -38,6 +41,7 @@
 -- the partial GIN index `pulp_task_resources_index`) is the decision, and it sees hidden tasks.
 -- Never writes.
 , -- (after held.sql's `held` and writers.sql's `writers` CTEs, which tasks.rs puts in front)
+-- $scope
 excluded AS (
     SELECT coalesce(array_agg(DISTINCT k), '{}'::text[]) AS keys
     FROM (
@@ -78,7 +82,7 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        coalesce(p.immediate, false) AS immediate,
        c.older_conflicts,
        NULL::text[] AS held_entries, NULL::timestamptz AS tail, p.pulp_domain_id AS domain,
-       p.task_group_id AS task_group
+       p.task_group_id AS task_group, NULL::bigint AS scanned
 FROM page p
 -- $readiness_lookup
 UNION ALL
@@ -96,6 +100,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                   min(w.xact_start)) END
            FROM writers w)
        END,
-       NULL, NULL
+       NULL, NULL,
+       NULL::bigint -- $scanned
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1

@@ -1126,3 +1126,38 @@ async fn a_rebuild_of_the_lock_state_keeps_the_overrides() {
         "{overrides:?}"
     );
 }
+
+#[tokio::test]
+async fn the_rest_of_a_directed_page_is_judged_without_a_read_and_a_task_canceled_since_is_not_handed_out(
+) {
+    let mut env = Env::with(fast).await;
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for i in 0..3 {
+        a.push(task_in(&env, D1, &format!("a{i}"), false).await);
+    }
+    for i in 0..3 {
+        b.push(task_in(&env, D2, &format!("b{i}"), false).await);
+    }
+    directory_knows(&env, 2).await;
+    let lease = env.open("w").await;
+    let first = env.fetch(&lease).await.expect("D1's oldest");
+    assert_eq!(id(&first), a[0]);
+    let second = env.fetch(&lease).await.expect("D2's oldest");
+    assert_eq!(id(&second), b[0], "D1 runs one, D2 none");
+    // D1's page held a[1] and a[2] past the task handed out; a[1] is canceled since.
+    env.cancel(a[1]).await.expect("CancelTask");
+    let carried = env.broker().stats.snapshot().pages_carried;
+    let third = env.fetch(&lease).await.expect("a task");
+    assert_eq!(
+        id(&third),
+        a[2],
+        "each runs one: D1's oldest waiting task is older than D2's, and the canceled one is skipped"
+    );
+    assert!(
+        env.broker().stats.snapshot().pages_carried > carried,
+        "D1's page was judged from what the first fetch read"
+    );
+    env.assert_locks(&[&first, &second, &third]).await;
+    assert_eq!(env.state(a[1]).await, "canceled");
+}
