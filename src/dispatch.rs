@@ -942,7 +942,7 @@ impl Dispatch {
                 None => (
                     Instant::now(),
                     self.tasks
-                        .candidates(&excluded, book.after, &near, page, None)
+                        .candidates(&excluded, book.after, &near, page)
                         .await?,
                 ),
             };
@@ -1360,14 +1360,12 @@ impl Dispatch {
                 (Some(rows), Some(found)) => (rows, found),
                 (Some(rows), None) => (
                     rows,
-                    self.tasks
-                        .candidates(excluded, after, near, page, None)
-                        .await?,
+                    self.tasks.candidates(excluded, after, near, page).await?,
                 ),
                 (None, Some(found)) => (self.tasks.returned(returned, near).await?, found),
                 (None, None) => tokio::try_join!(
                     self.tasks.returned(returned, near),
-                    self.tasks.candidates(excluded, after, near, page, None),
+                    self.tasks.candidates(excluded, after, near, page),
                 )?,
             };
             returned_ids.extend(rows.iter().map(|r| r.id));
@@ -1984,13 +1982,27 @@ impl Dispatch {
         let standing = self.locks.standing().await?;
         let plan = self.fairness.plan(&standing);
         tracing::debug!(?plan, ?standing, "fair dispatch's plan");
-        for directed in plan.directed {
+        for (i, directed) in plan.directed.iter().copied().enumerate() {
+            // The groups after this one in the fair order: a page read for it reads theirs ahead.
+            let ahead: Vec<Uuid> = plan.directed[i + 1..]
+                .iter()
+                .filter_map(|d| match d {
+                    crate::tasks::Directed::Group(g) | crate::tasks::Directed::TaskGroup(g) => {
+                        Some(*g)
+                    }
+                    crate::tasks::Directed::Immediate => None,
+                })
+                .chain(plan.ahead.iter().copied())
+                .collect();
             let this = self.clone();
             let call = call.clone();
             let not_dry = Arc::new(AtomicBool::new(false));
             let not_dry_here = Arc::clone(&not_dry);
             let grant = self
-                .detached(async move { this.directed_pass(&call, directed, &not_dry_here).await })
+                .detached(async move {
+                    this.directed_pass(&call, directed, &ahead, &not_dry_here)
+                        .await
+                })
                 .await?;
             self.stats.directed_pass(grant.is_some());
             if let Some(grant) = grant {
@@ -2016,6 +2028,7 @@ impl Dispatch {
         &self,
         call: &Call,
         directed: crate::tasks::Directed,
+        ahead: &[Uuid],
         not_dry: &AtomicBool,
     ) -> Result<Option<Grant>> {
         let lease = match self.known_lease(call.lease_id) {
@@ -2031,17 +2044,39 @@ impl Dispatch {
             }
             None => {
                 let read_at = Instant::now();
-                let page = self
+                let ahead: Vec<Uuid> = if max_age.is_zero() {
+                    Vec::new()
+                } else {
+                    ahead
+                        .iter()
+                        .copied()
+                        .filter(|g| {
+                            !self
+                                .fairness
+                                .has_leftover(self.fairness.directed_group(*g), max_age)
+                        })
+                        .take(crate::tasks::READ_AHEAD)
+                        .collect()
+                };
+                let pages = self
                     .tasks
-                    .candidates(
-                        &[],
-                        None,
-                        &self.near(),
-                        self.policy.first_page,
-                        Some(directed),
-                    )
+                    .directed_pages(&self.near(), self.policy.first_page, directed, &ahead)
                     .await?;
-                (page.tasks, page.whole, read_at)
+                for (g, page) in pages.ahead {
+                    if !page.tasks.is_empty() {
+                        let leftover = fairness::Leftover {
+                            rows: page.tasks,
+                            whole: page.whole,
+                            read_at,
+                        };
+                        self.fairness.keep_leftover(
+                            self.fairness.directed_group(g),
+                            leftover,
+                            max_age,
+                        );
+                    }
+                }
+                (pages.lead.tasks, pages.lead.whole, read_at)
             }
         };
         let mut reserved = Reservations::default();

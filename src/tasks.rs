@@ -309,6 +309,10 @@ pub enum Directed {
 /// (candidates.sql's `$scan`).
 pub const DIRECTED_SCAN_PER_ROW: i64 = 4;
 
+/// How many groups besides its own a directed page of a group reads ahead, at most (a quarter of
+/// its rows each), for the next directed passes to judge without a read of their own.
+pub const READ_AHEAD: usize = 7;
+
 /// A task with its current state, for ClaimTask.
 #[derive(Debug, Clone)]
 pub struct TaskWithState {
@@ -696,15 +700,124 @@ impl Tasks {
         after: Option<(DateTime<Utc>, TaskId)>,
         near: &Near,
         limit: i64,
-        directed: Option<Directed>,
     ) -> Result<Page, Error> {
         let (after_created, after_id) = (after.map(|a| a.0), after.map(|a| a.1));
-        let (near_created, near_id) = near.head_end_params();
-        let statement = candidates_sql(limit, directed);
-        let group = match directed {
-            Some(Directed::Group(g) | Directed::TaskGroup(g)) => Some(g),
-            _ => None,
+        let (tasks, closing) = self
+            .candidate_rows(
+                &candidates_sql(limit, None),
+                excluded,
+                after_created,
+                after_id,
+                near,
+                &[],
+            )
+            .await?;
+        Ok(Page {
+            full: tasks.len() as i64 >= limit,
+            tasks,
+            held: closing.try_get(7)?,
+            tail: closing.try_get(8)?,
+            whole: false,
+        })
+    }
+
+    /// A directed page (fair dispatch): the first `limit` waiting tasks of one group, or of the
+    /// immediate tasks, that a pass could take, read flat (candidates.sql's `scope`); and with
+    /// a group's, those of each group of `ahead` (a quarter as many each), read ahead for the
+    /// next directed passes.
+    pub async fn directed_pages(
+        &self,
+        near: &Near,
+        limit: i64,
+        directed: Directed,
+        ahead: &[Uuid],
+    ) -> Result<DirectedPages, Error> {
+        let limit = limit.max(1);
+        let ahead: &[Uuid] = match directed {
+            Directed::Immediate => &[],
+            _ => &ahead[..ahead.len().min(READ_AHEAD)],
         };
+        let group = match directed {
+            Directed::Group(g) | Directed::TaskGroup(g) => Some(g),
+            Directed::Immediate => None,
+        };
+        let extra: Vec<&(dyn ToSql + Sync)> = match &group {
+            Some(g) => vec![g, &ahead],
+            None => Vec::new(),
+        };
+        let none: Option<DateTime<Utc>> = None;
+        let (tasks, closing) = self
+            .candidate_rows(
+                &candidates_sql(limit, Some(directed)),
+                &[],
+                none,
+                None,
+                near,
+                &extra,
+            )
+            .await?;
+        let scanned: Option<serde_json::Value> = closing.try_get("scanned")?;
+        let scanned = |g: &Uuid| {
+            scanned
+                .as_ref()
+                .and_then(|s| s.get(g.to_string()))
+                .and_then(serde_json::Value::as_i64)
+        };
+        // Fewer rows than its scan may read, and every one kept: every waiting task of the
+        // group (or kind) as of the read.
+        let page = |key: &Uuid, tasks: Vec<TaskRow>, rows: i64| {
+            let whole = scanned(key).is_some_and(|n| {
+                n < rows.saturating_mul(DIRECTED_SCAN_PER_ROW) && n == tasks.len() as i64
+            });
+            Page {
+                full: tasks.len() as i64 >= rows,
+                tasks,
+                held: Vec::new(),
+                tail: None,
+                whole,
+            }
+        };
+        let key_of = |row: &TaskRow| match directed {
+            Directed::TaskGroup(_) => row.task_group.unwrap_or(Uuid::nil()),
+            Directed::Group(_) | Directed::Immediate => row.domain,
+        };
+        let Some(lead) = group else {
+            return Ok(DirectedPages {
+                lead: page(&Uuid::nil(), tasks, limit),
+                ahead: Vec::new(),
+            });
+        };
+        let mut by_group: HashMap<Uuid, Vec<TaskRow>> = HashMap::new();
+        for task in tasks {
+            by_group.entry(key_of(&task)).or_default().push(task);
+        }
+        let ahead_rows = (limit / 4).max(1);
+        Ok(DirectedPages {
+            lead: page(&lead, by_group.remove(&lead).unwrap_or_default(), limit),
+            ahead: ahead
+                .iter()
+                .filter(|g| **g != lead)
+                .map(|g| {
+                    (
+                        *g,
+                        page(g, by_group.remove(g).unwrap_or_default(), ahead_rows),
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    /// candidates.sql's task rows and closing row.
+    async fn candidate_rows(
+        &self,
+        statement: &str,
+        excluded: &[String],
+        after_created: Option<DateTime<Utc>>,
+        after_id: Option<TaskId>,
+        near: &Near,
+        extra: &[&(dyn ToSql + Sync)],
+    ) -> Result<(Vec<TaskRow>, tokio_postgres::Row), Error> {
+        let (near_created, near_id) = near.head_end_params();
         let mut params: Vec<&(dyn ToSql + Sync)> = vec![
             &excluded,
             &after_created,
@@ -714,11 +827,9 @@ impl Tasks {
             &near.long_entries,
             &near.long_users,
         ];
-        if group.is_some() {
-            params.push(&group);
-        }
+        params.extend_from_slice(extra);
         let mut rows = self
-            .query_read_under(sql::CANDIDATES_SETTINGS, &statement, &params)
+            .query_read_under(sql::CANDIDATES_SETTINGS, statement, &params)
             .await?;
         let closing = rows
             .pop()
@@ -730,19 +841,7 @@ impl Tasks {
             ));
         }
         let tasks: Vec<TaskRow> = rows.iter().map(task_row).collect::<Result<_, _>>()?;
-        let scanned: Option<i64> = closing.try_get("scanned")?;
-        // Fewer rows than its scope may read, and every one returned: the group's (or the
-        // immediate tasks') every waiting task as of the read.
-        let whole = scanned.is_some_and(|n| {
-            n < limit.max(1).saturating_mul(DIRECTED_SCAN_PER_ROW) && n == tasks.len() as i64
-        });
-        Ok(Page {
-            full: tasks.len() as i64 >= limit,
-            tasks,
-            held: closing.try_get(7)?,
-            tail: closing.try_get(8)?,
-            whole,
-        })
+        Ok((tasks, closing))
     }
 
     /// Which of `ids` are waiting and unclaimed, with their readiness facts, oldest first: the
@@ -1400,6 +1499,15 @@ const READ_TRIES: u32 = 4;
 /// `dispatch_lanes_idx`): it runs in the background, so the backend timeout does not apply.
 pub const FULL_PASS_LIMIT: Duration = Duration::from_secs(60);
 
+/// A directed page and the pages of the groups read ahead with it (`Tasks::directed_pages`).
+#[derive(Debug)]
+pub struct DirectedPages {
+    /// The page asked for.
+    pub lead: Page,
+    /// Each group read ahead, with its page (empty when none of its first tasks could be taken).
+    pub ahead: Vec<(Uuid, Page)>,
+}
+
 /// One page of candidates.sql.
 #[derive(Debug)]
 pub struct Page {
@@ -1470,42 +1578,77 @@ fn task_with_state(row: &Row) -> Result<TaskWithState, Error> {
 pub fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
     const FROM: &str = "FROM core_task t\n    -- $only\n";
     const SCOPE: &str = "-- $scope\n";
-    const SCANNED: &str = "NULL::bigint -- $scanned\n";
-    // A directed page's tail is of no use (it is the whole queue's): not computed.
+    const SCANNED: &str = "NULL::json -- $scanned\n";
     const TAIL: &str = "CASE WHEN (SELECT count(*) FROM page) < $page_size THEN (";
     for marker in [FROM, SCOPE, SCANNED, TAIL] {
         debug_assert_eq!(sql::CANDIDATES.matches(marker).count(), 1);
     }
     let limit = limit.max(1);
     let scan = limit.saturating_mul(DIRECTED_SCAN_PER_ROW);
-    let scope = match directed {
+    // The first rows of one group's (or kind's) waiting tasks, `scan` read at most, those the
+    // page would skip left out, `rows` kept, each with how many its scan read.
+    let bounded = |only: &str, order: &str, scan: i64, rows: i64| {
+        format!(
+            "SELECT w.* FROM (\n\
+             \x20       SELECT x.*, count(*) OVER () AS scanned FROM (\n\
+             \x20           SELECT * FROM core_task u WHERE u.state = 'waiting' AND {only}\n\
+             \x20           ORDER BY {order}u.pulp_created, u.pulp_id LIMIT {scan}) x) w\n\
+             \x20   WHERE (w.app_lock_id IS NULL) IS TRUE\n\
+             \x20     AND NOT (coalesce(w.reserved_resources_record, '{{}}'::text[]) && (SELECT keys FROM excluded))\n\
+             \x20   ORDER BY w.pulp_created, w.pulp_id LIMIT {rows}"
+        )
+    };
+    let (scope, key, rows) = match directed {
         None => {
             return sql::CANDIDATES
                 .replace(FROM, "FROM core_task t\n")
                 .replace("$page_size", &limit.to_string());
         }
-        Some(Directed::Group(_)) => format!(
-            "SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.pulp_domain_id = $8::uuid\n\
-             \x20   ORDER BY u.pulp_domain_id, u.pulp_created, u.pulp_id LIMIT {scan}"
+        Some(Directed::Immediate) => (
+            bounded("u.immediate", "", scan, limit),
+            "'00000000-0000-0000-0000-000000000000'::uuid".to_owned(),
+            limit,
         ),
-        Some(Directed::TaskGroup(_)) => {
-            let group = TASK_GROUP_GROUP.replace("t.", "u.");
-            format!(
-                "SELECT * FROM core_task u WHERE u.state = 'waiting' AND {group} = $8::uuid\n\
-                 \x20   ORDER BY {group}, u.pulp_created, u.pulp_id LIMIT {scan}"
+        Some(Directed::Group(_) | Directed::TaskGroup(_)) => {
+            let group = match directed {
+                Some(Directed::TaskGroup(_)) => TASK_GROUP_GROUP,
+                _ => DOMAIN_GROUP,
+            };
+            let of = |alias: &str| group.replace("t.", &format!("{alias}."));
+            let lead = bounded(
+                &format!("{} = $8::uuid", of("u")),
+                &format!("{}, ", of("u")),
+                scan,
+                limit,
+            );
+            let ahead_rows = (limit / 4).max(1);
+            let ahead = bounded(
+                &format!("{} = a.grp", of("u")),
+                &format!("{}, ", of("u")),
+                ahead_rows.saturating_mul(DIRECTED_SCAN_PER_ROW),
+                ahead_rows,
+            );
+            (
+                format!(
+                    "({lead})\n    UNION ALL\n    \
+                     SELECT v.* FROM unnest($9::uuid[]) AS a(grp) CROSS JOIN LATERAL (\n    {ahead}) v"
+                ),
+                of("s"),
+                limit + ahead_rows.saturating_mul(READ_AHEAD as i64),
             )
         }
-        Some(Directed::Immediate) => format!(
-            "SELECT * FROM core_task u WHERE u.state = 'waiting' AND u.immediate\n\
-             \x20   ORDER BY u.pulp_created, u.pulp_id LIMIT {scan}"
-        ),
     };
     sql::CANDIDATES
         .replace(SCOPE, &format!("scope AS (\n    {scope}\n),\n"))
         .replace(FROM, "FROM scope t\n")
-        .replace(SCANNED, "(SELECT count(*) FROM scope)\n")
+        .replace(
+            SCANNED,
+            &format!(
+                "(SELECT json_object_agg(k, n) FROM (SELECT DISTINCT {key} AS k, s.scanned AS n FROM scope s) c)\n"
+            ),
+        )
         .replace(TAIL, "CASE WHEN false THEN (")
-        .replace("$page_size", &limit.to_string())
+        .replace("$page_size", &rows.to_string())
 }
 
 #[cfg(test)]

@@ -222,6 +222,9 @@ pub struct Fairness {
 pub struct Plan {
     /// The directed passes, in order.
     pub directed: Vec<Directed>,
+    /// The groups next in the fair order after those of the directed passes, up to
+    /// [`crate::tasks::READ_AHEAD`]: a page read for a group reads theirs ahead.
+    pub ahead: Vec<Group>,
     /// Nothing the pass in queue order could grant: every deferred task is held back by the
     /// reserve, or every waiting group is at its cap. The fetch waits for a change instead.
     pub skip_queue_order: bool,
@@ -315,7 +318,7 @@ impl Fairness {
     }
 
     /// The directed page of one group's tasks, under this grouping.
-    fn directed_group(&self, group: Group) -> Directed {
+    pub(super) fn directed_group(&self, group: Group) -> Directed {
         match self.by {
             FairBy::TaskGroup => Directed::TaskGroup(group),
             FairBy::None | FairBy::Domain => Directed::Group(group),
@@ -424,6 +427,7 @@ impl Fairness {
             && state.all_capped(standing);
         let mut plan = Plan {
             directed: Vec::new(),
+            ahead: Vec::new(),
             // The directory may be a read behind: an immediate task it does not know yet is
             // found once it is read (a task notification has it read at once).
             // (Never under `--fair-by none`: without the immediate tasks' page, the pass in
@@ -438,18 +442,15 @@ impl Fairness {
             plan.directed.push(Directed::Immediate);
         }
         if state.directory.len() > 1 && !deferred_held {
-            plan.directed.extend(
-                state
-                    .rules
-                    .first_in_order(
-                        standing,
-                        state.directory.open.iter().copied(),
-                        |g| state.directory.open_at(g),
-                        MAX_DIRECTED,
-                    )
-                    .into_iter()
-                    .map(|g| self.directed_group(g)),
+            let mut first = state.rules.first_in_order(
+                standing,
+                state.directory.open.iter().copied(),
+                |g| state.directory.open_at(g),
+                MAX_DIRECTED + crate::tasks::READ_AHEAD,
             );
+            plan.ahead = first.split_off(first.len().min(MAX_DIRECTED));
+            plan.directed
+                .extend(first.into_iter().map(|g| self.directed_group(g)));
         }
         plan
     }
@@ -462,6 +463,16 @@ impl Fairness {
             .by_page
             .remove(&directed)
             .filter(|l| l.read_at.elapsed() <= max_age)
+    }
+
+    /// Whether `directed`'s page has a rest younger than `max_age` (a read needs not read it
+    /// ahead).
+    pub(super) fn has_leftover(&self, directed: Directed, max_age: Duration) -> bool {
+        let leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
+        leftovers
+            .by_page
+            .get(&directed)
+            .is_some_and(|l| l.read_at.elapsed() <= max_age)
     }
 
     /// Keeps the rest of `directed`'s page for the next pass (those older than `max_age` are

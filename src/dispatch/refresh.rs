@@ -117,10 +117,7 @@ impl Dispatch {
             if self.shutdown.is_fired() {
                 return Ok(());
             }
-            let found = self
-                .tasks
-                .candidates(&excluded, after, &near, page, None)
-                .await?;
+            let found = self.tasks.candidates(&excluded, after, &near, page).await?;
             held_seen.extend(found.held.iter().cloned());
             let last_page = !found.full;
             let end = found.end();

@@ -16,14 +16,16 @@
 --                 many tasks carry each: a task whose conflict keys include some is looked up
 --                 against the incomplete tasks older than it as long as they are no more than
 --                 that many
--- $scope, $only, $scanned  (lines) nothing for a pass in queue order; for a directed pass (fair
---                 dispatch, src/dispatch/fairness.rs) a CTE `scope` and `scope t` in place of
---                 `core_task t`: the first $scan waiting tasks of one group ($8 uuid,
---                 dispatch_groups_idx) or the first immediate ones (dispatch_immediate_idx), so a
---                 directed page reads at most $scan rows however long that group's queue is; and
---                 the closing row's `scanned`, how many rows the scope read (fewer than $scan,
---                 each of them returned: the page holds every waiting task of its group); its
---                 tail, which is the whole queue's, is not computed
+-- $scope, $only, $scanned  (lines) nothing for a pass in queue order. For a directed pass (fair
+--                 dispatch, src/dispatch/fairness.rs; tasks.rs writes them): a CTE `scope`, read
+--                 in place of `core_task t`, of one group's ($8 uuid, dispatch_groups_idx or
+--                 dispatch_task_groups_idx) or the immediate tasks' (dispatch_immediate_idx) first
+--                 waiting tasks, at most $scan read and the page's rows kept (those the page would
+--                 skip left out), then for each group of $9 uuid[] (read ahead for the next passes)
+--                 at most a quarter of that; so a directed page reads a bounded number of rows
+--                 however long any queue is. The closing row's `scanned` is a JSON object: for each
+--                 group with a row kept (the immediate tasks: the nil id), how many rows its scan
+--                 read. The page's tail (the whole queue's) is not computed.
 -- $page_size      the page size (the LIMIT), written into the text as a number by tasks.rs
 --                 (one prepared statement per page size): the broker's sessions use generic
 --                 plans, and a generic plan with a parameter LIMIT guesses a tenth of the table
@@ -41,7 +43,6 @@
 -- the partial GIN index `pulp_task_resources_index`) is the decision, and it sees hidden tasks.
 -- Never writes.
 , -- (after held.sql's `held` and writers.sql's `writers` CTEs, which tasks.rs puts in front)
--- $scope
 excluded AS (
     SELECT coalesce(array_agg(DISTINCT k), '{}'::text[]) AS keys
     FROM (
@@ -52,6 +53,7 @@ excluded AS (
         SELECT unnest($1::text[])
     ) AS x
 ),
+-- $scope
 page AS (
     SELECT t.pulp_id, t.pulp_created, t.name,
            coalesce(t.reserved_resources_record, '{}'::text[]) AS record,
@@ -82,7 +84,7 @@ SELECT p.pulp_id, p.pulp_created, p.name, p.record,
        coalesce(p.immediate, false) AS immediate,
        c.older_conflicts,
        NULL::text[] AS held_entries, NULL::timestamptz AS tail, p.pulp_domain_id AS domain,
-       p.task_group_id AS task_group, NULL::bigint AS scanned
+       p.task_group_id AS task_group, NULL::json AS scanned
 FROM page p
 -- $readiness_lookup
 UNION ALL
@@ -101,6 +103,6 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            FROM writers w)
        END,
        NULL, NULL,
-       NULL::bigint -- $scanned
+       NULL::json -- $scanned
 -- (The closing row last: NULLS LAST is the default of an ascending order.)
 ORDER BY 2, 1

@@ -667,14 +667,32 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
             .await
             .unwrap();
     }
+    // Fair dispatch's indexes, for its directed pages.
+    for statement in dispatch_broker::tasks::sql::FAIR_INDEXES
+        .split(";\n")
+        .filter(|s| s.contains("CREATE"))
+    {
+        db.batch_execute(statement).await.unwrap();
+    }
+    db.batch_execute("ANALYZE core_task").await.unwrap();
+    let domain: String = db
+        .query_one("SELECT pulp_domain_id::text FROM core_task LIMIT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
     db.batch_execute(&format!(
         "SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; SET jit = off; \
          SET max_parallel_workers_per_gather = 0; \
+         PREPARE directed(text[], timestamptz, uuid, timestamptz, uuid, text[], int[], uuid, uuid[]) AS {}; \
          PREPARE candidates(text[], timestamptz, uuid, timestamptz, uuid, text[], int[]) AS {}; \
          PREPARE task(uuid[], timestamptz, uuid, text[], int[]) AS {}; \
          PREPARE hiding(timestamptz, uuid, text[]) AS {}; \
          PREPARE seen(uuid[]) AS {}; \
          PREPARE queue_page(timestamptz, uuid) AS {};",
+        dispatch_broker::tasks::candidates_sql(
+            8,
+            Some(dispatch_broker::tasks::Directed::Group(Uuid::nil()))
+        ),
         dispatch_broker::tasks::sql::CANDIDATES.replace("$page_size", "8"),
         dispatch_broker::tasks::sql::TASK.as_str(),
         dispatch_broker::tasks::sql::HIDING.as_str(),
@@ -703,6 +721,20 @@ async fn fetch_reads(blocked: usize, plain_index: bool) -> Vec<(&'static str, u6
                     dispatch_broker::tasks::sql::CANDIDATES_SETTINGS,
                     &format!(
                         "EXECUTE candidates('{{}}', '{created}', '{id}', NULL, NULL, '{{}}', '{{}}')"
+                    ),
+                )
+                .await,
+            ),
+            (
+                // The domain's head is R0's blocked queue: the page and the same domain read
+                // ahead each read their bounded scan of it.
+                "candidates.sql, a directed page with a group read ahead",
+                buffers_under(
+                    &db,
+                    dispatch_broker::tasks::sql::CANDIDATES_SETTINGS,
+                    &format!(
+                        "EXECUTE directed('{{}}', NULL, NULL, NULL, NULL, '{{}}', '{{}}', \
+                         '{domain}', ARRAY['{domain}']::uuid[])"
                     ),
                 )
                 .await,
