@@ -1730,10 +1730,12 @@ impl Dispatch {
             requeue: self.requeue.clone(),
         };
         let running = self.passes.enter();
-        tokio::spawn(async move {
+        // (A step of a counted pass counts its calls in it.)
+        let calls = crate::metrics::pass_calls();
+        tokio::spawn(crate::metrics::counted_in(calls, async move {
             let _running = running;
             step(answer).await;
-        });
+        }));
         // Dropped before the answer is read (the caller went away just after it was sent), the
         // guard requeues the grant in it.
         let mut awaiting = Awaiting {
@@ -1979,6 +1981,14 @@ impl Dispatch {
         if !self.fairness.needs_standing() {
             return Ok(Fair::QueueOrder);
         }
+        // One pass in the counts: the standing read and the directed passes.
+        let stats = Arc::clone(&self.stats);
+        let fair = crate::metrics::count_pass(&stats, self.directed_passes_counted(call)).await;
+        self.stats.fetch_pass();
+        fair
+    }
+
+    async fn directed_passes_counted(&self, call: &Call) -> Result<Fair> {
         let standing = self.locks.standing().await?;
         let plan = self.fairness.plan(&standing);
         tracing::debug!(?plan, ?standing, "fair dispatch's plan");

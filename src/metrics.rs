@@ -6,8 +6,8 @@
 //! the Prometheus recorder renders on `/metrics`. Per-fetch costs are counted with a task-local
 //! counter around each fetch pass, so concurrent fetches do not mix.
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -355,11 +355,28 @@ pub fn backend_error(backend: &'static str) {
     metrics::counter!(BACKEND_ERRORS_TOTAL, "backend" => backend).increment(1);
 }
 
-/// Calls made by one fetch pass.
-#[derive(Debug, Default)]
+/// Calls made by one fetch pass (shared with the tasks it spawns, see [`pass_calls`]).
+#[derive(Debug, Default, Clone)]
 pub struct PassCalls {
-    postgres: Cell<u64>,
-    redis: Cell<u64>,
+    postgres: Arc<AtomicU64>,
+    redis: Arc<AtomicU64>,
+}
+
+/// The counters of the fetch pass this task runs in, if any: a task the pass spawns counts its
+/// calls in them through [`counted_in`].
+pub fn pass_calls() -> Option<PassCalls> {
+    PASS.try_with(PassCalls::clone).ok()
+}
+
+/// Runs `future` with its calls counted in `calls` (those of the pass that spawned it).
+pub async fn counted_in<T>(
+    calls: Option<PassCalls>,
+    future: impl std::future::Future<Output = T>,
+) -> T {
+    match calls {
+        Some(calls) => PASS.scope(calls, future).await,
+        None => future.await,
+    }
 }
 
 tokio::task_local! {
@@ -372,7 +389,10 @@ pub async fn count_pass<T>(stats: &Stats, pass: impl std::future::Future<Output 
     PASS.scope(PassCalls::default(), async move {
         let out = pass.await;
         let _ = PASS.try_with(|calls| {
-            let (postgres, redis) = (calls.postgres.get(), calls.redis.get());
+            let (postgres, redis) = (
+                calls.postgres.load(Ordering::Relaxed),
+                calls.redis.load(Ordering::Relaxed),
+            );
             stats
                 .fetch_postgres_statements
                 .fetch_add(postgres, Ordering::Relaxed);
@@ -449,14 +469,14 @@ impl Stats {
     /// Counts one Postgres statement.
     pub fn postgres_statement(&self) {
         self.postgres_statements.fetch_add(1, Ordering::Relaxed);
-        let _ = PASS.try_with(|c| c.postgres.set(c.postgres.get() + 1));
+        let _ = PASS.try_with(|c| c.postgres.fetch_add(1, Ordering::Relaxed));
         metrics::counter!(POSTGRES_STATEMENTS_TOTAL).increment(1);
     }
 
     /// Counts one Redis call.
     pub fn redis_call(&self) {
         self.redis_calls.fetch_add(1, Ordering::Relaxed);
-        let _ = PASS.try_with(|c| c.redis.set(c.redis.get() + 1));
+        let _ = PASS.try_with(|c| c.redis.fetch_add(1, Ordering::Relaxed));
         metrics::counter!(REDIS_CALLS_TOTAL).increment(1);
     }
 

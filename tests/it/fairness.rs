@@ -1161,3 +1161,26 @@ async fn the_rest_of_a_directed_page_is_judged_without_a_read_and_a_task_cancele
     env.assert_locks(&[&first, &second, &third]).await;
     assert_eq!(env.state(a[1]).await, "canceled");
 }
+
+#[tokio::test]
+async fn a_groups_page_reads_the_next_groups_ahead_and_their_passes_read_nothing() {
+    let mut env = Env::with(fast).await;
+    let a0 = task_in(&env, D1, "a0", false).await;
+    task_in(&env, D1, "a1", false).await;
+    let b0 = task_in(&env, D2, "b0", false).await;
+    directory_knows(&env, 2).await;
+    let lease = env.open("w").await;
+    let first = env.fetch(&lease).await.expect("D1's oldest");
+    assert_eq!(id(&first), a0);
+    // D1 runs one, D2 none: D2's task, from what D1's page read ahead.
+    let before = env.broker().stats.snapshot();
+    let second = env.fetch(&lease).await.expect("D2's task");
+    let spent = env.broker().stats.snapshot() - before;
+    assert_eq!(id(&second), b0);
+    assert_eq!(
+        spent.fetch_postgres_statements, 1,
+        "the claim only, no page read: {spent:?}"
+    );
+    assert!(spent.pages_carried >= 1, "{spent:?}");
+    env.assert_locks(&[&first, &second]).await;
+}
