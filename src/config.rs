@@ -527,7 +527,9 @@ pub struct FetchArgs {
     /// before a background walk re-reads the queue from its head and renews it (walks are
     /// spaced by at least ten times the last walk's duration; no fetch waits for one); it is
     /// dropped at once when a resource it relies on changes through the broker. Bounds how late
-    /// a change made outside the broker is seen. 0 disables hints.
+    /// a change made outside the broker is seen. Also how long fair dispatch's carried tasks
+    /// (the rest of a directed page, and pages read ahead) are used. 0 disables hints, carried
+    /// tasks and reading ahead.
     #[arg(long = "fetch-hint-max-age", env = "DISPATCH_FETCH_HINT_MAX_AGE", default_value = "1s", value_parser = parse_duration)]
     pub hint_max_age: Duration,
     /// Keep every incomplete task in memory, per resource in queue order (about 200 bytes a

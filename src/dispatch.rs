@@ -2047,52 +2047,104 @@ impl Dispatch {
         };
         let offer = call.offer(Arc::clone(&lease));
         let max_age = self.policy.hint_max_age.min(RECENT);
-        let (rows, whole, read_at) = match self.fairness.take_leftover(directed, max_age) {
-            Some(leftover) => {
-                self.stats.page_carried();
-                (leftover.rows, leftover.whole, leftover.read_at)
-            }
-            None => {
-                let read_at = Instant::now();
-                let ahead: Vec<Uuid> = if max_age.is_zero() {
-                    Vec::new()
-                } else {
-                    ahead
-                        .iter()
-                        .copied()
-                        .filter(|g| {
-                            !self
-                                .fairness
-                                .has_leftover(self.fairness.directed_group(*g), max_age)
-                        })
-                        .take(crate::tasks::READ_AHEAD)
-                        .collect()
-                };
-                let pages = self
-                    .tasks
-                    .directed_pages(&self.near(), self.policy.first_page, directed, &ahead)
-                    .await?;
-                for (g, page) in pages.ahead {
-                    if !page.tasks.is_empty() {
-                        let leftover = fairness::Leftover {
-                            rows: page.tasks,
-                            whole: page.whole,
-                            read_at,
-                        };
-                        self.fairness.keep_leftover(
-                            self.fairness.directed_group(g),
-                            leftover,
-                            max_age,
-                        );
-                    }
+        let mut carried = self.fairness.take_carried(directed, max_age);
+        loop {
+            let from_carried = carried.is_some();
+            let page = match carried.take() {
+                Some(carried) => {
+                    self.stats.page_carried();
+                    carried
                 }
-                (pages.lead.tasks, pages.lead.whole, read_at)
+                None => self.read_directed(directed, ahead, max_age).await?,
+            };
+            if let Some(grant) = self
+                .judge_directed(call, &lease, &offer, directed, page, max_age, not_dry)
+                .await?
+            {
+                return Ok(Some(grant));
             }
+            // Carried tasks that gave nothing (their heads may have become ready since, or new
+            // tasks may follow them): the group's page is read before it is called dry.
+            if !from_carried || not_dry.load(Ordering::SeqCst) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads a directed page, and the pages of the groups of `ahead` that have no tasks carried
+    /// (read ahead, carried for their directed passes).
+    async fn read_directed(
+        &self,
+        directed: crate::tasks::Directed,
+        ahead: &[Uuid],
+        max_age: Duration,
+    ) -> Result<fairness::Carried> {
+        let read_at = Instant::now();
+        let ahead: Vec<Uuid> = if max_age.is_zero() {
+            Vec::new()
+        } else {
+            ahead
+                .iter()
+                .copied()
+                .filter(|g| {
+                    !self
+                        .fairness
+                        .has_carried(self.fairness.directed_group(*g), max_age)
+                })
+                .take(crate::tasks::READ_AHEAD)
+                .collect()
         };
+        let pages = self
+            .tasks
+            .directed_pages(&self.near(), self.policy.first_page, directed, &ahead)
+            .await?;
+        for (g, page) in pages.ahead {
+            if !page.tasks.is_empty() {
+                let carried = fairness::Carried {
+                    rows: page.tasks,
+                    whole: page.whole,
+                    read_at,
+                };
+                self.fairness
+                    .carry(self.fairness.directed_group(g), carried, max_age);
+            }
+        }
+        Ok(fairness::Carried {
+            rows: pages.lead.tasks,
+            whole: pages.lead.whole,
+            read_at,
+        })
+    }
+
+    /// Judges a directed page in queue order by the readiness rule: the first ready task the
+    /// caller's lease may take is locked and claimed, and every other task of the page that was
+    /// not handed out since is carried for the next directed pass.
+    #[allow(clippy::too_many_arguments)]
+    async fn judge_directed(
+        &self,
+        call: &Call,
+        lease: &Arc<LeaseRecord>,
+        offer: &Offer,
+        directed: crate::tasks::Directed,
+        page: fairness::Carried,
+        max_age: Duration,
+        not_dry: &AtomicBool,
+    ) -> Result<Option<Grant>> {
+        let fairness::Carried {
+            rows,
+            whole,
+            read_at,
+        } = page;
         let mut reserved = Reservations::default();
         let mut held = HeldInPass::default();
+        // What the page holds that was not handed out, in queue order.
+        let mut passed: Vec<TaskRow> = Vec::new();
         let mut rows = rows.into_iter();
         while let Some(row) = rows.next() {
+            if self.granted_after(&row.id, read_at) {
+                // Handed out through this replica since the page was read.
+                continue;
+            }
             let ready_by_rule =
                 ready::obstacles(&row.candidate, &reserved, &lease.versions).ready_by_rule();
             reserved.reserve(&row.candidate.resources);
@@ -2103,34 +2155,37 @@ impl Dispatch {
             }
             let group = self.fairness.group_of_row(&row);
             if !ready_by_rule || !offer.takes(&row) || held.holds(group, row.immediate) {
+                passed.push(row);
                 continue;
             }
             let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
+                passed.push(row);
                 continue;
             };
             match self
-                .lock_and_claim(call.lease_id, &lease, &row, call.start)
+                .lock_and_claim(call.lease_id, lease, &row, call.start)
                 .await?
             {
                 Attempt::Granted(grant) => {
                     if let Ok(mut recent) = self.recent.lock() {
                         recent.note(grant.task_id);
                     }
-                    // The page's rest goes to the next directed pass of this page.
-                    let rest: Vec<TaskRow> = rows.collect();
+                    // The rest goes to the next directed pass of this page.
+                    passed.extend(rows);
                     self.fairness.handed_out(
                         directed,
                         (row.created, row.id),
-                        rest.first().map(|r| (r.created, r.id)),
+                        passed.first().map(|r| (r.created, r.id)),
                         whole,
+                        read_at,
                     );
-                    if !rest.is_empty() && !max_age.is_zero() {
-                        let leftover = fairness::Leftover {
-                            rows: rest,
+                    if !passed.is_empty() && !max_age.is_zero() {
+                        let carried = fairness::Carried {
+                            rows: passed,
                             whole,
                             read_at,
                         };
-                        self.fairness.keep_leftover(directed, leftover, max_age);
+                        self.fairness.carry(directed, carried, max_age);
                     }
                     return Ok(Some(grant));
                 }
@@ -2140,8 +2195,9 @@ impl Dispatch {
                     // this group's are not (or, the reserve full, no deferred task is).
                     not_dry.store(true, Ordering::SeqCst);
                     held.note(group, why);
+                    passed.push(row);
                 }
-                Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => {}
+                Attempt::Blocked | Attempt::NotGranted | Attempt::Lost => passed.push(row),
             }
         }
         Ok(None)

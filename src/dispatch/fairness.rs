@@ -105,6 +105,8 @@ struct State {
     /// The fair indexes exist: directed passes can read flat.
     directed: bool,
     directory: Directory,
+    /// When the directory was last read.
+    read_at: Option<Instant>,
     immediate_waiting: bool,
     dry: HashSet<Directed>,
 }
@@ -179,17 +181,18 @@ impl Directory {
     }
 }
 
-/// The rest of a directed page past the task a fetch handed out from it, kept for the next
-/// directed pass of the same group (or of the immediate tasks) to judge instead of reading them
-/// again, while younger than `--fetch-hint-max-age` (and a second). Their exact look-ups stay
-/// true as those of a carried page in queue order do (`super::carried::Carried`): no older
+/// The carried tasks of a directed page: its rest past the task a fetch handed out from it, or a
+/// page read ahead, kept for the next directed pass of the same group (or of the immediate
+/// tasks) to judge instead of reading them again, while younger than `--fetch-hint-max-age` (and
+/// a second). Their exact look-ups stay true as those of a pass in queue order do
+/// (`super::carried::Carried`): no older
 /// conflicting task can appear later, and what made one unready since (a lock taken, the task
 /// claimed, canceled or finished) is caught by the acquire script and the claim. What they
 /// cannot show is what made a task ready since: a task of the group that a held lock hid from
 /// the page, or a claim put back, goes after them until they are used or too old; FIFO per
 /// resource holds (such a task conflicts with none of them, or their look-ups name it).
 #[derive(Debug)]
-pub(super) struct Leftover {
+pub(super) struct Carried {
     /// In queue order.
     pub(super) rows: Vec<TaskRow>,
     /// The page held every waiting task of its group as of the read (`Page::whole`).
@@ -199,8 +202,8 @@ pub(super) struct Leftover {
 }
 
 #[derive(Debug, Default)]
-struct Leftovers {
-    by_page: HashMap<Directed, Leftover>,
+struct CarriedPages {
+    by_page: HashMap<Directed, Carried>,
     /// Kept until there are this many; then those too old are dropped.
     prune_at: usize,
 }
@@ -210,7 +213,7 @@ struct Leftovers {
 pub struct Fairness {
     by: FairBy,
     state: Arc<RwLock<State>>,
-    leftovers: Arc<Mutex<Leftovers>>,
+    carried: Arc<Mutex<CarriedPages>>,
     labels: Arc<std::sync::Mutex<HashMap<Group, String>>>,
     max_labels: usize,
     inserted: Arc<tokio::sync::Notify>,
@@ -247,10 +250,11 @@ impl Fairness {
                 rules,
                 directed,
                 directory: Directory::default(),
+                read_at: None,
                 immediate_waiting: false,
                 dry: HashSet::new(),
             })),
-            leftovers: Arc::new(Mutex::new(Leftovers::default())),
+            carried: Arc::new(Mutex::new(CarriedPages::default())),
             labels: Arc::new(std::sync::Mutex::new(HashMap::new())),
             max_labels: 20,
             inserted: Arc::new(tokio::sync::Notify::new()),
@@ -457,9 +461,9 @@ impl Fairness {
 
     /// The rest of `directed`'s last page, when younger than `max_age` (taken: one pass judges
     /// it).
-    pub(super) fn take_leftover(&self, directed: Directed, max_age: Duration) -> Option<Leftover> {
-        let mut leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
-        leftovers
+    pub(super) fn take_carried(&self, directed: Directed, max_age: Duration) -> Option<Carried> {
+        let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        carried
             .by_page
             .remove(&directed)
             .filter(|l| l.read_at.elapsed() <= max_age)
@@ -467,9 +471,9 @@ impl Fairness {
 
     /// Whether `directed`'s page has a rest younger than `max_age` (a read needs not read it
     /// ahead).
-    pub(super) fn has_leftover(&self, directed: Directed, max_age: Duration) -> bool {
-        let leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
-        leftovers
+    pub(super) fn has_carried(&self, directed: Directed, max_age: Duration) -> bool {
+        let carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        carried
             .by_page
             .get(&directed)
             .is_some_and(|l| l.read_at.elapsed() <= max_age)
@@ -477,32 +481,37 @@ impl Fairness {
 
     /// Keeps the rest of `directed`'s page for the next pass (those older than `max_age` are
     /// dropped now and then).
-    pub(super) fn keep_leftover(&self, directed: Directed, leftover: Leftover, max_age: Duration) {
-        let mut leftovers = self.leftovers.lock().unwrap_or_else(|e| e.into_inner());
-        leftovers.by_page.insert(directed, leftover);
-        if leftovers.by_page.len() >= leftovers.prune_at {
-            leftovers
+    pub(super) fn carry(&self, directed: Directed, rest: Carried, max_age: Duration) {
+        let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        carried.by_page.insert(directed, rest);
+        if carried.by_page.len() >= carried.prune_at {
+            carried
                 .by_page
                 .retain(|_, l| l.read_at.elapsed() <= max_age);
-            leftovers.prune_at = (leftovers.by_page.len() * 2).max(64);
+            carried.prune_at = (carried.by_page.len() * 2).max(64);
         }
     }
 
-    /// A directed pass handed out the task at `at` from `directed`'s page: the group's oldest
-    /// waiting task is now at `next` (the page's next row), or, with none and a `whole` page,
-    /// the group (or the immediate tasks) has none left that this replica knows of until the
-    /// next directory read. The fair order follows without a read.
+    /// A directed pass handed out the task at `at` from `directed`'s page, read at `read_at`:
+    /// the group's oldest waiting task is now at `next` (the oldest of the page's tasks not
+    /// handed out), or, with none and a `whole` page, the group (or the immediate tasks) has
+    /// none left that this replica knows of until the next directory read (unless the directory
+    /// was read after the page: it knows better). The fair order follows without a read.
     pub(super) fn handed_out(
         &self,
         directed: Directed,
         at: Position,
         next: Option<Position>,
         whole: bool,
+        read_at: Instant,
     ) {
         if next.is_none() && !whole {
             return;
         }
         let mut state = self.write();
+        if next.is_none() && state.read_at.is_some_and(|r| r > read_at) {
+            return;
+        }
         match directed {
             Directed::Group(g) | Directed::TaskGroup(g) => state.directory.advance(&g, at, next),
             Directed::Immediate => {
@@ -641,6 +650,7 @@ impl Fairness {
         if !directed {
             return Ok(false);
         }
+        let read_at = Instant::now();
         let (waiting, immediate_waiting) = tasks.groups_waiting(self.by, MAX_GROUPS).await?;
         // Names are domains' (task groups have none).
         let unknown = self.by == FairBy::Domain && {
@@ -652,15 +662,21 @@ impl Fairness {
         } else {
             None
         };
+        // Built before the lock is taken: fetches plan meanwhile.
+        let news_in = |state: &State| {
+            !state.dry.is_empty()
+                || (immediate_waiting && !state.immediate_waiting)
+                || waiting.iter().any(|(g, _)| !state.directory.contains(g))
+        };
+        let news = news_in(&self.read());
+        let directory = Directory::read(waiting);
         let mut state = self.write();
         if let Some(names) = names {
             state.names = names;
             state.resolve();
         }
-        let news = !state.dry.is_empty()
-            || (immediate_waiting && !state.immediate_waiting)
-            || waiting.iter().any(|(g, _)| !state.directory.contains(g));
-        state.directory = Directory::read(waiting);
+        state.directory = directory;
+        state.read_at = Some(read_at);
         state.immediate_waiting = immediate_waiting;
         state.dry.clear();
         // Only news to fair dispatch: a fetch in queue order finds what it needs without.

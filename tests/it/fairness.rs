@@ -1184,3 +1184,27 @@ async fn a_groups_page_reads_the_next_groups_ahead_and_their_passes_read_nothing
     assert!(spent.pages_carried >= 1, "{spent:?}");
     env.assert_locks(&[&first, &second]).await;
 }
+
+#[tokio::test]
+async fn carried_tasks_that_are_not_ready_do_not_make_their_group_dry() {
+    let mut env = Env::with(fast).await;
+    let a0 = task_in(&env, D1, "q", false).await;
+    let a1 = task_in(&env, D1, "y", false).await;
+    // D2's first two tasks wait for a0 (older, same resource); its third is free.
+    task_in(&env, D2, "q", false).await;
+    task_in(&env, D2, "q", false).await;
+    let b2 = task_in(&env, D2, "x", false).await;
+    directory_knows(&env, 2).await;
+    let lease = env.open("w").await;
+    let first = env.fetch(&lease).await.expect("D1's oldest");
+    assert_eq!(id(&first), a0);
+    // D1's page read D2's first two tasks ahead: neither is ready. D2's page is read again
+    // rather than D2 called dry (the pass in queue order would then hand out D1's a1).
+    let second = env.fetch(&lease).await.expect("a task");
+    assert_eq!(
+        id(&second),
+        b2,
+        "D2 runs nothing, D1 one: D2's ready task, not D1's {a1}"
+    );
+    env.assert_locks(&[&first, &second]).await;
+}
