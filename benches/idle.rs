@@ -6,8 +6,9 @@
 //! - **Burst**: the same 100 idle workers; 100 tasks inserted in one statement; time from the
 //!   commit to the last worker holding its task (each task takes 3 s, so nobody polls again
 //!   meanwhile), and the broker's passes over the queue for it, with shared scans (`--fetch-share 64`, the default) and without (`--fetch-share 0`).
-//! - **Scale-up herd**: 500 idle workers for 10 s; task-table queries per second at idle
-//!   (`pg_stat_user_tables` scans of `core_task`).
+//! - **Scale-up herd**: 500 idle workers for 10 s (heartbeats every third of the 30 s TTL, the
+//!   libraries' default); per second at idle: task-table queries (`pg_stat_user_tables` scans of
+//!   `core_task`), Postgres transactions and rows read (`pg_stat_database`).
 //!
 //! Broker workers use the crate's worker library and long-poll FetchTask. The baseline does what
 //! Pulp's Redis worker does today: every worker queries the head of the task table itself (FIFO,
@@ -32,30 +33,49 @@ const HERD_WINDOW: Duration = Duration::from_secs(10);
 /// How long each task of the burst takes (longer than the burst).
 const BURST_WORK: Duration = Duration::from_secs(3);
 
-/// Scans of core_task so far (sequential and index), as the statistics views count them.
-async fn task_table_scans(db: &tokio_postgres::Client) -> i64 {
+/// What the database did so far, as the statistics views count it: scans of core_task
+/// (sequential and index), transactions (committed and rolled back), rows read (returned by
+/// scans and fetched by index).
+async fn counted(db: &tokio_postgres::Client) -> [i64; 3] {
     db.batch_execute("SELECT pg_stat_clear_snapshot()")
         .await
         .unwrap();
-    db.query_one(
-        "SELECT (coalesce(seq_scan, 0) + coalesce(idx_scan, 0))::bigint \
-         FROM pg_stat_user_tables WHERE relname = 'core_task'",
-        &[],
-    )
-    .await
-    .unwrap()
-    .get(0)
+    let row = db
+        .query_one(
+            "SELECT (SELECT (coalesce(seq_scan, 0) + coalesce(idx_scan, 0))::bigint \
+                     FROM pg_stat_user_tables WHERE relname = 'core_task'), \
+                    (xact_commit + xact_rollback)::bigint, (tup_returned + tup_fetched)::bigint \
+             FROM pg_stat_database WHERE datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap();
+    [row.get(0), row.get(1), row.get(2)]
 }
 
-/// Task-table queries per second over `window` while the fleet idles.
-async fn idle_query_rate(db: &tokio_postgres::Client, window: Duration) -> f64 {
+/// Per second while a fleet idles: task-table queries, transactions, rows read.
+#[derive(Debug, Clone, Copy)]
+struct Idle {
+    scans: f64,
+    transactions: f64,
+    rows: f64,
+}
+
+/// What the database does per second over `window` while the fleet idles (the bench's own
+/// two reads of the statistics included).
+async fn idle_rates(db: &tokio_postgres::Client, window: Duration) -> Idle {
     // Statistics reach the shared counters when a backend flushes them (about every second).
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = task_table_scans(db).await;
+    let before = counted(db).await;
     tokio::time::sleep(window).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let after = task_table_scans(db).await;
-    (after - before) as f64 / (window.as_secs_f64() + 1.5)
+    let after = counted(db).await;
+    let per_second = |i: usize| (after[i] - before[i]) as f64 / (window.as_secs_f64() + 1.5);
+    Idle {
+        scans: per_second(0),
+        transactions: per_second(1),
+        rows: per_second(2),
+    }
 }
 
 /// Inserts tasks one at a time, each after the previous one was received; returns the latencies
@@ -211,7 +231,7 @@ async fn main() {
     let statements_before = broker.stats.snapshot().postgres_statements
         + broker.background_stats.snapshot().postgres_statements;
     let started = Instant::now();
-    let broker_rate = idle_query_rate(&db, HERD_WINDOW).await;
+    let broker_idle = idle_rates(&db, HERD_WINDOW).await;
     let statements = broker.stats.snapshot().postgres_statements
         + broker.background_stats.snapshot().postgres_statements
         - statements_before;
@@ -221,7 +241,7 @@ async fn main() {
     eprintln!("herd: {herd_workers} idle baseline workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
     let fleet = baseline_fleet(&url, &redis.url(), herd_workers, Duration::ZERO, tx).await;
-    let baseline_rate = idle_query_rate(&db, HERD_WINDOW).await;
+    let baseline_idle = idle_rates(&db, HERD_WINDOW).await;
     fleet.stop().await;
 
     println!("| scenario | broker | baseline (Pulp-style polling) | baseline / broker |");
@@ -254,10 +274,28 @@ async fn main() {
         ms(Some(unshared_burst.0)),
         unshared_burst.1
     );
-    println!(
-        "| task-table queries/s, {herd_workers} idle workers | {broker_rate:.1} | {baseline_rate:.1} | {:.1}x |",
-        baseline_rate / broker_rate.max(0.01)
-    );
+    for (what, b, r) in [
+        (
+            "task-table queries/s",
+            broker_idle.scans,
+            baseline_idle.scans,
+        ),
+        (
+            "Postgres transactions/s (all sessions, heartbeats included)",
+            broker_idle.transactions,
+            baseline_idle.transactions,
+        ),
+        (
+            "rows read/s (all sessions)",
+            broker_idle.rows,
+            baseline_idle.rows,
+        ),
+    ] {
+        println!(
+            "| {what}, {herd_workers} idle workers | {b:.1} | {r:.1} | {:.1}x |",
+            r / b.max(0.01)
+        );
+    }
     println!(
         "| broker's own Postgres statements/s at idle (all tables, heartbeats included) | {statement_rate:.1} | | |"
     );

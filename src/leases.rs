@@ -9,6 +9,7 @@
 //! registry. A failure half-way leaves an expired lease, which the sweeper finishes. This module
 //! never hands out tasks; `dispatch` does.
 
+pub mod beats;
 pub mod recovery;
 pub mod sweeper;
 
@@ -97,6 +98,7 @@ pub struct Leases {
     ttl: TtlPolicy,
     stats: Arc<Stats>,
     canceling: Arc<tokio::sync::Mutex<CancelCache>>,
+    beats: beats::Beats,
 }
 
 /// How long one read of the canceling tasks serves heartbeats.
@@ -118,7 +120,13 @@ impl Leases {
             ttl,
             stats,
             canceling: Arc::default(),
+            beats: beats::Beats::default(),
         }
+    }
+
+    /// The workers' rows waiting for their `last_heartbeat` (written by [`beats::Beats::run`]).
+    pub fn beats(&self) -> beats::Beats {
+        self.beats.clone()
     }
 
     /// Opens a lease. Creates the worker's `core_appstatus` row when it brings none; when it
@@ -201,10 +209,13 @@ impl Leases {
         let app_status: Uuid = app_status
             .parse()
             .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))?;
-        self.tasks.heartbeat(app_status).await?;
+        let expires_at = from_ms(expires_at_ms);
+        // Its row is written with others' in one statement (`beats`).
+        let ttl = (expires_at - Utc::now()).to_std().unwrap_or_default();
+        self.beats.beat(app_status, ttl);
         let cancel_task_ids = self.canceling_for(app_status).await?;
         Ok(Beat {
-            expires_at: from_ms(expires_at_ms),
+            expires_at,
             cancel_task_ids,
         })
     }

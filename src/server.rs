@@ -163,6 +163,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         },
         Arc::clone(&stats),
     );
+    let beats = leases.beats();
     let fairness = fairness(&args.fair, &tasks).await?;
     let dispatch = Dispatch::new(
         locks.clone(),
@@ -293,6 +294,8 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         sweeper.locks.clone(),
         shutdown.clone(),
     ));
+    // The workers' last_heartbeat, written for all leases that beat in one statement.
+    tokio::spawn(beats.run(sweeper.tasks.clone(), shutdown.clone()));
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
         sweeper.tasks.clone(),
         args.gin_clean_interval,

@@ -1059,8 +1059,8 @@ impl Tasks {
             .is_empty())
     }
 
-    /// Refreshes `last_heartbeat`; returns the worker's tasks that were asked to cancel.
-    pub async fn heartbeat(&self, app_status: Uuid) -> Result<(), Error> {
+    /// Refreshes the `last_heartbeat` of the workers' rows `app_status`, in one statement.
+    pub async fn heartbeat(&self, app_status: &[Uuid]) -> Result<(), Error> {
         self.query(sql::HEARTBEAT, &[&app_status]).await?;
         Ok(())
     }

@@ -1,7 +1,8 @@
--- heartbeat.sql: refreshes a worker's core_appstatus.last_heartbeat (the tasks it must cancel come
--- from canceling.sql, read once per second per replica for all heartbeats).
+-- heartbeat.sql: refreshes the workers' core_appstatus.last_heartbeat, for every lease that beat
+-- since the last write, in one statement (src/leases/beats.rs; the tasks a worker must cancel
+-- come from canceling.sql, read once per second per replica for all heartbeats).
 --
--- $1 uuid  the lease's core_appstatus row
--- Writes: that row.
+-- $1 uuid[]  the leases' core_appstatus rows
+-- Writes: those rows.
 UPDATE core_appstatus SET last_heartbeat = now(), pulp_last_updated = now()
-WHERE pulp_id = $1
+WHERE pulp_id = ANY($1::uuid[])

@@ -240,3 +240,99 @@ async fn a_pulp_worker_can_bring_its_own_app_status_row() {
     assert_eq!(left, 1, "the worker's own row is the worker's to remove");
     env.shutdown().await;
 }
+
+/// The distinct `last_heartbeat` values of `rows`.
+async fn stamps(
+    db: &tokio_postgres::Client,
+    rows: &[uuid::Uuid],
+) -> std::collections::BTreeSet<String> {
+    db.query(
+        "SELECT last_heartbeat::text FROM core_appstatus WHERE pulp_id = ANY($1)",
+        &[&rows],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get::<_, String>(0))
+    .collect()
+}
+
+/// Opens a lease with a 30 s TTL; its lease id and worker row.
+async fn lease_and_row(env: &mut Env, name: &str) -> (String, uuid::Uuid) {
+    let lease = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: name.into(),
+            versions: [("core".into(), "3.123.1".into())].into(),
+            ttl: Some(prost_types::Duration {
+                seconds: 30,
+                nanos: 0,
+            }),
+            app_status_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (lease.lease_id, lease.app_status_id.parse().unwrap())
+}
+
+#[tokio::test]
+async fn the_rows_of_leases_that_beat_are_written_together_and_only_theirs() {
+    let mut env = Env::new().await;
+    let mut beating = Vec::new();
+    for i in 0..5 {
+        beating.push(lease_and_row(&mut env, &format!("w{i}")).await);
+    }
+    let (_, silent) = lease_and_row(&mut env, "silent").await;
+    let rows: Vec<uuid::Uuid> = beating.iter().map(|(_, r)| *r).collect();
+    // Beats close together are written in one statement (one transaction's now()); a write that
+    // fell between them would make two stamps, so up to three tries.
+    let mut together = false;
+    for _ in 0..3 {
+        env.db
+            .execute(
+                "UPDATE core_appstatus SET last_heartbeat = '2000-01-01' WHERE pulp_id = ANY($1) OR pulp_id = $2",
+                &[&rows, &silent],
+            )
+            .await
+            .unwrap();
+        for (lease, _) in &beating {
+            env.client
+                .heartbeat(HeartbeatRequest {
+                    lease_id: lease.clone(),
+                })
+                .await
+                .expect("alive");
+        }
+        let written = crate::support::eventually(Duration::from_secs(5), || async {
+            !stamps(&env.db, &rows)
+                .await
+                .iter()
+                .any(|s| s.starts_with("2000"))
+        })
+        .await;
+        assert!(
+            written.is_some(),
+            "every beat's row is written within a second"
+        );
+        if stamps(&env.db, &rows).await.len() == 1 {
+            together = true;
+            break;
+        }
+    }
+    assert!(together, "five beats were never written in one statement");
+    let silent_stamp: String = env
+        .db
+        .query_one(
+            "SELECT last_heartbeat::text FROM core_appstatus WHERE pulp_id = $1",
+            &[&silent],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        silent_stamp.starts_with("2000"),
+        "a lease that did not beat keeps its stamp: {silent_stamp}"
+    );
+    env.shutdown().await;
+}

@@ -198,3 +198,55 @@ async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
         .expect("the lease is still alive");
     env.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_written_once_it_is_back()
+{
+    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut env = Env::on(url, redis, |a| {
+        a.backend_timeout = Duration::from_millis(500)
+    })
+    .await;
+    let lease = env.open("w").await;
+    env.db
+        .execute(
+            "UPDATE core_appstatus SET last_heartbeat = '2000-01-01'",
+            &[],
+        )
+        .await
+        .unwrap();
+    tokio::task::block_in_place(|| pg.kill());
+    // The lease lives in Redis: the beat is answered; its row waits for Postgres.
+    env.client
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease.clone(),
+        })
+        .await
+        .expect("a heartbeat needs Redis only");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::task::block_in_place(|| pg.restart().unwrap());
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    env.db = db;
+    let db = &env.db;
+    let written = eventually(Duration::from_secs(10), || async move {
+        db.query_one(
+            "SELECT last_heartbeat > '2001-01-01' FROM core_appstatus",
+            &[],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, bool>(0))
+    })
+    .await;
+    assert!(
+        written.is_some(),
+        "the row of a beat made while Postgres was down is written once it is back"
+    );
+    env.shutdown().await;
+    drop(pg);
+}
