@@ -98,6 +98,11 @@ impl Fleet {
         for h in self.handles {
             h.await.unwrap();
         }
+        // Leases end now (their heartbeats stop): the next phase measures its own fleet, not the
+        // sweep of this one's expired leases.
+        for w in &self.workers {
+            let _ = w.close().await;
+        }
     }
 }
 
