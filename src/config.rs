@@ -414,7 +414,8 @@ pub struct ServeArgs {
     /// How often the pending list of the GIN index on reserved resources is merged into the
     /// index (Pulp's index has one unless `migrate --gin-fastupdate-off` was run). Every
     /// readiness look-up reads that list in full, so under live traffic a fetch slows with it.
-    /// 0 turns this off. Needs the role that owns the index.
+    /// 0 turns this off. Needs the role that owns the index. While merges find nothing (no
+    /// task written), they space out to eight times this, until a task notification.
     #[arg(long, env = "DISPATCH_GIN_CLEAN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub gin_clean_interval: Duration,
     /// On SIGTERM, how long in-flight calls may take before the server stops anyway.
@@ -440,7 +441,9 @@ pub struct FairArgs {
     #[arg(long = "fair-policy", env = "DISPATCH_FAIR_POLICY")]
     pub policy: Option<std::path::PathBuf>,
     /// How often each replica reads which domains have waiting tasks (one index descent per
-    /// domain) and checks the policy file for changes.
+    /// domain) and checks the policy file for changes. While fair dispatch is not engaged (one
+    /// domain or none waits, no immediate task), the domains are read every eighth time, and at
+    /// once on every task notification.
     #[arg(long = "fair-refresh", env = "DISPATCH_FAIR_REFRESH", default_value = "500ms", value_parser = parse_duration)]
     pub refresh: Duration,
     /// Domains that get a label of their own in the metrics by domain (task wait and run time,

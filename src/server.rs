@@ -296,16 +296,22 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
     ));
     // The workers' last_heartbeat, written for all leases that beat in one statement.
     tokio::spawn(beats.run(sweeper.tasks.clone(), shutdown.clone()));
+    let gin_inserted = Arc::new(tokio::sync::Notify::new());
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
         sweeper.tasks.clone(),
         args.gin_clean_interval,
+        Arc::clone(&gin_inserted),
         shutdown.clone(),
     ));
     let (listening, listening_started) = tokio::sync::oneshot::channel();
     tokio::spawn(crate::dispatch::wakeups::listen(
         args.postgres.url.clone(),
         Arc::clone(&waiters),
-        vec![lanes.insert_signal(), fairness.insert_signal()],
+        vec![
+            lanes.insert_signal(),
+            fairness.insert_signal(),
+            gin_inserted,
+        ],
         listening,
         shutdown.clone(),
     ));

@@ -12,7 +12,8 @@
 //!
 //! The *directory* (which groups have waiting tasks, each with its oldest; whether an immediate
 //! task waits) is read by each replica every `--fair-refresh` (groups_waiting.sql: a skip scan,
-//! one index descent per group). A group that starts waiting is served by the pass in queue order
+//! one index descent per group), every eighth while fair dispatch is not engaged, and at once on
+//! a task notification. A group that starts waiting is served by the pass in queue order
 //! until the next read. The policy file is read at the same pace and applied when it changed; a
 //! file that cannot be used is refused with the line named, and the policy in force stays.
 
@@ -745,8 +746,10 @@ impl Fairness {
         let mut labelled: Vec<String> = Vec::new();
         let mut tick = tokio::time::interval(settings.refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Ticks since the directory was last read (the first tick reads it).
+        let mut ticks = IDLE_READ_EVERY - 1;
         loop {
-            tokio::select! {
+            let notified = tokio::select! {
                 _ = tick.tick() => {
                     if let Some(path) = &settings.policy_file {
                         self.reload(path, &stats);
@@ -763,10 +766,16 @@ impl Fairness {
                             tracing::debug!(error = %e, "fair dispatch could not read the overrides");
                         }
                     }
+                    false
                 }
-                () = self.inserted.notified() => {}
+                () = self.inserted.notified() => true,
                 () = shutdown.fired() => return,
+            };
+            ticks = ticks.saturating_add(1);
+            if !read_due(notified, self.engaged(), ticks) {
+                continue;
             }
+            ticks = 0;
             // A notification woke a waiting fetch already, perhaps before this read: one is woken
             // again when the read shows what fair dispatch did not know (a domain or an immediate
             // task newly waiting, or a page that was dry).
@@ -797,6 +806,19 @@ impl Fairness {
             }
         }
     }
+}
+
+/// While fair dispatch is not engaged (one group or none waits, no immediate task), the
+/// directory is read on every task notification and every this many ticks of `--fair-refresh`
+/// (a group that starts waiting is notified: its insert's notification has the directory read
+/// at once).
+pub const IDLE_READ_EVERY: u32 = 8;
+
+/// Whether a tick (or a task notification, `notified`) has the directory read: always while
+/// fair dispatch is `engaged` or on a notification, else every [`IDLE_READ_EVERY`]-th tick
+/// (`ticks` since the last read, this one included).
+pub fn read_due(notified: bool, engaged: bool, ticks: u32) -> bool {
+    notified || engaged || ticks >= IDLE_READ_EVERY
 }
 
 /// A policy file text's hash: the same on every replica and every version (the base of the
@@ -858,6 +880,17 @@ mod tests {
 
     fn open(d: &Directory) -> Vec<Group> {
         d.open.iter().map(|(_, g)| *g).collect()
+    }
+
+    #[test]
+    fn the_directory_is_read_on_every_tick_while_engaged_and_every_eighth_else() {
+        assert!(read_due(false, true, 1));
+        assert!(read_due(true, false, 1));
+        let idle: Vec<bool> = (1..=9).map(|t| read_due(false, false, t)).collect();
+        assert_eq!(
+            idle,
+            [false, false, false, false, false, false, false, true, true]
+        );
     }
 
     #[test]
