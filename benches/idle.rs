@@ -6,7 +6,7 @@
 //! - **Burst**: the same 100 idle workers; 100 tasks inserted in one statement; time from the
 //!   commit to the last worker holding its task (each task takes 3 s, so nobody polls again
 //!   meanwhile), and the broker's passes over the queue for it, with shared scans (`--fetch-share 64`, the default) and without (`--fetch-share 0`).
-//! - **Scale-up herd**: 500 idle workers for 10 s (heartbeats every third of the 30 s TTL, the
+//! - **Scale-up herd**: 500 idle workers, measured for 20 s after 10 s to settle (heartbeats every third of the 30 s TTL, the
 //!   libraries' default); per second at idle: task-table queries (`pg_stat_user_tables` scans of
 //!   `core_task`), Postgres transactions and rows read (`pg_stat_database`).
 //!
@@ -29,7 +29,10 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 const TASKS: usize = 50;
-const HERD_WINDOW: Duration = Duration::from_secs(10);
+const HERD_WINDOW: Duration = Duration::from_secs(20);
+/// How long an idle fleet settles before its window (its workers' first heartbeats and long polls
+/// go by, the broker's connections have prepared its statements).
+const HERD_SETTLE: Duration = Duration::from_secs(10);
 /// How long each task of the burst takes (longer than the burst).
 const BURST_WORK: Duration = Duration::from_secs(3);
 
@@ -59,15 +62,29 @@ struct Idle {
     scans: f64,
     transactions: f64,
     rows: f64,
+    /// The broker's own Postgres statements (its counters), when a broker is given.
+    statements: f64,
 }
 
-/// What the database does per second over `window` while the fleet idles (the bench's own
-/// two reads of the statistics included).
-async fn idle_rates(db: &tokio_postgres::Client, window: Duration) -> Idle {
-    // Statistics reach the shared counters when a backend flushes them (about every second).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+/// What the database does per second over `window` while the fleet idles, after it settled
+/// (the bench's own two reads of the statistics included); and `broker`'s own statements.
+async fn idle_rates(
+    db: &tokio_postgres::Client,
+    window: Duration,
+    broker: Option<&dispatch_broker::server::Running>,
+) -> Idle {
+    let statements = || {
+        broker.map_or(0, |b| {
+            b.stats.snapshot().postgres_statements
+                + b.background_stats.snapshot().postgres_statements
+        })
+    };
+    tokio::time::sleep(HERD_SETTLE).await;
     let before = counted(db).await;
+    let (statements_before, started) = (statements(), Instant::now());
     tokio::time::sleep(window).await;
+    let statements = (statements() - statements_before) as f64 / started.elapsed().as_secs_f64();
+    // Statistics reach the shared counters when a backend flushes them (about every second).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let after = counted(db).await;
     let per_second = |i: usize| (after[i] - before[i]) as f64 / (window.as_secs_f64() + 1.5);
@@ -75,6 +92,7 @@ async fn idle_rates(db: &tokio_postgres::Client, window: Duration) -> Idle {
         scans: per_second(0),
         transactions: per_second(1),
         rows: per_second(2),
+        statements,
     }
 }
 
@@ -228,20 +246,13 @@ async fn main() {
     eprintln!("herd: {herd_workers} idle broker workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
     let fleet = broker_fleet(&endpoint, herd_workers, Duration::ZERO, true, tx).await;
-    let statements_before = broker.stats.snapshot().postgres_statements
-        + broker.background_stats.snapshot().postgres_statements;
-    let started = Instant::now();
-    let broker_idle = idle_rates(&db, HERD_WINDOW).await;
-    let statements = broker.stats.snapshot().postgres_statements
-        + broker.background_stats.snapshot().postgres_statements
-        - statements_before;
-    let statement_rate = statements as f64 / started.elapsed().as_secs_f64();
+    let broker_idle = idle_rates(&db, HERD_WINDOW, Some(&broker)).await;
     fleet.stop().await;
 
     eprintln!("herd: {herd_workers} idle baseline workers ...");
     let (tx, _rx) = mpsc::unbounded_channel();
     let fleet = baseline_fleet(&url, &redis.url(), herd_workers, Duration::ZERO, tx).await;
-    let baseline_idle = idle_rates(&db, HERD_WINDOW).await;
+    let baseline_idle = idle_rates(&db, HERD_WINDOW, None).await;
     fleet.stop().await;
 
     println!("| scenario | broker | baseline (Pulp-style polling) | baseline / broker |");
@@ -297,7 +308,8 @@ async fn main() {
         );
     }
     println!(
-        "| broker's own Postgres statements/s at idle (all tables, heartbeats included) | {statement_rate:.1} | | |"
+        "| broker's own Postgres statements/s at idle (all tables, heartbeats included) | {:.1} | | |",
+        broker_idle.statements
     );
     broker.shutdown().await.unwrap();
     drop(redis);
