@@ -104,10 +104,18 @@ pub struct Leases {
 /// How long one read of the canceling tasks serves heartbeats.
 const CANCEL_CACHE_AGE: Duration = Duration::from_secs(1);
 
+/// A read of the canceling tasks still unfinished after this long was abandoned (the heartbeat
+/// call that made it was dropped).
+const ABANDONED_READ: Duration = Duration::from_secs(10);
+
 /// Claimed tasks asked to cancel, by the row that claimed them, as last read.
 #[derive(Default)]
 struct CancelCache {
     read_at: Option<std::time::Instant>,
+    /// When a heartbeat started reading them (and has not finished): the others answer with the
+    /// last list meanwhile. A read older than [`ABANDONED_READ`] is taken as abandoned (its
+    /// call was dropped) and another heartbeat reads.
+    reading: Option<std::time::Instant>,
     by_row: HashMap<Uuid, Vec<TaskId>>,
 }
 
@@ -221,27 +229,39 @@ impl Leases {
     }
 
     /// The tasks claimed by `app_status` that were asked to cancel: from one read per second for
-    /// all heartbeats of this replica (concurrent heartbeats wait for that one read).
+    /// all heartbeats of this replica. While one heartbeat reads, the others answer at once with
+    /// the last list (a slow Postgres does not queue heartbeats behind the read).
     async fn canceling_for(&self, app_status: Uuid) -> Result<Vec<TaskId>> {
+        let read = {
+            let mut cache = self.canceling.lock().await;
+            let due = cache
+                .reading
+                .is_none_or(|at| at.elapsed() >= ABANDONED_READ)
+                && cache
+                    .read_at
+                    .is_none_or(|at| at.elapsed() >= CANCEL_CACHE_AGE);
+            if !due {
+                return Ok(cache.by_row.get(&app_status).cloned().unwrap_or_default());
+            }
+            cache.reading = Some(std::time::Instant::now());
+            self.tasks.canceling()
+        };
+        let outcome = read.await;
         let mut cache = self.canceling.lock().await;
-        if cache
-            .read_at
-            .is_none_or(|at| at.elapsed() >= CANCEL_CACHE_AGE)
-        {
-            // Stamped before the read: while Postgres is slow or down, the heartbeats queued behind
-            // this one serve the last list instead of each repeating the failing read.
-            cache.read_at = Some(std::time::Instant::now());
-            match self.tasks.canceling().await {
-                Ok(rows) => {
-                    let mut by_row: HashMap<Uuid, Vec<TaskId>> = HashMap::new();
-                    for (task, row) in rows {
-                        by_row.entry(row).or_default().push(task);
-                    }
-                    cache.by_row = by_row;
+        cache.reading = None;
+        // Stamped after the read: while Postgres is slow or down, the heartbeats of the next
+        // second serve the last list instead of each repeating the failing read.
+        cache.read_at = Some(std::time::Instant::now());
+        match outcome {
+            Ok(rows) => {
+                let mut by_row: HashMap<Uuid, Vec<TaskId>> = HashMap::new();
+                for (task, row) in rows {
+                    by_row.entry(row).or_default().push(task);
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading canceling tasks failed; heartbeats report the last list")
-                }
+                cache.by_row = by_row;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading canceling tasks failed; heartbeats report the last list")
             }
         }
         Ok(cache.by_row.get(&app_status).cloned().unwrap_or_default())

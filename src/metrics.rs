@@ -43,6 +43,8 @@ pub const LOCK_STATE_REBUILDS_TOTAL: &str = "dispatch_lock_state_rebuilds_total"
 pub const RPC_DURATION_SECONDS: &str = "dispatch_rpc_duration_seconds";
 /// Backend errors answered to clients, by backend (`redis`, `postgres`).
 pub const BACKEND_ERRORS_TOTAL: &str = "dispatch_backend_errors_total";
+/// Failed writes of the workers' `last_heartbeat` (tried again a second later).
+pub const HEARTBEAT_WRITE_ERRORS_TOTAL: &str = "dispatch_heartbeat_write_errors_total";
 /// Lanes: incomplete tasks no older incomplete task conflicts with.
 pub const LANES: &str = "dispatch_lanes";
 /// Lanes minus live leases: Pulp's KEDA gauge.
@@ -127,6 +129,7 @@ pub const ALL: &[&str] = &[
     LOCK_STATE_REBUILDS_TOTAL,
     RPC_DURATION_SECONDS,
     BACKEND_ERRORS_TOTAL,
+    HEARTBEAT_WRITE_ERRORS_TOTAL,
     LANES,
     WAITING_TASKS,
     LIVE_LEASES,
@@ -216,6 +219,10 @@ pub fn describe() {
     describe_counter!(
         BACKEND_ERRORS_TOTAL,
         "Backend errors answered to clients, by backend."
+    );
+    describe_counter!(
+        HEARTBEAT_WRITE_ERRORS_TOTAL,
+        "Failed writes of the workers' last_heartbeat (tried again a second later)."
     );
     describe_gauge!(
         LANES,
@@ -348,6 +355,11 @@ pub fn groups_waiting(waiting: &std::collections::BTreeMap<String, u64>, all: &[
 /// Counts a failed refresh of the lane gauge.
 pub fn lane_error() {
     metrics::counter!(LANE_ERRORS_TOTAL).increment(1);
+}
+
+/// Counts a failed write of the workers' `last_heartbeat`.
+pub fn heartbeat_write_error() {
+    metrics::counter!(HEARTBEAT_WRITE_ERRORS_TOTAL).increment(1);
 }
 
 /// Counts a backend error answered to a client.

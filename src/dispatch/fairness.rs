@@ -772,18 +772,17 @@ impl Fairness {
                 () = shutdown.fired() => return,
             };
             ticks = ticks.saturating_add(1);
-            if !read_due(notified, self.engaged(), ticks) {
-                continue;
-            }
-            ticks = 0;
-            // A notification woke a waiting fetch already, perhaps before this read: one is woken
-            // again when the read shows what fair dispatch did not know (a domain or an immediate
-            // task newly waiting, or a page that was dry).
-            match self.refresh(&tasks).await {
-                Ok(true) => waiters.wake(),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+            if read_due(notified, self.engaged(), ticks) {
+                ticks = 0;
+                // A notification woke a waiting fetch already, perhaps before this read: one is
+                // woken again when the read shows what fair dispatch did not know (a domain or an
+                // immediate task newly waiting, or a page that was dry).
+                match self.refresh(&tasks).await {
+                    Ok(true) => waiters.wake(),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "fair dispatch could not read which groups wait");
+                    }
                 }
             }
             if self.by != FairBy::None {

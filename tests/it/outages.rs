@@ -250,3 +250,68 @@ async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_writt
     env.shutdown().await;
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written() {
+    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut env = Env::on(url, redis, |a| {
+        a.backend_timeout = Duration::from_millis(500)
+    })
+    .await;
+    // The worker brings its own row, as a Pulp worker does: ending its lease leaves the row.
+    let row = env.app_status("worker", "w").await;
+    let lease = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            worker_name: "w".into(),
+            versions: [("core".into(), "3.123.1".into())].into(),
+            ttl: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            app_status_id: row.to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease_id;
+    env.db
+        .execute(
+            "UPDATE core_appstatus SET last_heartbeat = '2000-01-01'",
+            &[],
+        )
+        .await
+        .unwrap();
+    tokio::task::block_in_place(|| pg.kill());
+    env.client
+        .heartbeat(HeartbeatRequest { lease_id: lease })
+        .await
+        .expect("a heartbeat needs Redis only");
+    // The worker beats no more: its lease expires while Postgres is down.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::task::block_in_place(|| pg.restart().unwrap());
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    // Long enough for a write retried every second to have happened.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stamp: String = db
+        .query_one(
+            "SELECT last_heartbeat::text FROM core_appstatus WHERE pulp_id = $1",
+            &[&row],
+        )
+        .await
+        .expect("the worker's own row stays")
+        .get(0);
+    assert!(
+        stamp.starts_with("2000"),
+        "a gone worker's row is not made to look alive: {stamp}"
+    );
+    env.db = db;
+    env.shutdown().await;
+    drop(pg);
+}
