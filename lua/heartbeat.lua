@@ -4,7 +4,7 @@
 -- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<id>      lease hash
 -- ARGV     epoch, lease_id
--- Returns  {1, new expiry ms, app_status_id}; {0} when the lease is unknown or already expired;
+-- Returns  {1, new expiry ms, app_status_id, ttl ms}; {0} when the lease is unknown or already expired;
 --          {-2} when the lock state is not the expected one.
 -- Never    revives an expired lease: its locks belong to the sweeper from that moment on.
 --          O(1) whatever the lease holds.
@@ -20,4 +20,4 @@ if not expires or not lease[1] or tonumber(expires) <= now then
 end
 local next_expiry = now + tonumber(lease[1])
 redis.call('ZADD', KEYS[2], next_expiry, ARGV[2])
-return {1, next_expiry, lease[2]}
+return {1, next_expiry, lease[2], tonumber(lease[1])}

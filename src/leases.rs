@@ -209,7 +209,7 @@ impl Leases {
 
     /// Extends a live lease and reports its tasks that were asked to cancel.
     pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Beat> {
-        let (expires_at_ms, app_status) = self
+        let (expires_at_ms, app_status, ttl) = self
             .locks
             .heartbeat(lease_id)
             .await?
@@ -217,13 +217,12 @@ impl Leases {
         let app_status: Uuid = app_status
             .parse()
             .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))?;
-        let expires_at = from_ms(expires_at_ms);
-        // Its row is written with others' in one statement (`beats`).
-        let ttl = (expires_at - Utc::now()).to_std().unwrap_or_default();
+        // Its row is written with others' in one statement (`beats`), by the lease's own TTL (not
+        // its expiry against this replica's clock).
         self.beats.beat(app_status, ttl);
         let cancel_task_ids = self.canceling_for(app_status).await?;
         Ok(Beat {
-            expires_at,
+            expires_at: from_ms(expires_at_ms),
             cancel_task_ids,
         })
     }

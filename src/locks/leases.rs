@@ -109,9 +109,12 @@ impl Locks {
             .collect())
     }
 
-    /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id))`, or `None` when the
-    /// lease is unknown or expired.
-    pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Option<(i64, String)>, Error> {
+    /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id, TTL))`, or `None` when
+    /// the lease is unknown or expired.
+    pub async fn heartbeat(
+        &self,
+        lease_id: LeaseId,
+    ) -> Result<Option<(i64, String, std::time::Duration)>, Error> {
         let reply: Vec<Value> = self
             .run_reading(
                 self.scripts
@@ -127,7 +130,9 @@ impl Locks {
             Some(Value::Int(1)) => {
                 let expires = int(reply.get(1)).ok_or_else(|| protocol("heartbeat", &reply))?;
                 let app_status = text(reply.get(2)).unwrap_or_default();
-                Ok(Some((expires, app_status)))
+                let ttl_ms = int(reply.get(3)).ok_or_else(|| protocol("heartbeat", &reply))?;
+                let ttl = std::time::Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(0));
+                Ok(Some((expires, app_status, ttl)))
             }
             Some(Value::Int(0)) => Ok(None),
             Some(Value::Int(-2)) => Err(self.state_lost()),
