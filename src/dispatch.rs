@@ -1996,12 +1996,7 @@ impl Dispatch {
             // The groups after this one in the fair order: a page read for it reads theirs ahead.
             let ahead: Vec<Uuid> = plan.directed[i + 1..]
                 .iter()
-                .filter_map(|d| match d {
-                    crate::tasks::Directed::Group(g) | crate::tasks::Directed::TaskGroup(g) => {
-                        Some(*g)
-                    }
-                    crate::tasks::Directed::Immediate => None,
-                })
+                .filter_map(|d| d.group())
                 .chain(plan.ahead.iter().copied())
                 .collect();
             let this = self.clone();

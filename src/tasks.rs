@@ -305,6 +305,16 @@ pub enum Directed {
     Immediate,
 }
 
+impl Directed {
+    /// The group a page of one group's tasks is of (`None`: the immediate tasks').
+    pub fn group(self) -> Option<Uuid> {
+        match self {
+            Directed::Group(g) | Directed::TaskGroup(g) => Some(g),
+            Directed::Immediate => None,
+        }
+    }
+}
+
 /// How many waiting tasks of its group or kind a directed page reads at most, per row it returns
 /// (candidates.sql's `$scan`).
 pub const DIRECTED_SCAN_PER_ROW: i64 = 4;
@@ -737,10 +747,7 @@ impl Tasks {
             Directed::Immediate => &[],
             _ => &ahead[..ahead.len().min(READ_AHEAD)],
         };
-        let group = match directed {
-            Directed::Group(g) | Directed::TaskGroup(g) => Some(g),
-            Directed::Immediate => None,
-        };
+        let group = directed.group();
         let extra: Vec<&(dyn ToSql + Sync)> = match &group {
             Some(g) => vec![g, &ahead],
             None => Vec::new(),

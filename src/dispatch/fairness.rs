@@ -513,20 +513,19 @@ impl Fairness {
         if next.is_none() && state.read_at.is_some_and(|r| r > read_at) {
             return;
         }
-        match directed {
-            Directed::Group(g) | Directed::TaskGroup(g) => state.directory.advance(&g, at, next),
-            Directed::Immediate => {
-                if next.is_none() {
-                    state.dry.insert(Directed::Immediate);
-                }
+        match directed.group() {
+            Some(g) => state.directory.advance(&g, at, next),
+            None if next.is_none() => {
+                state.dry.insert(Directed::Immediate);
             }
+            None => {}
         }
     }
 
     /// A directed page held nothing ready: skip it until the next directory read.
     pub fn dry(&self, directed: Directed) {
         let mut state = self.write();
-        if let Directed::Group(g) | Directed::TaskGroup(g) = directed {
+        if let Some(g) = directed.group() {
             state.directory.close(&g);
         }
         state.dry.insert(directed);
@@ -663,13 +662,13 @@ impl Fairness {
         } else {
             None
         };
-        // Built before the lock is taken: fetches plan meanwhile.
-        let news_in = |state: &State| {
+        let news = {
+            let state = self.read();
             !state.dry.is_empty()
                 || (immediate_waiting && !state.immediate_waiting)
                 || waiting.iter().any(|(g, _)| !state.directory.contains(g))
         };
-        let news = news_in(&self.read());
+        // Built before the lock is taken: fetches plan meanwhile.
         let directory = Directory::read(waiting);
         let mut state = self.write();
         if let Some(names) = names {

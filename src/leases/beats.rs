@@ -106,13 +106,4 @@ impl Beats {
             }
         }
     }
-
-    /// Rows waiting to be written.
-    pub fn pending(&self) -> usize {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .rows
-            .len()
-    }
 }
