@@ -264,6 +264,16 @@ fn ready_now(tasks: &[Task], state: &[u8]) -> Vec<usize> {
         .collect()
 }
 
+/// Waiting groups as a property test draws them, each group once (its first key).
+fn distinct(waiting: Vec<(u128, u32)>) -> Vec<(Group, u32)> {
+    let mut seen = std::collections::HashSet::new();
+    waiting
+        .into_iter()
+        .filter(|(n, _)| seen.insert(*n))
+        .map(|(n, k)| (g(n), k))
+        .collect()
+}
+
 proptest! {
     /// The first n of the order are the order's first n, whatever n.
     #[test]
@@ -273,12 +283,7 @@ proptest! {
         caps in prop::collection::vec((0u128..50, 0u32..3), 0..5),
         n in 0usize..45,
     ) {
-        let mut seen = std::collections::HashSet::new();
-        let waiting: Vec<(Group, u32)> = waiting
-            .into_iter()
-            .filter(|(n, _)| seen.insert(*n))
-            .map(|(n, k)| (g(n), k))
-            .collect();
+        let waiting = distinct(waiting);
         let r = rules(&[(1, 2.0), (2, 0.5)], &caps, 0);
         let s = standing(&running, 0, 10);
         let all = r.order(&s, &waiting);
@@ -296,12 +301,7 @@ proptest! {
         weights in prop::collection::vec((0u128..50, 1u32..8), 0..5),
         n in 0usize..45,
     ) {
-        let mut seen = std::collections::HashSet::new();
-        let waiting: Vec<(Group, u32)> = waiting
-            .into_iter()
-            .filter(|(n, _)| seen.insert(*n))
-            .map(|(n, k)| (g(n), k))
-            .collect();
+        let waiting = distinct(waiting);
         let weights: Vec<(u128, f64)> =
             weights.into_iter().map(|(n, w)| (n, f64::from(w) / 4.0)).collect();
         let r = rules(&weights, &caps, 0);

@@ -17,16 +17,33 @@ fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
     request
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recovers() {
-    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
+/// A broker on a Postgres of the test's own (so that it can kill it), with calls to the
+/// backends timing out after 500 ms.
+async fn on_own_postgres() -> (dispatch_testkit::Postgres, Env) {
+    let (pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
     let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
         .await
         .unwrap();
-    let mut env = Env::on(url, redis, |a| {
+    let env = Env::on(url, redis, |a| {
         a.backend_timeout = Duration::from_millis(500)
     })
     .await;
+    (pg, env)
+}
+
+/// Restarts the test's own Postgres and connects the test's client to it again.
+async fn restart_postgres(pg: &mut dispatch_testkit::Postgres, env: &mut Env) {
+    tokio::task::block_in_place(|| pg.restart().unwrap());
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    env.db = db;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recovers() {
+    let (mut pg, mut env) = on_own_postgres().await;
     let task = env.task(&["a"]).await;
     let lease = env.open("w").await;
     tokio::task::block_in_place(|| pg.kill());
@@ -40,12 +57,7 @@ async fn postgres_down_answers_unavailable_naming_postgres_and_the_broker_recove
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("postgres"), "{status:?}");
-    tokio::task::block_in_place(|| pg.restart().unwrap());
-    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    env.db = db;
+    restart_postgres(&mut pg, &mut env).await;
     let env_ref = &mut env;
     let lease_ref = &lease;
     let mut got = None;
@@ -202,14 +214,7 @@ async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_written_once_it_is_back()
 {
-    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
-        .await
-        .unwrap();
-    let mut env = Env::on(url, redis, |a| {
-        a.backend_timeout = Duration::from_millis(500)
-    })
-    .await;
+    let (mut pg, mut env) = on_own_postgres().await;
     let lease = env.open("w").await;
     env.db
         .execute(
@@ -227,12 +232,7 @@ async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_writt
         .await
         .expect("a heartbeat needs Redis only");
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    tokio::task::block_in_place(|| pg.restart().unwrap());
-    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    env.db = db;
+    restart_postgres(&mut pg, &mut env).await;
     let db = &env.db;
     let written = eventually(Duration::from_secs(10), || async move {
         db.query_one(
@@ -253,14 +253,7 @@ async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_writt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written() {
-    let (mut pg, url) = tokio::task::spawn_blocking(own_postgres).await.unwrap();
-    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
-        .await
-        .unwrap();
-    let mut env = Env::on(url, redis, |a| {
-        a.backend_timeout = Duration::from_millis(500)
-    })
-    .await;
+    let (mut pg, mut env) = on_own_postgres().await;
     // The worker brings its own row, as a Pulp worker does: ending its lease leaves the row.
     let row = env.app_status("worker", "w").await;
     let lease = env
@@ -292,14 +285,11 @@ async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written(
         .expect("a heartbeat needs Redis only");
     // The worker beats no more: its lease expires while Postgres is down.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    tokio::task::block_in_place(|| pg.restart().unwrap());
-    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    restart_postgres(&mut pg, &mut env).await;
     // Long enough for a write retried every second to have happened.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let stamp: String = db
+    let stamp: String = env
+        .db
         .query_one(
             "SELECT last_heartbeat::text FROM core_appstatus WHERE pulp_id = $1",
             &[&row],
@@ -311,7 +301,6 @@ async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written(
         stamp.starts_with("2000"),
         "a gone worker's row is not made to look alive: {stamp}"
     );
-    env.db = db;
     env.shutdown().await;
     drop(pg);
 }
