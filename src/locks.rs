@@ -168,6 +168,9 @@ impl Locks {
         let manager = deadpool_redis::Manager::new(url).map_err(|e| protocol(e.to_string()))?;
         let pool = deadpool::managed::Pool::builder(QuickRecycle(manager))
             .max_size(pool_size)
+            // Last in, first out, as the Postgres pool (see `Tasks::connect`): at idle a call
+            // takes a recently used connection and skips the idle check's round trip.
+            .queue_mode(deadpool::managed::QueueMode::Lifo)
             .runtime(deadpool::Runtime::Tokio1)
             .wait_timeout(Some(timeout))
             .create_timeout(Some(timeout))
@@ -298,6 +301,45 @@ fn protocol(script: &'static str, reply: &impl std::fmt::Debug) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Calls one after another take the connection used last (see the Postgres pool's test in
+    /// `tasks`): a connection handed out in turn would be idle-checked (UNWATCH, PING) first.
+    #[tokio::test]
+    async fn calls_one_after_another_reuse_the_last_connection() {
+        let server = tokio::task::spawn_blocking(dispatch_testkit::Redis::start)
+            .await
+            .unwrap()
+            .expect("start redis");
+        let locks = Locks::connect(
+            &server.url(),
+            4,
+            "test",
+            Duration::from_secs(5),
+            Arc::new(Stats::default()),
+        )
+        .await
+        .unwrap();
+        let held = futures::future::try_join_all((0..4).map(|_| locks.conn()))
+            .await
+            .unwrap();
+        drop(held);
+        let mut clients = std::collections::BTreeSet::new();
+        for _ in 0..6 {
+            let mut conn = locks.conn().await.unwrap();
+            let id: i64 = redis::cmd("CLIENT")
+                .arg("ID")
+                .query_async(&mut *conn)
+                .await
+                .unwrap();
+            clients.insert(id);
+        }
+        assert_eq!(
+            clients.len(),
+            1,
+            "six calls one after another ran on {} connections",
+            clients.len()
+        );
+    }
 
     #[test]
     fn change_log_entries_read_by_kind() {

@@ -531,6 +531,11 @@ impl Tasks {
         );
         let pool = Pool::builder(manager)
             .max_size(pool_size)
+            // Last in, first out: at idle the same few connections take every statement, so they
+            // stay fresh and skip `verify_idle`'s empty query (a transaction of its own); handed
+            // out in turn (the default), every connection of the pool sat idle past
+            // VERIFY_IDLE_AFTER and each statement cost two transactions.
+            .queue_mode(deadpool::managed::QueueMode::Lifo)
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .wait_timeout(Some(timeout))
             .create_timeout(Some(timeout))
@@ -1668,6 +1673,41 @@ mod tests {
         assert!(
             sql::LANES_PAGE.contains(&format!("LIMIT {LANE_PAGE_ROWS}\n")),
             "lanes_page.sql's LIMIT differs from LANE_PAGE_ROWS"
+        );
+    }
+
+    /// Statements one after another take the connection used last, not each pooled connection
+    /// in turn: at idle, a connection handed out in turn has sat idle past VERIFY_IDLE_AFTER and
+    /// costs a verifying query (a transaction of its own) before every statement.
+    #[tokio::test]
+    async fn statements_one_after_another_reuse_the_last_connection() {
+        let pg = tokio::task::spawn_blocking(dispatch_testkit::Postgres::start)
+            .await
+            .unwrap()
+            .expect("start postgres");
+        let tasks = Tasks::connect(
+            &pg.url("postgres"),
+            4,
+            Duration::from_secs(5),
+            Arc::new(Stats::default()),
+        )
+        .await
+        .unwrap();
+        // Four connections in the pool, all handed back.
+        let held = futures::future::try_join_all((0..4).map(|_| tasks.client()))
+            .await
+            .unwrap();
+        drop(held);
+        let mut backends = std::collections::BTreeSet::new();
+        for _ in 0..6 {
+            let rows = tasks.query("SELECT pg_backend_pid()", &[]).await.unwrap();
+            backends.insert(rows[0].get::<_, i32>(0));
+        }
+        assert_eq!(
+            backends.len(),
+            1,
+            "six statements one after another ran on {} connections",
+            backends.len()
         );
     }
 
