@@ -8,7 +8,7 @@
 
 #![allow(dead_code)] // Each bench uses its own part of this module.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,12 +43,21 @@ pub struct FleetStats {
     pub busy_nanos: AtomicU64,
     /// Postgres statements the baseline workers sent (the broker counts its own).
     pub statements: AtomicU64,
+    /// Calls of broker workers that failed (the worker waits 100 ms and goes on).
+    pub errors: AtomicU64,
 }
 
 impl FleetStats {
     fn fetched(&self, name: &str, took: Duration) {
         if let Ok(mut f) = self.fetches.lock() {
             f.push((name.to_owned(), took));
+        }
+    }
+
+    /// Counts a failed call (and says what failed, the first few times).
+    pub fn failed(&self, e: &dyn std::fmt::Display) {
+        if self.errors.fetch_add(1, Ordering::Relaxed) < 5 {
+            eprintln!("  a worker's call failed: {e}");
         }
     }
 
@@ -91,6 +100,10 @@ pub struct Fleet {
 impl Fleet {
     /// Stops every worker (a broker worker's long poll ends at once) and waits for them.
     pub async fn stop(self) {
+        let errors = self.stats.errors.load(Ordering::Relaxed);
+        if errors > 0 {
+            eprintln!("  this fleet's workers met {errors} failed calls");
+        }
         self.stop.store(true, Ordering::SeqCst);
         for w in &self.workers {
             w.stop();
@@ -128,6 +141,9 @@ pub fn ratio(broker: Option<f64>, baseline: Option<f64>) -> String {
     }
 }
 
+/// The number of the next broker worker (its name).
+static NEXT_WORKER: AtomicUsize = AtomicUsize::new(0);
+
 /// Broker workers: long-poll `next_task` (30 s), run the task for `work`, finish it. With
 /// `start` the fetch also starts the task (`next_task_started`: one call, as the baseline claims
 /// and starts in one statement); otherwise a StartTask call follows.
@@ -142,10 +158,14 @@ pub async fn broker_fleet(
     let stats = Arc::new(FleetStats::default());
     let mut handles = Vec::new();
     let mut workers = Vec::new();
-    for w in 0..n {
-        let worker = Worker::connect(endpoint, WorkerConfig::new(format!("bench-{w}")))
-            .await
-            .unwrap();
+    // Every worker connects at once, as a fleet scaled up does (names go on across fleets).
+    let first = NEXT_WORKER.fetch_add(n, Ordering::Relaxed);
+    let connected = futures::future::join_all((first..first + n).map(|w| {
+        Worker::connect(endpoint, WorkerConfig::new(format!("bench-{w}")))
+    }))
+    .await;
+    for worker in connected {
+        let worker = worker.unwrap();
         workers.push(worker.clone());
         let (receipts, stop, stats) = (receipts.clone(), Arc::clone(&stop), Arc::clone(&stats));
         handles.push(tokio::spawn(async move {
@@ -160,7 +180,10 @@ pub async fn broker_fleet(
                     Ok(Some(task)) => {
                         let received = Instant::now();
                         stats.fetched(&task.task().name, received - asked);
-                        task.start().await.unwrap();
+                        if let Err(e) = task.start().await {
+                            stats.failed(&e);
+                            continue;
+                        }
                         if !work.is_zero() {
                             tokio::time::sleep(work).await;
                         }
@@ -168,19 +191,24 @@ pub async fn broker_fleet(
                             .busy_nanos
                             .fetch_add(received.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         let (id, name) = (task.id().parse().unwrap(), task.task().name.clone());
-                        task.finish(FinalState::Completed, None).await.unwrap();
-                        let _ = receipts.send(Receipt {
-                            id,
-                            name,
-                            received,
-                            done: Instant::now(),
-                        });
+                        match task.finish(FinalState::Completed, None).await {
+                            Ok(_) => {
+                                let _ = receipts.send(Receipt {
+                                    id,
+                                    name,
+                                    received,
+                                    done: Instant::now(),
+                                });
+                            }
+                            Err(e) => stats.failed(&e),
+                        }
                     }
                     Ok(None) => stats.empty(asked.elapsed()),
-                    Err(e) if stop.load(Ordering::SeqCst) => {
-                        let _ = e;
+                    Err(_) if stop.load(Ordering::SeqCst) => {}
+                    Err(e) => {
+                        stats.failed(&e);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                     }
-                    Err(e) => panic!("fetch failed: {e}"),
                 }
             }
             worker.close().await.unwrap();
@@ -247,12 +275,103 @@ pub async fn baseline_locks(
     ok == 1
 }
 
+/// A task a baseline poll claimed: its id, name and lock arguments.
+pub struct BaselineClaim {
+    pub id: Uuid,
+    pub name: String,
+    args: Vec<String>,
+}
+
+/// One poll of a baseline worker: reads the head of the task table, skips tasks that conflict
+/// with an older one of the batch, takes the first free task's locks and claims it.
+pub async fn baseline_poll(
+    db: &tokio_postgres::Client,
+    redis: &mut deadpool_redis::Connection,
+    name: &str,
+    app_status: Uuid,
+    stats: &FleetStats,
+) -> Option<BaselineClaim> {
+    let rows = db
+        .query(
+            "SELECT pulp_id, name, coalesce(reserved_resources_record, '{}') FROM core_task \
+             WHERE state = 'waiting' AND app_lock_id IS NULL ORDER BY pulp_created LIMIT 20",
+            &[],
+        )
+        .await
+        .unwrap();
+    stats.statements.fetch_add(1, Ordering::Relaxed);
+    // Resources of older tasks in this batch, by mode: a newer task conflicting with one is
+    // skipped.
+    let mut exclusive: Vec<String> = Vec::new();
+    let mut shared: Vec<String> = Vec::new();
+    for row in rows {
+        let id: Uuid = row.get(0);
+        let task_name: String = row.get(1);
+        let record: Vec<String> = row.get(2);
+        let args = baseline_lock_args(&record);
+        let conflict = args.iter().any(|a| {
+            let n = &a[2..];
+            exclusive.iter().any(|e| e == n)
+                || (a.starts_with('x') && shared.iter().any(|s| s == n))
+        });
+        for a in &args {
+            if a.starts_with('x') {
+                exclusive.push(a[2..].to_owned());
+            } else {
+                shared.push(a[2..].to_owned());
+            }
+        }
+        if conflict || !baseline_locks(redis, name, &args, true).await {
+            continue;
+        }
+        let claimed = db
+            .execute(
+                "UPDATE core_task SET app_lock_id = $2, state = 'running', started_at = now() \
+                 WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL",
+                &[&id, &app_status],
+            )
+            .await
+            .unwrap();
+        stats.statements.fetch_add(1, Ordering::Relaxed);
+        if claimed == 1 {
+            return Some(BaselineClaim {
+                id,
+                name: task_name,
+                args,
+            });
+        }
+        baseline_locks(redis, name, &args, false).await;
+    }
+    None
+}
+
+/// Marks a claimed task completed and drops its locks, as a baseline worker does.
+pub async fn baseline_finish(
+    db: &tokio_postgres::Client,
+    redis: &mut deadpool_redis::Connection,
+    name: &str,
+    claim: &BaselineClaim,
+    stats: &FleetStats,
+) {
+    db.execute(
+        "UPDATE core_task SET state = 'completed', finished_at = now() WHERE pulp_id = $1",
+        &[&claim.id],
+    )
+    .await
+    .unwrap();
+    stats.statements.fetch_add(1, Ordering::Relaxed);
+    baseline_locks(redis, name, &claim.args, false).await;
+}
+
+/// Baseline workers running now, in every fleet: an idle worker sleeps this many times 10 ms,
+/// as Pulp's workers scale their sleep with the workers online.
+static BASELINE_ONLINE: AtomicUsize = AtomicUsize::new(0);
+
 /// One baseline worker.
 #[allow(clippy::too_many_arguments)]
 async fn baseline_worker(
     name: String,
     app_status: Uuid,
-    fleet: usize,
     work: Duration,
     db: Arc<tokio_postgres::Client>,
     mut redis: deadpool_redis::Connection,
@@ -262,76 +381,20 @@ async fn baseline_worker(
 ) {
     while !stop.load(Ordering::SeqCst) {
         let asked = Instant::now();
-        let rows = db
-            .query(
-                "SELECT pulp_id, name, coalesce(reserved_resources_record, '{}') FROM core_task \
-                 WHERE state = 'waiting' AND app_lock_id IS NULL ORDER BY pulp_created LIMIT 20",
-                &[],
-            )
-            .await
-            .unwrap();
-        stats.statements.fetch_add(1, Ordering::Relaxed);
-        let mut got = None;
-        // Resources of older tasks in this batch, by mode: a newer task conflicting with one
-        // is skipped.
-        let mut exclusive: Vec<String> = Vec::new();
-        let mut shared: Vec<String> = Vec::new();
-        for row in rows {
-            let id: Uuid = row.get(0);
-            let task_name: String = row.get(1);
-            let record: Vec<String> = row.get(2);
-            let args = baseline_lock_args(&record);
-            let conflict = args.iter().any(|a| {
-                let n = &a[2..];
-                exclusive.iter().any(|e| e == n)
-                    || (a.starts_with('x') && shared.iter().any(|s| s == n))
-            });
-            for a in &args {
-                if a.starts_with('x') {
-                    exclusive.push(a[2..].to_owned());
-                } else {
-                    shared.push(a[2..].to_owned());
-                }
-            }
-            if conflict || !baseline_locks(&mut redis, &name, &args, true).await {
-                continue;
-            }
-            let claimed = db
-                .execute(
-                    "UPDATE core_task SET app_lock_id = $2, state = 'running', started_at = now() \
-                     WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL",
-                    &[&id, &app_status],
-                )
-                .await
-                .unwrap();
-            stats.statements.fetch_add(1, Ordering::Relaxed);
-            if claimed == 1 {
-                got = Some((id, task_name, args));
-                break;
-            }
-            baseline_locks(&mut redis, &name, &args, false).await;
-        }
-        match got {
-            Some((id, task_name, args)) => {
+        match baseline_poll(&db, &mut redis, &name, app_status, &stats).await {
+            Some(claim) => {
                 let received = Instant::now();
-                stats.fetched(&task_name, received - asked);
+                stats.fetched(&claim.name, received - asked);
                 if !work.is_zero() {
                     tokio::time::sleep(work).await;
                 }
                 stats
                     .busy_nanos
                     .fetch_add(received.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                db.execute(
-                    "UPDATE core_task SET state = 'completed', finished_at = now() WHERE pulp_id = $1",
-                    &[&id],
-                )
-                .await
-                .unwrap();
-                stats.statements.fetch_add(1, Ordering::Relaxed);
-                baseline_locks(&mut redis, &name, &args, false).await;
+                baseline_finish(&db, &mut redis, &name, &claim, &stats).await;
                 let _ = receipts.send(Receipt {
-                    id,
-                    name: task_name,
+                    id: claim.id,
+                    name: claim.name,
                     received,
                     done: Instant::now(),
                 });
@@ -339,13 +402,15 @@ async fn baseline_worker(
             None => {
                 stats.empty(asked.elapsed());
                 let jitter = 0.5 + rand::random::<f64>();
+                let online = BASELINE_ONLINE.load(Ordering::Relaxed).max(1);
                 tokio::time::sleep(Duration::from_secs_f64(
-                    (fleet as f64 * 10.0 + jitter) / 1000.0,
+                    (online as f64 * 10.0 + jitter) / 1000.0,
                 ))
                 .await;
             }
         }
     }
+    BASELINE_ONLINE.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Starts `n` baseline workers (each with its own `core_appstatus` row).
@@ -374,6 +439,7 @@ pub async fn baseline_fleet(
         .build()
         .unwrap();
     let mut handles = Vec::new();
+    BASELINE_ONLINE.fetch_add(n, Ordering::Relaxed);
     for w in 0..n {
         let app_status = Uuid::new_v4();
         clients[0]
@@ -387,9 +453,8 @@ pub async fn baseline_fleet(
         let db = Arc::clone(&clients[w % clients.len()]);
         let redis = pool.get().await.unwrap();
         handles.push(tokio::spawn(baseline_worker(
-            format!("baseline-{w}"),
+            format!("baseline-{app_status}"),
             app_status,
-            n,
             work,
             db,
             redis,

@@ -1,0 +1,781 @@
+//! The scale-up storm: a fleet working down a backlog grows twentyfold within a second, broker
+//! against the Pulp-style baseline (see `support/fleets.rs`), in the same process on the same
+//! throwaway PostgreSQL and Redis.
+//!
+//! Backlog: repository B0's head task runs (held by a worker that finishes it at the end); 60,000
+//! ready tasks wait on 6,000 other repositories (ten each, each task also sharing one of four
+//! domains), and 17,000 more on B0, blocked behind its head. Tasks take no time. 25 workers
+//! start; 6 s later 475 more join (all connecting at once); the backlog is worked down; then the
+//! 500 workers idle for 20 s after 10 s to settle. Broker workers long-poll with `start` (30 s)
+//! and heartbeat every 10 s, the libraries' defaults; the broker
+//! runs with its defaults (lane gauge every 15 s, pools of 16 connections). A separate probe
+//! calls FetchTask with `wait` 0 every 50 ms (for the baseline: one poll of the table), and
+//! finishes what it gets.
+//!
+//! Sampled every second: tasks done, Postgres statements (the broker's own counters; the
+//! baseline's workers count theirs), transactions and rows read (`pg_stat_database`, every
+//! session but the sampler's, whose one statement a second is taken off), connections open to
+//! the database. Backends publish their statistics about once a second, so the database's
+//! figures lag the others by up to a second at a phase's edge.
+//!
+//! At the end every ready task must be completed exactly once (none left, none run twice).
+//!
+//! Run: `cargo bench --bench storm` (both fleets) or `-- broker`. Prints Markdown tables and
+//! writes `benches/results/storm.svg` (tasks/s and Postgres statements/s over the storm).
+
+#[path = "support/fleets.rs"]
+mod fleets;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dispatch_broker::config::ServeArgs;
+use dispatch_testkit::{Postgres, Redis};
+use dispatch_worker::{FinalState, Worker, WorkerConfig};
+use fleets::{
+    baseline_finish, baseline_fleet, baseline_locks, baseline_poll, broker_fleet, percentile,
+    redis_flush, Fleet, FleetStats, Receipt,
+};
+use plotters::prelude::*;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+/// At about 2,500 tasks/s, 20,000 would be done before the joining workers had settled.
+const READY: usize = 60_000;
+/// Ten tasks per repository, as in 20,000 over 2,000: a readiness look-up reads a repository's
+/// tasks, done ones included, so more per repository would read more per task as the backlog
+/// goes down, whatever the fleet.
+const RESOURCES: usize = 6_000;
+const BLOCKED: usize = 17_000;
+const FIRST: usize = 25;
+const JOINING: usize = 475;
+/// When the 475 start joining, after the first 25 started.
+const JOIN_AT: Duration = Duration::from_secs(6);
+/// The joining phase measured.
+const JOINING_WINDOW: Duration = Duration::from_secs(3);
+const IDLE_SETTLE: Duration = Duration::from_secs(10);
+const IDLE_WINDOW: Duration = Duration::from_secs(20);
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+/// The backlog must be done by then.
+const LIMIT: Duration = Duration::from_secs(300);
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+const HEAD: &str = "prn:file.repository:B0";
+
+/// The fleet's counts so far: Postgres statements and Redis calls.
+type Counters = Arc<dyn Fn() -> (u64, u64) + Send + Sync>;
+
+/// Cumulative counts at one moment of the storm.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    at: f64,
+    done: f64,
+    statements: f64,
+    redis: f64,
+    transactions: f64,
+    rows: f64,
+    connections: f64,
+}
+
+/// One probe call: when it started (since the storm began), how long it took, whether it failed.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    at: Duration,
+    took: Duration,
+}
+
+/// What one fleet's storm measured.
+struct Storm {
+    label: &'static str,
+    samples: Vec<Sample>,
+    /// How long the 475 took to connect.
+    joined_in: Duration,
+    /// When the last ready task was done.
+    backlog_done: Duration,
+    /// The idle window.
+    idle: (Duration, Duration),
+    probes: Vec<Probe>,
+    /// Failed calls: workers' and the probe's.
+    errors: u64,
+    /// Tasks done, and tasks done more than once.
+    done: usize,
+    twice: usize,
+    /// Ready tasks the database still has incomplete at the end.
+    left: i64,
+}
+
+impl Storm {
+    /// Linear interpolation of the samples at `t` seconds.
+    fn at(&self, t: f64) -> Sample {
+        let s = &self.samples;
+        let i = s.partition_point(|x| x.at <= t);
+        if i == 0 {
+            return s[0];
+        }
+        if i == s.len() {
+            return s[s.len() - 1];
+        }
+        let (a, b) = (s[i - 1], s[i]);
+        let f = (t - a.at) / (b.at - a.at);
+        let mix = |x: f64, y: f64| x + (y - x) * f;
+        Sample {
+            at: t,
+            done: mix(a.done, b.done),
+            statements: mix(a.statements, b.statements),
+            redis: mix(a.redis, b.redis),
+            transactions: mix(a.transactions, b.transactions),
+            rows: mix(a.rows, b.rows),
+            connections: b.connections,
+        }
+    }
+
+    /// Per-second figures of the window [from, to).
+    fn phase(&self, from: Duration, to: Duration) -> Option<Phase> {
+        let (a, b) = (from.as_secs_f64(), to.as_secs_f64());
+        if b - a < 0.5 {
+            return None;
+        }
+        let (x, y) = (self.at(a), self.at(b));
+        let per_s = |f: fn(&Sample) -> f64| (f(&y) - f(&x)) / (b - a);
+        let connections = self
+            .samples
+            .iter()
+            .filter(|s| s.at >= a && s.at <= b)
+            .map(|s| s.connections)
+            .fold(0.0, f64::max);
+        let mut probes: Vec<Duration> = self
+            .probes
+            .iter()
+            .filter(|p| p.at >= from && p.at < to)
+            .map(|p| p.took)
+            .collect();
+        probes.sort();
+        Some(Phase {
+            tasks: per_s(|s| s.done),
+            statements: per_s(|s| s.statements),
+            redis: per_s(|s| s.redis),
+            transactions: per_s(|s| s.transactions),
+            rows: per_s(|s| s.rows),
+            connections,
+            probe_p50: percentile(&probes, 0.5),
+            probe_p99: percentile(&probes, 0.99),
+        })
+    }
+
+    /// Tasks done per second, second by second from the start.
+    fn rates(&self, f: fn(&Sample) -> f64) -> Vec<(f64, f64)> {
+        self.samples
+            .windows(2)
+            .map(|w| (w[1].at, (f(&w[1]) - f(&w[0])) / (w[1].at - w[0].at)))
+            .collect()
+    }
+
+    /// How long after the join started throughput held at 90% of the 500 workers' median
+    /// rate for good.
+    fn steady_after(&self) -> Option<Duration> {
+        let rates = self.rates(|s| s.done);
+        let join = (JOIN_AT + JOINING_WINDOW).as_secs_f64();
+        let end = self.backlog_done.as_secs_f64();
+        let mut full: Vec<f64> = rates
+            .iter()
+            .filter(|(t, _)| *t > join && *t < end)
+            .map(|r| r.1)
+            .collect();
+        if full.is_empty() {
+            return None;
+        }
+        full.sort_by(f64::total_cmp);
+        let steady = full[full.len() / 2] * 0.9;
+        let after_join: Vec<&(f64, f64)> = rates
+            .iter()
+            .filter(|(t, _)| *t > JOIN_AT.as_secs_f64() && *t < end)
+            .collect();
+        let last_below = after_join.iter().rposition(|(_, r)| *r < steady);
+        let first_steady = match last_below {
+            Some(i) => after_join.get(i + 1)?.0,
+            None => after_join.first()?.0,
+        };
+        // A sample closes the second before it: the steady second began a second earlier.
+        Some(Duration::from_secs_f64(
+            (first_steady - 1.0 - JOIN_AT.as_secs_f64()).max(0.0),
+        ))
+    }
+}
+
+struct Phase {
+    tasks: f64,
+    statements: f64,
+    redis: f64,
+    transactions: f64,
+    rows: f64,
+    connections: f64,
+    probe_p50: Option<Duration>,
+    probe_p99: Option<Duration>,
+}
+
+struct Setup {
+    pg: Postgres,
+    redis: Redis,
+}
+
+async fn connect(url: &str, name: &str) -> tokio_postgres::Client {
+    let mut config: tokio_postgres::Config = url.parse().unwrap();
+    config.application_name(name);
+    let (client, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+impl Setup {
+    /// A fresh database with the broker's schema and insert trigger, holding the backlog; its
+    /// URL, a client on it and the id of B0's head task.
+    async fn database(&self, name: &str) -> (String, tokio_postgres::Client, Uuid) {
+        let url = self.pg.create_database(name).unwrap();
+        self.pg
+            .psql(name, dispatch_broker::tasks::sql::MIGRATE.as_str())
+            .unwrap();
+        self.pg
+            .psql(name, include_str!("../src/tasks/notify_trigger.sql"))
+            .unwrap();
+        redis_flush(&self.redis.url());
+        let db = connect(&url, "storm-bench").await;
+        let head = Uuid::new_v4();
+        db.batch_execute(&format!(
+            "BEGIN; SET LOCAL session_replication_role = replica; \
+             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             VALUES ('{head}', clock_timestamp(), 'head', 'waiting', \
+                     ARRAY['{HEAD}', 'shared:prn:core.domain:D0']); \
+             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), clock_timestamp(), 'ready', 'waiting', \
+                    ARRAY['prn:file.repository:R' || (i % {RESOURCES}), \
+                          'shared:prn:core.domain:D' || (i % 4)] \
+             FROM generate_series(1, {READY}) AS i; \
+             INSERT INTO core_task (pulp_id, pulp_created, name, state, reserved_resources_record) \
+             SELECT gen_random_uuid(), clock_timestamp(), 'blocked', 'waiting', \
+                    ARRAY['{HEAD}', 'shared:prn:core.domain:D0'] \
+             FROM generate_series(1, {BLOCKED}); \
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
+        db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
+        (url, db, head)
+    }
+}
+
+/// Samples the counters every second until `stop`.
+fn sampler(
+    url: String,
+    started: Instant,
+    done: Arc<AtomicU64>,
+    counters: Counters,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<Sample>> {
+    tokio::spawn(async move {
+        let db = connect(&url, "storm-sampler").await;
+        let mut out = Vec::new();
+        let mut tick = tokio::time::interval(SAMPLE_EVERY);
+        let mut own = 0.0;
+        while !stop.load(Ordering::SeqCst) {
+            tick.tick().await;
+            let at = started.elapsed().as_secs_f64();
+            // One statement: its transaction's end also drops the statistics snapshot.
+            let row = db
+                .query_one(
+                    "SELECT (xact_commit + xact_rollback)::float8, \
+                            (tup_returned + tup_fetched)::float8, \
+                            (SELECT count(*) FROM pg_stat_activity a \
+                             WHERE a.datname = current_database() \
+                               AND a.backend_type = 'client backend' \
+                               AND coalesce(a.application_name, '') NOT LIKE 'storm-%')::float8 \
+                     FROM pg_stat_database WHERE datname = current_database()",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let (statements, redis) = counters();
+            out.push(Sample {
+                at,
+                done: done.load(Ordering::Relaxed) as f64,
+                statements: statements as f64,
+                redis: redis as f64,
+                transactions: row.get::<_, f64>(0) - own,
+                rows: row.get(1),
+                connections: row.get(2),
+            });
+            own += 1.0;
+        }
+        out
+    })
+}
+
+/// Counts receipts into `done`, keeping every task id seen; returns (ids, tasks done twice).
+fn tally(
+    mut rx: mpsc::UnboundedReceiver<Receipt>,
+    done: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<(usize, usize)> {
+    tokio::spawn(async move {
+        let mut seen = HashSet::new();
+        let mut twice = 0;
+        while let Some(r) = rx.recv().await {
+            if r.name == "ready" {
+                if !seen.insert(r.id) {
+                    twice += 1;
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        (seen.len(), twice)
+    })
+}
+
+/// Waits until `done` reaches the backlog (or the limit); returns when.
+async fn backlog_done(done: &AtomicU64, started: Instant) -> Duration {
+    while done.load(Ordering::Relaxed) < READY as u64 && started.elapsed() < LIMIT {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+/// The ready tasks the database still has incomplete.
+async fn left(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM core_task WHERE name = 'ready' AND state <> 'completed'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+async fn broker_storm(setup: &Setup) -> Storm {
+    let (url, db, head) = setup.database("storm_broker").await;
+    let args = ServeArgs::with_urls(&url, &setup.redis.url());
+    let broker = dispatch_broker::server::start(&args).await.unwrap();
+    let endpoint = format!("http://{}", broker.addr);
+    let holder = Worker::connect(&endpoint, WorkerConfig::new("head-holder"))
+        .await
+        .unwrap();
+    let head_task = holder
+        .claim(&head.to_string())
+        .await
+        .unwrap()
+        .expect("B0's head is ready");
+    head_task.start().await.unwrap();
+    broker.resource_queues.settle().await.unwrap();
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let done = Arc::new(AtomicU64::new(0));
+    let tally = tally(rx, Arc::clone(&done));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (stats, background) = (Arc::clone(&broker.stats), Arc::clone(&broker.background_stats));
+    let counters: Counters = Arc::new(move || {
+        let (rpc, background) = (stats.snapshot(), background.snapshot());
+        (
+            rpc.postgres_statements + background.postgres_statements,
+            rpc.redis_calls + background.redis_calls,
+        )
+    });
+    let started = Instant::now();
+    let samples = sampler(
+        url.clone(),
+        started,
+        Arc::clone(&done),
+        counters,
+        Arc::clone(&stop),
+    );
+    // The probe.
+    let probe_stats = Arc::new(FleetStats::default());
+    let probe = {
+        let worker = Worker::connect(&endpoint, WorkerConfig::new("probe"))
+            .await
+            .unwrap();
+        let (stop, tx, stats) = (Arc::clone(&stop), tx.clone(), Arc::clone(&probe_stats));
+        tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut tick = tokio::time::interval(PROBE_EVERY);
+            while !stop.load(Ordering::SeqCst) {
+                tick.tick().await;
+                let asked = Instant::now();
+                match worker.next_task_started(Duration::ZERO).await {
+                    Ok(task) => {
+                        out.push(Probe {
+                            at: asked - started,
+                            took: asked.elapsed(),
+                        });
+                        if let Some(task) = task {
+                            let (id, name) = (task.id().parse().unwrap(), task.task().name.clone());
+                            match task.finish(FinalState::Completed, None).await {
+                                Ok(_) => {
+                                    let now = Instant::now();
+                                    let _ = tx.send(Receipt {
+                                        id,
+                                        name,
+                                        received: now,
+                                        done: now,
+                                    });
+                                }
+                                Err(e) => stats.failed(&e),
+                            }
+                        }
+                    }
+                    Err(e) => stats.failed(&e),
+                }
+            }
+            worker.close().await.unwrap();
+            out
+        })
+    };
+    let first = broker_fleet(&endpoint, FIRST, Duration::ZERO, true, tx.clone()).await;
+    tokio::time::sleep_until((started + JOIN_AT).into()).await;
+    let joining = Instant::now();
+    let second = broker_fleet(&endpoint, JOINING, Duration::ZERO, true, tx.clone()).await;
+    let joined_in = joining.elapsed();
+    eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
+    drop(tx);
+    let backlog_done = backlog_done(&done, started).await;
+    eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
+    let idle_from = started.elapsed() + IDLE_SETTLE;
+    tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
+    let idle = (idle_from, idle_from + IDLE_WINDOW);
+    stop.store(true, Ordering::SeqCst);
+    let probes = probe.await.unwrap();
+    let samples = samples.await.unwrap();
+    let errors = [&first.stats, &second.stats, &probe_stats]
+        .iter()
+        .map(|s| s.errors.load(Ordering::Relaxed))
+        .sum();
+    first.stop().await;
+    second.stop().await;
+    let (done, twice) = tally.await.unwrap();
+    head_task
+        .finish(FinalState::Completed, None)
+        .await
+        .unwrap();
+    holder.close().await.unwrap();
+    broker.shutdown().await.unwrap();
+    Storm {
+        label: "broker",
+        samples,
+        joined_in,
+        backlog_done,
+        idle,
+        probes,
+        errors,
+        done,
+        twice,
+        left: left(&db).await,
+    }
+}
+
+async fn baseline_storm(setup: &Setup) -> Storm {
+    let (url, db, head) = setup.database("storm_baseline").await;
+    let redis_pool = deadpool_redis::Config::from_url(setup.redis.url())
+        .builder()
+        .unwrap()
+        .max_size(2)
+        .runtime(deadpool_redis::Runtime::Tokio1)
+        .build()
+        .unwrap();
+    // B0's head runs: claimed and locked as a baseline worker would.
+    let holder = Uuid::new_v4();
+    db.execute(
+        "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+         VALUES ($1, 'worker', $2, interval '30 seconds')",
+        &[&holder, &format!("baseline-holder-{holder}")],
+    )
+    .await
+    .unwrap();
+    db.execute(
+        "UPDATE core_task SET state = 'running', app_lock_id = $2, started_at = now() \
+         WHERE pulp_id = $1",
+        &[&head, &holder],
+    )
+    .await
+    .unwrap();
+    let mut redis = redis_pool.get().await.unwrap();
+    assert!(
+        baseline_locks(
+            &mut redis,
+            "baseline-holder",
+            &fleets::baseline_lock_args(&[HEAD.to_owned()]),
+            true
+        )
+        .await
+    );
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let done = Arc::new(AtomicU64::new(0));
+    let tally = tally(rx, Arc::clone(&done));
+    let stop = Arc::new(AtomicBool::new(false));
+    let fleet_stats: Arc<Mutex<Vec<Arc<FleetStats>>>> = Arc::default();
+    let probe_stats = Arc::new(FleetStats::default());
+    fleet_stats.lock().unwrap().push(Arc::clone(&probe_stats));
+    let counted = Arc::clone(&fleet_stats);
+    // (The baseline's Redis calls are not counted.)
+    let counters: Counters = Arc::new(move || {
+        let statements = counted
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.statements.load(Ordering::Relaxed))
+            .sum();
+        (statements, 0)
+    });
+    let started = Instant::now();
+    let samples = sampler(
+        url.clone(),
+        started,
+        Arc::clone(&done),
+        counters,
+        Arc::clone(&stop),
+    );
+    let probe = {
+        let (stop, tx, stats) = (Arc::clone(&stop), tx.clone(), Arc::clone(&probe_stats));
+        let probe_db = connect(&url, "probe").await;
+        let mut redis = redis_pool.get().await.unwrap();
+        let app_status = Uuid::new_v4();
+        probe_db
+            .execute(
+                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+                 VALUES ($1, 'worker', $2, interval '30 seconds')",
+                &[&app_status, &format!("baseline-probe-{app_status}")],
+            )
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut tick = tokio::time::interval(PROBE_EVERY);
+            let name = format!("baseline-probe-{app_status}");
+            while !stop.load(Ordering::SeqCst) {
+                tick.tick().await;
+                let asked = Instant::now();
+                let claim = baseline_poll(&probe_db, &mut redis, &name, app_status, &stats).await;
+                out.push(Probe {
+                    at: asked - started,
+                    took: asked.elapsed(),
+                });
+                if let Some(claim) = claim {
+                    baseline_finish(&probe_db, &mut redis, &name, &claim, &stats).await;
+                    let now = Instant::now();
+                    let _ = tx.send(Receipt {
+                        id: claim.id,
+                        name: claim.name,
+                        received: now,
+                        done: now,
+                    });
+                }
+            }
+            out
+        })
+    };
+    let redis_url = setup.redis.url();
+    let first = baseline_fleet(&url, &redis_url, FIRST, Duration::ZERO, tx.clone()).await;
+    fleet_stats.lock().unwrap().push(Arc::clone(&first.stats));
+    tokio::time::sleep_until((started + JOIN_AT).into()).await;
+    let joining = Instant::now();
+    let second: Fleet = baseline_fleet(&url, &redis_url, JOINING, Duration::ZERO, tx.clone()).await;
+    fleet_stats.lock().unwrap().push(Arc::clone(&second.stats));
+    let joined_in = joining.elapsed();
+    eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
+    drop(tx);
+    let backlog_done = backlog_done(&done, started).await;
+    eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
+    let idle_from = started.elapsed() + IDLE_SETTLE;
+    tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
+    let idle = (idle_from, idle_from + IDLE_WINDOW);
+    stop.store(true, Ordering::SeqCst);
+    let probes = probe.await.unwrap();
+    let samples = samples.await.unwrap();
+    let errors = [&first.stats, &second.stats, &probe_stats]
+        .iter()
+        .map(|s| s.errors.load(Ordering::Relaxed))
+        .sum();
+    first.stop().await;
+    second.stop().await;
+    let (done, twice) = tally.await.unwrap();
+    Storm {
+        label: "baseline",
+        samples,
+        joined_in,
+        backlog_done,
+        idle,
+        probes,
+        errors,
+        done,
+        twice,
+        left: left(&db).await,
+    }
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map_or("-".into(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))
+}
+
+fn report(storms: &[Storm]) {
+    println!("\n### Scale-up storm: {READY} ready tasks over {RESOURCES} repositories and {BLOCKED} blocked behind a running head; {FIRST} workers, then {JOINING} joining\n");
+    println!("| fleet | phase | Postgres statements/s | transactions/s | rows read/s | tasks/s | statements / task | Redis calls / task | rows read / task | connections (most) | probe p50 / p99 ms |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for storm in storms {
+        let joined = JOIN_AT + JOINING_WINDOW;
+        let phases = [
+            ("25 workers, backlog", Duration::from_secs(1), JOIN_AT),
+            ("475 joining (first 3 s)", JOIN_AT, joined),
+            (
+                "500 workers, backlog",
+                joined,
+                storm.backlog_done.saturating_sub(Duration::from_secs(1)),
+            ),
+            ("500 workers idle", storm.idle.0, storm.idle.1),
+        ];
+        for (name, from, to) in phases {
+            let Some(p) = storm.phase(from, to) else {
+                println!("| {} | {name} | (under a second) | | | | | | | | |", storm.label);
+                continue;
+            };
+            let per_task = |x: f64| {
+                if p.tasks >= 1.0 {
+                    format!("{:.2}", x / p.tasks)
+                } else {
+                    "-".into()
+                }
+            };
+            println!(
+                "| {} | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {:.0} | {} / {} |",
+                storm.label,
+                p.statements,
+                p.transactions,
+                p.rows,
+                p.tasks,
+                per_task(p.statements),
+                if p.redis > 0.0 { per_task(p.redis) } else { "-".into() },
+                per_task(p.rows),
+                p.connections,
+                ms(p.probe_p50),
+                ms(p.probe_p99),
+            );
+        }
+    }
+    println!();
+    for storm in storms {
+        let small = storm.phase(Duration::from_secs(1), JOIN_AT);
+        let large = storm.phase(
+            JOIN_AT + JOINING_WINDOW,
+            storm.backlog_done.saturating_sub(Duration::from_secs(1)),
+        );
+        let growth = match (small, large) {
+            (Some(s), Some(l)) if s.tasks >= 1.0 && l.tasks >= 1.0 => format!(
+                "statements per task {:.2}x, rows read per task {:.2}x",
+                (l.statements / l.tasks) / (s.statements / s.tasks),
+                (l.rows / l.tasks) / (s.rows / s.tasks)
+            ),
+            _ => "-".into(),
+        };
+        println!(
+            "- {}: 475 joined in {:.2} s; backlog done at {:.1} s; throughput steady {} after the join began; \
+             500 workers against 25: {growth}; failed calls: {}; ready tasks done {} (twice: {}), left incomplete in the database: {}.",
+            storm.label,
+            storm.joined_in.as_secs_f64(),
+            storm.backlog_done.as_secs_f64(),
+            storm
+                .steady_after()
+                .map_or("-".into(), |d| format!("{:.0} s", d.as_secs_f64())),
+            storm.errors,
+            storm.done,
+            storm.twice,
+            storm.left,
+        );
+    }
+}
+
+/// Tasks/s and Postgres statements/s over the storm, one line per fleet.
+fn plot(storms: &[Storm], path: &Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let root = SVGBackend::new(path, (1100, 420)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let panels = root.split_evenly((1, 2));
+    let end = storms
+        .iter()
+        .map(|s| s.backlog_done.as_secs_f64() + 5.0)
+        .fold(JOIN_AT.as_secs_f64() + 5.0, f64::max);
+    let series: [(&str, fn(&Sample) -> f64); 2] = [
+        ("tasks done / s", |s| s.done),
+        ("Postgres statements / s", |s| s.statements),
+    ];
+    for (panel, (title, f)) in panels.iter().zip(series) {
+        let top = storms
+            .iter()
+            .flat_map(|s| s.rates(f))
+            .filter(|(t, _)| *t <= end)
+            .map(|r| r.1)
+            .fold(1.0, f64::max);
+        let mut chart = ChartBuilder::on(panel)
+            .caption(
+                format!("{title} ({FIRST} workers, {JOINING} join at {} s)", JOIN_AT.as_secs()),
+                ("sans-serif", 17),
+            )
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0f64..end, 0f64..top * 1.1)
+            .unwrap();
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the first workers started")
+            .y_desc(title)
+            .draw()
+            .unwrap();
+        for (i, storm) in storms.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let points: Vec<(f64, f64)> = storm
+                .rates(f)
+                .into_iter()
+                .filter(|(t, _)| *t <= end)
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .unwrap()
+                .label(storm.label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .unwrap();
+    }
+    root.present().unwrap();
+    eprintln!("wrote {}", path.display());
+}
+
+#[tokio::main]
+async fn main() {
+    let which: Option<String> = std::env::args().skip(1).find(|a| a != "--bench");
+    eprintln!("starting throwaway PostgreSQL and Redis ...");
+    let (pg, redis) =
+        tokio::task::spawn_blocking(|| (Postgres::start().unwrap(), Redis::start().unwrap()))
+            .await
+            .unwrap();
+    let setup = Setup { pg, redis };
+    let mut storms = Vec::new();
+    eprintln!("storm: broker ...");
+    storms.push(broker_storm(&setup).await);
+    if which.as_deref() != Some("broker") {
+        eprintln!("storm: baseline ...");
+        storms.push(baseline_storm(&setup).await);
+    }
+    report(&storms);
+    plot(
+        &storms,
+        Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/results/storm.svg"
+        )),
+    );
+}
