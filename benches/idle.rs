@@ -1,7 +1,7 @@
 //! What waiting costs: an idle fleet, broker against a baseline, in the same process on the same
 //! throwaway PostgreSQL and Redis.
 //!
-//! - **Dispatch latency**: 100 idle workers; 50 tasks inserted one at a time; time from the
+//! - **Dispatch latency**: 100 idle workers; 300 tasks inserted one at a time; time from the
 //!   insert's commit to a worker holding the task (p50, p99).
 //! - **Burst**: the same 100 idle workers; 100 tasks inserted in one statement; time from the
 //!   commit to the last worker holding its task (each task takes 3 s, so nobody polls again
@@ -28,7 +28,8 @@ use fleets::{baseline_fleet, broker_fleet, ms, percentile, ratio, Receipt};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-const TASKS: usize = 50;
+/// Tasks of the dispatch-latency run: enough that its p99 is not its slowest one.
+const TASKS: usize = 300;
 /// Longer than a long poll (30 s): every worker's call ends and is made again within it.
 const HERD_WINDOW: Duration = Duration::from_secs(32);
 /// How long an idle fleet settles before its window (its workers' first heartbeats and long polls
