@@ -64,6 +64,9 @@ const LIMIT: Duration = Duration::from_secs(300);
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 const HEAD: &str = "prn:file.repository:B0";
 
+/// One of a sample's counts.
+type Field = fn(&Sample) -> f64;
+
 /// The fleet's counts so far: Postgres statements and Redis calls.
 type Counters = Arc<dyn Fn() -> (u64, u64) + Send + Sync>;
 
@@ -138,7 +141,7 @@ impl Storm {
             return None;
         }
         let (x, y) = (self.at(a), self.at(b));
-        let per_s = |f: fn(&Sample) -> f64| (f(&y) - f(&x)) / (b - a);
+        let per_s = |f: Field| (f(&y) - f(&x)) / (b - a);
         let connections = self
             .samples
             .iter()
@@ -165,7 +168,7 @@ impl Storm {
     }
 
     /// Tasks done per second, second by second from the start.
-    fn rates(&self, f: fn(&Sample) -> f64) -> Vec<(f64, f64)> {
+    fn rates(&self, f: Field) -> Vec<(f64, f64)> {
         self.samples
             .windows(2)
             .map(|w| (w[1].at, (f(&w[1]) - f(&w[0])) / (w[1].at - w[0].at)))
@@ -370,7 +373,10 @@ async fn broker_storm(setup: &Setup) -> Storm {
     let done = Arc::new(AtomicU64::new(0));
     let tally = tally(rx, Arc::clone(&done));
     let stop = Arc::new(AtomicBool::new(false));
-    let (stats, background) = (Arc::clone(&broker.stats), Arc::clone(&broker.background_stats));
+    let (stats, background) = (
+        Arc::clone(&broker.stats),
+        Arc::clone(&broker.background_stats),
+    );
     let counters: Counters = Arc::new(move || {
         let (rpc, background) = (stats.snapshot(), background.snapshot());
         (
@@ -450,10 +456,7 @@ async fn broker_storm(setup: &Setup) -> Storm {
     first.stop().await;
     second.stop().await;
     let (done, twice) = tally.await.unwrap();
-    head_task
-        .finish(FinalState::Completed, None)
-        .await
-        .unwrap();
+    head_task.finish(FinalState::Completed, None).await.unwrap();
     holder.close().await.unwrap();
     broker.shutdown().await.unwrap();
     Storm {
@@ -632,7 +635,10 @@ fn report(storms: &[Storm]) {
         ];
         for (name, from, to) in phases {
             let Some(p) = storm.phase(from, to) else {
-                println!("| {} | {name} | (under a second) | | | | | | | | |", storm.label);
+                println!(
+                    "| {} | {name} | (under a second) | | | | | | | | |",
+                    storm.label
+                );
                 continue;
             };
             let per_task = |x: f64| {
@@ -650,7 +656,11 @@ fn report(storms: &[Storm]) {
                 p.rows,
                 p.tasks,
                 per_task(p.statements),
-                if p.redis > 0.0 { per_task(p.redis) } else { "-".into() },
+                if p.redis > 0.0 {
+                    per_task(p.redis)
+                } else {
+                    "-".into()
+                },
                 per_task(p.rows),
                 p.connections,
                 ms(p.probe_p50),
@@ -700,7 +710,7 @@ fn plot(storms: &[Storm], path: &Path) {
         .iter()
         .map(|s| s.backlog_done.as_secs_f64() + 5.0)
         .fold(JOIN_AT.as_secs_f64() + 5.0, f64::max);
-    let series: [(&str, fn(&Sample) -> f64); 2] = [
+    let series: [(&str, Field); 2] = [
         ("tasks done / s", |s| s.done),
         ("Postgres statements / s", |s| s.statements),
     ];
@@ -713,7 +723,10 @@ fn plot(storms: &[Storm], path: &Path) {
             .fold(1.0, f64::max);
         let mut chart = ChartBuilder::on(panel)
             .caption(
-                format!("{title} ({FIRST} workers, {JOINING} join at {} s)", JOIN_AT.as_secs()),
+                format!(
+                    "{title} ({FIRST} workers, {JOINING} join at {} s)",
+                    JOIN_AT.as_secs()
+                ),
                 ("sans-serif", 17),
             )
             .margin(12)

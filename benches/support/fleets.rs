@@ -160,9 +160,10 @@ pub async fn broker_fleet(
     let mut workers = Vec::new();
     // Every worker connects at once, as a fleet scaled up does (names go on across fleets).
     let first = NEXT_WORKER.fetch_add(n, Ordering::Relaxed);
-    let connected = futures::future::join_all((first..first + n).map(|w| {
-        Worker::connect(endpoint, WorkerConfig::new(format!("bench-{w}")))
-    }))
+    let connected = futures::future::join_all(
+        (first..first + n)
+            .map(|w| Worker::connect(endpoint, WorkerConfig::new(format!("bench-{w}")))),
+    )
     .await;
     for worker in connected {
         let worker = worker.unwrap();
