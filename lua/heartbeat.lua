@@ -3,11 +3,13 @@
 -- KEYS[1]  PREFIX:epoch           the lock state's identity
 -- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<id>      lease hash
--- ARGV     epoch, lease_id
--- Returns  {1, new expiry ms, app_status_id, ttl ms}; {0} when the lease is unknown or already expired;
+-- KEYS[4]  PREFIX:lease:<id>:tasks the lease's registry
+-- ARGV     epoch, lease_id, the key prefix
+-- Returns  {1, new expiry ms, app_status_id, ttl ms, {task_id, fencing token, ...}} with every
+--          task the lease holds locks for; {0} when the lease is unknown or already expired;
 --          {-2} when the lock state is not the expected one.
 -- Never    revives an expired lease: its locks belong to the sweeper from that moment on.
---          O(1) whatever the lease holds.
+--          O(tasks the lease holds).
 
 if not epoch_ok(KEYS[1], ARGV[1]) then
   return {-2}
@@ -20,4 +22,12 @@ if not expires or not lease[1] or tonumber(expires) <= now then
 end
 local next_expiry = now + tonumber(lease[1])
 redis.call('ZADD', KEYS[2], next_expiry, ARGV[2])
-return {1, next_expiry, lease[2], tonumber(lease[1])}
+local held = {}
+for _, task_id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  local token = redis.call('HGET', ARGV[3] .. ':task:' .. task_id, 'token')
+  if token then
+    held[#held + 1] = task_id
+    held[#held + 1] = token
+  end
+end
+return {1, next_expiry, lease[2], tonumber(lease[1]), held}

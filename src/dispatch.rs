@@ -780,6 +780,45 @@ impl Dispatch {
         self.waiters.wake();
     }
 
+    /// Heartbeat's `undelivered`: grants a live lease holds that never reached its worker (the
+    /// answer was lost with a replica or a connection). Each still held by `lease_id` under the
+    /// given token goes back to the queue, started or not, and its locks are released, as a
+    /// grant whose caller left is (`Requeue::requeue`); any other is left alone. Runs in a task
+    /// of its own (shutdown waits for it), so the heartbeat answers without Postgres.
+    pub fn return_undelivered(
+        &self,
+        lease_id: LeaseId,
+        app_status: Uuid,
+        undelivered: Vec<(TaskId, FencingToken)>,
+    ) {
+        if undelivered.is_empty() {
+            return;
+        }
+        let (dispatch, running) = (self.clone(), self.passes.enter());
+        tokio::spawn(async move {
+            let _running = running;
+            for (task_id, token) in undelivered {
+                match dispatch.locks.holder(lease_id, task_id, token).await {
+                    Ok(Ok(_)) => {
+                        tracing::warn!(%task_id, %lease_id, "the worker never received this grant; requeueing it");
+                        dispatch
+                            .requeue
+                            .requeue(task_id, app_status, lease_id, token, true)
+                            .await;
+                        dispatch.stats.undelivered_returned();
+                    }
+                    Ok(Err(_)) => {
+                        tracing::debug!(%task_id, %lease_id, "a grant reported undelivered is no longer the lease's; left alone")
+                    }
+                    Err(e) => {
+                        tracing::warn!(%task_id, %lease_id, error = %e, "could not check a grant reported undelivered; the worker reports it again")
+                    }
+                }
+            }
+            dispatch.wake();
+        });
+    }
+
     /// The resource queues of this replica (the server runs their loading).
     pub fn resource_queues(&self) -> Arc<queues::Queues> {
         Arc::clone(&self.queues)

@@ -139,15 +139,26 @@ impl proto::broker_server::Broker for BrokerService {
         request: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
         let lease_id = LeaseId(parse_id("lease_id", &request.get_ref().lease_id)?);
+        let undelivered = convert::undelivered(&request.get_ref().undelivered, &self.limits)?;
         let span = rpc_span("Heartbeat");
         span.record("lease_id", tracing::field::display(lease_id));
         let beat = self.leases.heartbeat(lease_id).instrument(span).await?;
+        self.dispatch
+            .return_undelivered(lease_id, beat.app_status, undelivered);
         Ok(Response::new(proto::HeartbeatResponse {
             expires_at: Some(to_timestamp(beat.expires_at)),
             cancel_task_ids: beat
                 .cancel_task_ids
                 .iter()
                 .map(|id| id.to_string())
+                .collect(),
+            held_tasks: beat
+                .held
+                .iter()
+                .map(|(task, token)| proto::HeldTask {
+                    task_id: task.to_string(),
+                    fencing_token: token.0,
+                })
                 .collect(),
         }))
     }

@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::ids::{LeaseId, TaskId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::locks::{Locks, NewLease};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
@@ -66,6 +66,10 @@ pub struct Beat {
     pub expires_at: DateTime<Utc>,
     /// Tasks of the lease that were asked to cancel.
     pub cancel_task_ids: Vec<TaskId>,
+    /// The core_appstatus row the lease claims tasks for.
+    pub app_status: Uuid,
+    /// Every task the lease holds locks for, with its fencing token.
+    pub held: Vec<(TaskId, FencingToken)>,
 }
 
 /// What ending a lease did.
@@ -209,21 +213,24 @@ impl Leases {
 
     /// Extends a live lease and reports its tasks that were asked to cancel.
     pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Beat> {
-        let (expires_at_ms, app_status, ttl) = self
+        let beaten = self
             .locks
             .heartbeat(lease_id)
             .await?
             .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
-        let app_status: Uuid = app_status
+        let app_status: Uuid = beaten
+            .app_status
             .parse()
             .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))?;
         // Its row is written with others' in one statement (`beats`), by the lease's own TTL (not
         // its expiry against this replica's clock).
-        self.beats.beat(app_status, ttl);
+        self.beats.beat(app_status, beaten.ttl);
         let cancel_task_ids = self.canceling_for(app_status).await?;
         Ok(Beat {
-            expires_at: from_ms(expires_at_ms),
+            expires_at: from_ms(beaten.expires_ms),
             cancel_task_ids,
+            app_status,
+            held: beaten.held,
         })
     }
 

@@ -30,13 +30,13 @@ use std::time::Duration;
 use deadpool_redis::redis::{self, Value};
 use tokio::sync::Notify;
 
-use crate::ids::{LeaseId, TaskId};
+use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::metrics::Stats;
 use crate::ready::Resources;
 pub use changes::{Change, Changes, LEFT_PREFIX, REQUEUED_PREFIX};
 pub use grants::{Acquire, Admission, Release};
 pub use keys::Keys;
-pub use leases::{Ending, LeaseRecord, NewLease};
+pub use leases::{Beaten, Ending, LeaseRecord, NewLease};
 use scripts::Scripts;
 pub use views::{HeldLock, LeasePage, LeaseView};
 

@@ -65,6 +65,10 @@ pub const ADMIN_ACTIONS_TOTAL: &str = "dispatch_admin_actions_total";
 /// Leases opened through this replica (per replica: how the fleet spreads over replicas).
 pub const LEASES_OPENED_TOTAL: &str = "dispatch_leases_opened_total";
 
+/// Grants a worker reported it never received (Heartbeat's `undelivered`) that went back to
+/// the queue.
+pub const UNDELIVERED_GRANTS_TOTAL: &str = "dispatch_undelivered_grants_total";
+
 /// Pending-list pages of the GIN index on reserved resources merged by the broker
 /// (`--gin-clean-interval`).
 pub const GIN_PENDING_MERGED_PAGES_TOTAL: &str = "dispatch_gin_pending_merged_pages_total";
@@ -138,6 +142,7 @@ pub const ALL: &[&str] = &[
     LANE_PASSES_TOTAL,
     ADMIN_ACTIONS_TOTAL,
     LEASES_OPENED_TOTAL,
+    UNDELIVERED_GRANTS_TOTAL,
     GIN_PENDING_MERGED_PAGES_TOTAL,
     FETCH_HINT_WALKS_TOTAL,
     FETCH_QUEUE_STARTS_TOTAL,
@@ -244,6 +249,10 @@ pub fn describe() {
         "Lane computations by kind: full (the whole queue) or maintained (what changed)."
     );
     describe_counter!(LEASES_OPENED_TOTAL, "Leases opened through this replica.");
+    describe_counter!(
+        UNDELIVERED_GRANTS_TOTAL,
+        "Grants a worker reported it never received, put back in the queue."
+    );
     describe_counter!(
         GIN_PENDING_MERGED_PAGES_TOTAL,
         "Pending-list pages of the GIN index on reserved resources merged by the broker."
@@ -583,6 +592,11 @@ impl Stats {
     /// Counts released task locks on a path.
     pub fn locks_released(&self, path: &'static str, n: u64) {
         metrics::counter!(LOCKS_RELEASED_TOTAL, "path" => path).increment(n);
+    }
+
+    /// Counts a grant its worker never received, put back in the queue.
+    pub fn undelivered_returned(&self) {
+        metrics::counter!(UNDELIVERED_GRANTS_TOTAL).increment(1);
     }
 
     /// Counts one lease opened through this replica.

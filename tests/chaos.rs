@@ -234,6 +234,7 @@ async fn wait_serving(endpoint: &str) {
             if let Err(s) = c
                 .heartbeat(HeartbeatRequest {
                     lease_id: Uuid::new_v4().to_string(),
+                    ..Default::default()
                 })
                 .await
             {
@@ -323,6 +324,7 @@ impl Lease {
                     Duration::from_millis(400),
                     c.heartbeat(HeartbeatRequest {
                         lease_id: id.clone(),
+                        ..Default::default()
                     }),
                 )
                 .await;

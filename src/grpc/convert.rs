@@ -144,6 +144,32 @@ pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<TaskId>, S
         .collect()
 }
 
+/// Validates Heartbeat's `undelivered`: each a task id and a fencing token, at most as many as
+/// skip ids are accepted (a worker holds few tasks).
+pub fn undelivered(
+    held: &[proto::HeldTask],
+    limits: &LimitArgs,
+) -> Result<Vec<(TaskId, FencingToken)>, Status> {
+    if held.len() > limits.skip_ids {
+        return Err(Status::invalid_argument(format!(
+            "undelivered has {} tasks; at most {} are accepted (--max-skip-ids)",
+            held.len(),
+            limits.skip_ids
+        )));
+    }
+    held.iter()
+        .map(|h| {
+            let task = parse_id("undelivered.task_id", &h.task_id).map(TaskId)?;
+            if h.fencing_token == 0 {
+                return Err(Status::invalid_argument(format!(
+                    "undelivered task {task} has no fencing_token; pass the one HeartbeatResponse.held_tasks gave"
+                )));
+            }
+            Ok((task, FencingToken(h.fencing_token)))
+        })
+        .collect()
+}
+
 /// Validates FinishTask's state and error.
 pub fn finish(state: String, error: String, limits: &LimitArgs) -> Result<Finish, Status> {
     if error.len() > limits.error_bytes {

@@ -16,6 +16,19 @@ pub struct LeaseRecord {
     pub worker_name: String,
 }
 
+/// A lease a heartbeat extended.
+#[derive(Debug, Clone)]
+pub struct Beaten {
+    /// Its new expiry (Redis server time, ms).
+    pub expires_ms: i64,
+    /// The core_appstatus row it claims tasks for.
+    pub app_status: String,
+    /// Its TTL.
+    pub ttl: std::time::Duration,
+    /// Every task it holds locks for, with the fencing token.
+    pub held: Vec<(TaskId, FencingToken)>,
+}
+
 /// What a lease is opened with.
 #[derive(Debug, Clone)]
 pub struct NewLease<'a> {
@@ -109,12 +122,8 @@ impl Locks {
             .collect())
     }
 
-    /// Extends a live lease by its TTL: `Some((expiry ms, app_status_id, TTL))`, or `None` when
-    /// the lease is unknown or expired.
-    pub async fn heartbeat(
-        &self,
-        lease_id: LeaseId,
-    ) -> Result<Option<(i64, String, std::time::Duration)>, Error> {
+    /// Extends a live lease by its TTL; `None` when the lease is unknown or expired.
+    pub async fn heartbeat(&self, lease_id: LeaseId) -> Result<Option<Beaten>, Error> {
         let reply: Vec<Value> = self
             .run_reading(
                 self.scripts
@@ -122,8 +131,10 @@ impl Locks {
                     .key(self.keys.epoch())
                     .key(self.keys.leases())
                     .key(self.keys.lease(lease_id))
+                    .key(self.keys.lease_tasks(lease_id))
                     .arg(self.epoch())
-                    .arg(lease_id),
+                    .arg(lease_id)
+                    .arg(self.keys.tag()),
             )
             .await?;
         match reply.first() {
@@ -132,7 +143,26 @@ impl Locks {
                 let app_status = text(reply.get(2)).unwrap_or_default();
                 let ttl_ms = int(reply.get(3)).ok_or_else(|| protocol("heartbeat", &reply))?;
                 let ttl = std::time::Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(0));
-                Ok(Some((expires, app_status, ttl)))
+                let held = match reply.get(4) {
+                    Some(Value::Array(pairs)) => pairs
+                        .chunks(2)
+                        .map(|pair| {
+                            let task = text(pair.first()).and_then(|t| t.parse().ok()).map(TaskId);
+                            let token = int(pair.get(1))
+                                .and_then(|t| u64::try_from(t).ok())
+                                .map(FencingToken);
+                            task.zip(token)
+                        })
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| protocol("heartbeat", &reply))?,
+                    _ => return Err(protocol("heartbeat", &reply)),
+                };
+                Ok(Some(Beaten {
+                    expires_ms: expires,
+                    app_status,
+                    ttl,
+                    held,
+                }))
             }
             Some(Value::Int(0)) => Ok(None),
             Some(Value::Int(-2)) => Err(self.state_lost()),

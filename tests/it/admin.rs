@@ -452,6 +452,7 @@ async fn revoke_takes_the_sweepers_path_with_the_reason_and_is_audited() {
         .client
         .heartbeat(HeartbeatRequest {
             lease_id: lease.clone(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -808,7 +809,10 @@ async fn the_admin_api_needs_the_admin_token_and_a_workers_token_is_denied() {
         "the task stays claimed by the worker, not requeued or failed"
     );
     worker
-        .heartbeat(HeartbeatRequest { lease_id: lease })
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease,
+            ..Default::default()
+        })
         .await
         .expect("the lease is still live");
 }

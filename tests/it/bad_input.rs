@@ -131,6 +131,7 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
     let gone = c
         .heartbeat(HeartbeatRequest {
             lease_id: expired.clone(),
+            ..Default::default()
         })
         .await;
     assert_eq!(
@@ -345,7 +346,10 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
                     input,
                     code,
                     words,
-                    c.heartbeat(HeartbeatRequest { lease_id })
+                    c.heartbeat(HeartbeatRequest {
+                        lease_id,
+                        ..Default::default()
+                    })
                 );
             } else {
                 case!(
@@ -358,6 +362,54 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
             }
         }
     }
+
+    // Heartbeat's undelivered grants: checked before anything is done (the lease is not even
+    // renewed), and t1, which `lease` holds, stays held.
+    for (input, held, words) in [
+        (
+            "undelivered task_id \"x\"",
+            HeldTask {
+                task_id: "x".into(),
+                fencing_token: token,
+            },
+            "undelivered.task_id",
+        ),
+        (
+            "undelivered without a fencing_token",
+            HeldTask {
+                task_id: running_id.clone(),
+                fencing_token: 0,
+            },
+            "has no fencing_token",
+        ),
+    ] {
+        case!(
+            "Heartbeat",
+            input,
+            Code::InvalidArgument,
+            words,
+            c.heartbeat(HeartbeatRequest {
+                lease_id: lease.clone(),
+                undelivered: vec![held],
+            })
+        );
+    }
+    case!(
+        "Heartbeat",
+        "10,000 undelivered",
+        Code::InvalidArgument,
+        "--max-skip-ids",
+        c.heartbeat(HeartbeatRequest {
+            lease_id: lease.clone(),
+            undelivered: many_skips
+                .iter()
+                .map(|id| HeldTask {
+                    task_id: id.clone(),
+                    fencing_token: 1,
+                })
+                .collect(),
+        })
+    );
 
     // FetchTask
     let fetch = |lease_id: &str| FetchTaskRequest {

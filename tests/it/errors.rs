@@ -38,6 +38,7 @@ async fn unknown_lease_is_not_found_everywhere() {
     expect_code(
         c.heartbeat(HeartbeatRequest {
             lease_id: unknown.clone(),
+            ..Default::default()
         })
         .await,
         Code::NotFound,
@@ -68,6 +69,7 @@ async fn expired_lease_is_not_found_and_must_be_reopened() {
     expect_code(
         c.heartbeat(HeartbeatRequest {
             lease_id: lease.clone(),
+            ..Default::default()
         })
         .await,
         Code::NotFound,

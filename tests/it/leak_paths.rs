@@ -110,6 +110,7 @@ async fn path2_and_4_a_dead_workers_locks_are_swept_and_its_tasks_dealt_with() {
     env.client
         .heartbeat(HeartbeatRequest {
             lease_id: dead.clone(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -135,7 +136,10 @@ async fn path2_and_4_a_dead_workers_locks_are_swept_and_its_tasks_dealt_with() {
     env.assert_locks(&[&again]).await;
     let gone = env
         .client
-        .heartbeat(HeartbeatRequest { lease_id: dead })
+        .heartbeat(HeartbeatRequest {
+            lease_id: dead,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(gone.code(), Code::NotFound);

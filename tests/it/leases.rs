@@ -87,6 +87,7 @@ async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
             .client
             .heartbeat(HeartbeatRequest {
                 lease_id: lease.clone(),
+                ..Default::default()
             })
             .await
             .expect("alive")
@@ -122,6 +123,7 @@ async fn heartbeat_lists_the_leases_tasks_that_were_asked_to_cancel() {
         .client
         .heartbeat(HeartbeatRequest {
             lease_id: lease.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -300,6 +302,7 @@ async fn the_rows_of_leases_that_beat_are_written_together_and_only_theirs() {
             env.client
                 .heartbeat(HeartbeatRequest {
                     lease_id: lease.clone(),
+                    ..Default::default()
                 })
                 .await
                 .expect("alive");
@@ -334,5 +337,95 @@ async fn the_rows_of_leases_that_beat_are_written_together_and_only_theirs() {
         silent_stamp.starts_with("2000"),
         "a lease that did not beat keeps its stamp: {silent_stamp}"
     );
+    env.shutdown().await;
+}
+
+/// A grant whose answer never reached its worker stays held by the live lease. Heartbeats list
+/// what the lease holds, with fencing tokens; handed back (`undelivered`) under its token by its
+/// own lease, the task goes back to the queue although the grant started it, and its locks are
+/// released. Handed back by another lease, or under another token, it is left alone.
+#[tokio::test]
+async fn a_grant_handed_back_as_undelivered_goes_back_to_the_queue() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let lease = env.open("w").await;
+    let other = env.open("v").await;
+    let mut started = Vec::new();
+    for _ in 0..2 {
+        started.push(
+            env.client
+                .fetch_task(FetchTaskRequest {
+                    lease_id: lease.clone(),
+                    start: true,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .task
+                .expect("granted"),
+        );
+    }
+    let (ta, tb) = (started[0].clone(), started[1].clone());
+    assert_eq!(id(&ta), a);
+    let beat = |lease: &str, back: Vec<HeldTask>| HeartbeatRequest {
+        lease_id: lease.to_owned(),
+        undelivered: back,
+    };
+    let listed = env
+        .client
+        .heartbeat(beat(&lease, vec![]))
+        .await
+        .unwrap()
+        .into_inner()
+        .held_tasks;
+    let mut listed: Vec<(String, u64)> = listed
+        .into_iter()
+        .map(|h| (h.task_id, h.fencing_token))
+        .collect();
+    listed.sort();
+    let mut expected = vec![
+        (ta.task_id.clone(), ta.fencing_token),
+        (tb.task_id.clone(), tb.fencing_token),
+    ];
+    expected.sort();
+    assert_eq!(listed, expected, "the heartbeat lists what the lease holds");
+    let a_back = |token: u64| HeldTask {
+        task_id: ta.task_id.clone(),
+        fencing_token: token,
+    };
+    // Another lease's word, or another token: nothing changes.
+    env.client
+        .heartbeat(beat(&other, vec![a_back(ta.fencing_token)]))
+        .await
+        .unwrap();
+    env.client
+        .heartbeat(beat(&lease, vec![a_back(ta.fencing_token + 1000)]))
+        .await
+        .unwrap();
+    env.settled_stats().await;
+    assert_eq!(env.state(a).await, "running");
+    env.assert_locks(&[&ta, &tb]).await;
+    // Its own lease, under its token: back in the queue, its locks released.
+    env.client
+        .heartbeat(beat(&lease, vec![a_back(ta.fencing_token)]))
+        .await
+        .unwrap();
+    env.settled_stats().await;
+    assert_eq!(env.state(a).await, "waiting");
+    assert_eq!(env.app_lock(a).await, None);
+    env.assert_locks(&[&tb]).await;
+    let again = env.fetch(&other).await.expect("the task is ready again");
+    assert_eq!(id(&again), a);
+    let listed = env
+        .client
+        .heartbeat(beat(&lease, vec![]))
+        .await
+        .unwrap()
+        .into_inner()
+        .held_tasks;
+    assert_eq!(listed.len(), 1, "the lease holds b only");
+    assert_eq!(listed[0].task_id, tb.task_id);
     env.shutdown().await;
 }

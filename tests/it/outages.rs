@@ -102,6 +102,7 @@ async fn redis_down_answers_unavailable_naming_redis_without_hanging() {
         .heartbeat(with_deadline(
             HeartbeatRequest {
                 lease_id: lease.clone(),
+                ..Default::default()
             },
             Duration::from_secs(5),
         ))
@@ -205,7 +206,10 @@ async fn sigterm_stops_the_server_with_status_0_and_leaves_leases_alone() {
     // The lease outlives the broker process: the in-process broker still knows it.
     let mut other = env.client.clone();
     other
-        .heartbeat(HeartbeatRequest { lease_id: lease })
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease,
+            ..Default::default()
+        })
         .await
         .expect("the lease is still alive");
     env.shutdown().await;
@@ -228,6 +232,7 @@ async fn a_heartbeat_while_postgres_is_down_keeps_the_lease_and_its_row_is_writt
     env.client
         .heartbeat(HeartbeatRequest {
             lease_id: lease.clone(),
+            ..Default::default()
         })
         .await
         .expect("a heartbeat needs Redis only");
@@ -280,7 +285,10 @@ async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written(
         .unwrap();
     tokio::task::block_in_place(|| pg.kill());
     env.client
-        .heartbeat(HeartbeatRequest { lease_id: lease })
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease,
+            ..Default::default()
+        })
         .await
         .expect("a heartbeat needs Redis only");
     // The worker beats no more: its lease expires while Postgres is down.

@@ -332,7 +332,10 @@ async fn run_lets_the_running_task_finish_on_shutdown_and_closes_the_lease() {
     env.assert_locks(&[]).await;
     let status = env
         .client
-        .heartbeat(dispatch_broker::proto::HeartbeatRequest { lease_id: lease })
+        .heartbeat(dispatch_broker::proto::HeartbeatRequest {
+            lease_id: lease,
+            ..Default::default()
+        })
         .await
         .expect_err("the lease was closed");
     assert_eq!(status.code(), Code::NotFound);
@@ -444,4 +447,68 @@ fn the_worker_library_reads_the_brokers_not_found_key() {
             dispatch_broker::grpc::NOT_FOUND_LEASE
         )
     );
+}
+
+/// A grant whose answer never reached the worker (lost with a replica or a connection: here, a
+/// FetchTask under the worker's lease that the worker never sees) is handed back by the worker's
+/// heartbeats and goes back to the queue, where another worker gets it. Without the hand-back
+/// the lease would hold it, and its resource, for as long as the worker lives.
+#[tokio::test]
+async fn a_grant_that_never_arrived_is_handed_back_and_runs_elsewhere() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let lost = env
+        .client
+        .fetch_task(dispatch_broker::proto::FetchTaskRequest {
+            lease_id: worker.lease_id(),
+            start: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .expect("the task was granted");
+    assert_eq!(lost.task_id, task.to_string());
+    assert!(
+        eventually(LONG, || async { env.state(task).await == "waiting" })
+            .await
+            .is_some(),
+        "the grant was not handed back"
+    );
+    assert_eq!(env.app_lock(task).await, None);
+    let other = connect(&env, "v").await;
+    let again = other
+        .next_task(Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("the task is ready again");
+    assert_eq!(again.id(), task.to_string());
+    again.finish(FinalState::Completed, None).await.unwrap();
+    worker.close().await.unwrap();
+    other.close().await.unwrap();
+    env.shutdown().await;
+}
+
+/// A task the worker did receive is never handed back, however many heartbeats list it while it
+/// runs (and one received, finished, requeued and granted again is told apart by its token).
+#[tokio::test]
+async fn a_task_the_worker_holds_is_never_handed_back() {
+    let env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let held = worker
+        .next_task_started(Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("a task");
+    assert_eq!(held.id(), task.to_string());
+    // Heartbeats every 300 ms (a third of the 900 ms TTL): ten of them list it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.state(task).await, "running");
+    let done = held.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(done.state, "completed");
+    worker.close().await.unwrap();
+    env.shutdown().await;
 }

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
@@ -231,6 +231,8 @@ struct Shared {
     lease: Mutex<LeaseState>,
     reopening: tokio::sync::Mutex<()>,
     held: Mutex<HashMap<String, Arc<Held>>>,
+    /// Undelivered grants: what the heartbeats find of them (see [`Undelivered`]).
+    undelivered: Mutex<Undelivered>,
     events: broadcast::Sender<WorkerEvent>,
     /// Fires when the worker stops fetching (shutdown began).
     stopping: CancellationToken,
@@ -301,6 +303,7 @@ impl Worker {
             config,
             reopening: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashMap::new()),
+            undelivered: Mutex::new(Undelivered::default()),
             events,
             stopping: CancellationToken::new(),
             closed: CancellationToken::new(),
@@ -393,7 +396,7 @@ impl Worker {
             response = fetch => response?,
             _ = stopping.cancelled() => return Ok(None),
         };
-        Ok(response.task.map(|task| self.guard(task, generation)))
+        Ok(response.task.and_then(|task| self.guard(task, generation)))
     }
 
     /// Immediate dispatch: locks and claims exactly `task_id` if it is ready now.
@@ -408,7 +411,7 @@ impl Worker {
                 async move { client.claim_task(request).await }
             })
             .await?;
-        Ok(response.task.map(|task| self.guard(task, generation)))
+        Ok(response.task.and_then(|task| self.guard(task, generation)))
     }
 
     /// Cancels any task (waiting: canceled at once; running: its holder is told).
@@ -521,8 +524,14 @@ impl Worker {
     }
 
     /// A guard for a grant made under the lease of `generation`: lost at once if the lease was
-    /// replaced while the call was under way (the replacement could not have adopted it).
-    fn guard(&self, task: proto::Task, generation: u64) -> TaskGuard {
+    /// replaced while the call was under way (the replacement could not have adopted it); none
+    /// when a heartbeat already handed the grant back as undelivered (the broker requeues it:
+    /// running it here too could run it twice).
+    fn guard(&self, task: proto::Task, generation: u64) -> Option<TaskGuard> {
+        if !lock(&self.shared.undelivered).received(&task.task_id, task.fencing_token) {
+            tracing::warn!(task_id = %task.task_id, "a grant arrived after it was handed back as undelivered; it is not run here");
+            return None;
+        }
         let held_map = lock(&self.shared.held);
         let lost = self.shared.current().generation != generation;
         let held = Arc::new(Held {
@@ -541,12 +550,12 @@ impl Worker {
             held_map.insert(task.task_id.clone(), Arc::clone(&held));
         }
         drop(held_map);
-        TaskGuard {
+        Some(TaskGuard {
             task,
             held,
             shared: Arc::clone(&self.shared),
             done: false,
-        }
+        })
     }
 }
 
@@ -694,6 +703,14 @@ impl Shared {
                 }
             });
         }
+        // The adopted tasks this worker holds are received under their new tokens; any other
+        // the new lease adopted is a grant that never arrived (see `Undelivered`).
+        {
+            let mut undelivered = lock(&self.undelivered);
+            for task_id in &adopted_tasks {
+                undelivered.received(task_id, adopted[task_id]);
+            }
+        }
         tracing::warn!(
             old_lease = %old.lease_id,
             new_lease = %new.lease_id,
@@ -715,17 +732,27 @@ impl Shared {
         let lease = self.current();
         // Retry only within a third of the TTL: the next beat comes after that anyway.
         let policy = self.config.retry.within(lease.ttl / 3);
+        let undelivered = lock(&self.undelivered).to_report(lease.generation);
+        let sent = Instant::now();
         let result = self
             .call("Heartbeat", Duration::ZERO, policy, |mut c| {
                 let request = proto::HeartbeatRequest {
                     lease_id: lease.lease_id.clone(),
+                    undelivered: undelivered.clone(),
                 };
                 async move { c.heartbeat(request).await }
             })
             .await;
         match result {
             Ok(reply) => {
+                if !undelivered.is_empty() {
+                    for h in &undelivered {
+                        tracing::warn!(task_id = %h.task_id, "the broker holds a grant for this worker that never arrived; handed back");
+                    }
+                    lock(&self.undelivered).reported(&undelivered);
+                }
                 let held = lock(&self.held);
+                lock(&self.undelivered).listed(&reply.held_tasks, lease.generation, sent);
                 for task_id in reply.cancel_task_ids {
                     if let Some(h) = held.get(&task_id) {
                         if !h.cancel.is_cancelled() {
@@ -740,6 +767,96 @@ impl Shared {
             Err(e) if e.is_lease_not_found() => self.reopen(lease.generation, "Heartbeat").await,
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Grants the broker made for this worker that never arrived (the answer was lost with a
+/// replica or a connection): the lease holds them, so nothing else may run them, and nobody here
+/// runs them. A task the heartbeats list as held that this worker never received, in two
+/// heartbeats in a row (an answer on its way arrives well within a heartbeat's period), is one:
+/// the next heartbeat hands it back (`HeartbeatRequest.undelivered`) and the broker requeues it.
+/// If its answer turns up after all once it was handed back, it is not run here.
+#[derive(Debug, Default)]
+struct Undelivered {
+    /// Grants received under this worker's leases (task and fencing token), with when: kept
+    /// while a heartbeat lists them, and until one sent after they arrived.
+    received: HashMap<(String, u64), Instant>,
+    /// Listed and never received at the last heartbeat, with the fencing token and the lease
+    /// generation they were listed under.
+    suspects: HashMap<String, (u64, u64)>,
+    /// Listed and never received twice in a row: handed back by the next heartbeat.
+    due: Vec<(proto::HeldTask, u64)>,
+    /// Handed back (or being handed back): the grant's fencing token, and when (kept for
+    /// [`HANDED_BACK_FOR`]). The same task granted again has a new token.
+    handed_back: HashMap<String, (u64, Instant)>,
+}
+
+/// How long a handed-back grant is remembered, so that its answer, if it arrives after all, is
+/// not run (an answer is never delayed anywhere near this long).
+const HANDED_BACK_FOR: Duration = Duration::from_secs(3600);
+
+impl Undelivered {
+    /// Notes a grant that arrived; false when it was handed back already.
+    fn received(&mut self, task_id: &str, token: u64) -> bool {
+        let now = Instant::now();
+        self.handed_back
+            .retain(|_, (_, at)| now.duration_since(*at) < HANDED_BACK_FOR);
+        if self
+            .handed_back
+            .get(task_id)
+            .is_some_and(|(t, _)| *t == token)
+        {
+            return false;
+        }
+        self.received.insert((task_id.to_owned(), token), now);
+        true
+    }
+
+    /// What a heartbeat sent at `sent` listed as held under the lease of `generation`.
+    fn listed(&mut self, held: &[proto::HeldTask], generation: u64, sent: Instant) {
+        // A grant received before the heartbeat was sent and not listed was let go (finished or
+        // released): it is never listed again under that token.
+        self.received.retain(|(task_id, token), at| {
+            *at >= sent
+                || held
+                    .iter()
+                    .any(|h| h.task_id == *task_id && h.fencing_token == *token)
+        });
+        let mut suspects = HashMap::new();
+        for h in held {
+            let handed_back = self
+                .handed_back
+                .get(&h.task_id)
+                .is_some_and(|(t, _)| *t == h.fencing_token);
+            let key = (h.task_id.clone(), h.fencing_token);
+            if self.received.contains_key(&key) || handed_back {
+                continue;
+            }
+            if self.suspects.get(&h.task_id) == Some(&(h.fencing_token, generation)) {
+                self.due.push((h.clone(), generation));
+            } else {
+                suspects.insert(h.task_id.clone(), (h.fencing_token, generation));
+            }
+        }
+        self.suspects = suspects;
+    }
+
+    /// The grants to hand back with a heartbeat of the lease of `generation`; from now on an
+    /// answer bringing one of them is not run.
+    fn to_report(&mut self, generation: u64) -> Vec<proto::HeldTask> {
+        self.due.retain(|(_, g)| *g == generation);
+        let now = Instant::now();
+        for (h, _) in &self.due {
+            self.handed_back
+                .insert(h.task_id.clone(), (h.fencing_token, now));
+        }
+        self.due.iter().map(|(h, _)| h.clone()).collect()
+    }
+
+    /// The broker took these back.
+    fn reported(&mut self, handed_back: &[proto::HeldTask]) {
+        self.due
+            .retain(|(h, _)| !handed_back.iter().any(|r| r.task_id == h.task_id));
     }
 }
 
@@ -1055,5 +1172,64 @@ impl Drop for TaskGuard {
         }
         tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
         keep_releasing(&self.shared, task_id, self.fencing_token(), Duration::ZERO);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(task_id: &str, token: u64) -> proto::HeldTask {
+        proto::HeldTask {
+            task_id: task_id.into(),
+            fencing_token: token,
+        }
+    }
+
+    #[test]
+    fn a_grant_never_received_is_due_after_two_heartbeats_in_a_row() {
+        let mut u = Undelivered::default();
+        let sent = Instant::now();
+        u.listed(&[held("a", 7)], 1, sent);
+        assert!(u.to_report(1).is_empty(), "once is not enough");
+        u.listed(&[held("a", 7)], 1, sent);
+        assert_eq!(u.to_report(1), vec![held("a", 7)]);
+        // Handed back: an answer bringing it after all is not run; the broker took it.
+        assert!(!u.received("a", 7));
+        u.reported(&[held("a", 7)]);
+        assert!(u.to_report(1).is_empty());
+        // Granted again (a new token), it is a grant like any other.
+        assert!(u.received("a", 9));
+    }
+
+    #[test]
+    fn received_grants_are_never_due() {
+        let mut u = Undelivered::default();
+        assert!(u.received("a", 7));
+        let sent = Instant::now();
+        for _ in 0..3 {
+            u.listed(&[held("a", 7)], 1, sent);
+        }
+        assert!(u.to_report(1).is_empty());
+        // Let go (not listed by a heartbeat sent after it arrived), then listed again under
+        // another token that never arrived: that one is due.
+        u.listed(&[], 1, Instant::now());
+        assert!(u.received.is_empty(), "a grant let go is forgotten");
+        u.listed(&[held("a", 8)], 1, sent);
+        u.listed(&[held("a", 8)], 1, sent);
+        assert_eq!(u.to_report(1), vec![held("a", 8)]);
+    }
+
+    #[test]
+    fn a_new_token_or_lease_starts_the_count_again() {
+        let mut u = Undelivered::default();
+        let sent = Instant::now();
+        u.listed(&[held("a", 7)], 1, sent);
+        u.listed(&[held("a", 8)], 1, sent);
+        assert!(u.to_report(1).is_empty(), "another grant of the task");
+        u.listed(&[held("a", 8)], 2, sent);
+        assert!(u.to_report(2).is_empty(), "another lease");
+        u.listed(&[held("a", 8)], 2, sent);
+        assert!(u.to_report(3).is_empty(), "due under a lease that was replaced since");
     }
 }
