@@ -76,6 +76,9 @@ pub struct BrokerAddrArgs {
 /// empty query; UNWATCH and PING), so a busy broker pays no extra round trip per call.
 pub const VERIFY_IDLE_AFTER: Duration = Duration::from_secs(1);
 
+/// How long that check may take before the connection is dropped and another one taken.
+pub const VERIFY_IDLE_WITHIN: Duration = Duration::from_secs(2);
+
 /// Variables still read under an older name, as (old, current): where the current one is unset,
 /// the old one's value stands in for it (after the command line and the current variable, before
 /// the default). `health` read these before it shared the admin commands' names.

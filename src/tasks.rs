@@ -465,7 +465,7 @@ pub struct Tasks {
     stats: Arc<Stats>,
 }
 
-use crate::config::VERIFY_IDLE_AFTER;
+use crate::config::{VERIFY_IDLE_AFTER, VERIFY_IDLE_WITHIN};
 
 async fn verify_idle(
     client: &mut deadpool_postgres::ClientWrapper,
@@ -474,11 +474,16 @@ async fn verify_idle(
     if metrics.last_used() < VERIFY_IDLE_AFTER {
         return Ok(());
     }
-    client
-        .simple_query("")
-        .await
-        .map(|_| ())
-        .map_err(deadpool_postgres::HookError::Backend)
+    // Bounded: deadpool runs hooks without its recycle timeout, and a connection that idled at
+    // the bottom of the pool may have been dropped silently by the network.
+    match tokio::time::timeout(VERIFY_IDLE_WITHIN, client.simple_query("")).await {
+        Ok(answer) => answer
+            .map(|_| ())
+            .map_err(deadpool_postgres::HookError::Backend),
+        Err(_) => Err(deadpool_postgres::HookError::message(
+            "an idle connection did not answer its check in time",
+        )),
+    }
 }
 
 impl Tasks {
@@ -647,7 +652,15 @@ impl Tasks {
     ) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
         let prepared = client.prepare_cached(statement).await?;
-        self.timed(client.query(&prepared, params)).await
+        let rows = self.timed(client.query(&prepared, params)).await;
+        if let Err(Error::Timeout(_)) = rows {
+            // The server did not end the statement by its own timeout: the connection is stuck
+            // (a network that dropped it silently, a wedged server). It is closed rather than
+            // handed back, where the next statement (the pool hands out the last connection
+            // first) would wait on it too.
+            drop(deadpool_postgres::Object::take(client));
+        }
+        rows
     }
 
     /// A read-only statement. When the pooled connection turns out to have been closed by the

@@ -289,6 +289,73 @@ class Task:
                 self.release()
 
 
+#: How long a handed-back grant is remembered, so that its answer, if it arrives after all, is not
+#: run (an answer is never delayed anywhere near this long).
+_HANDED_BACK_FOR = 3600.0
+
+
+class _Undelivered:
+    """Grants the broker made for this worker that never arrived (the answer was lost with a
+    replica or a connection): the lease holds them, so nothing else may run them, and nobody here
+    runs them. A task the heartbeats list as held that this worker never received, in two
+    heartbeats in a row (an answer on its way arrives well within a heartbeat's period), is one:
+    the next heartbeat hands it back (``HeartbeatRequest.undelivered``) and the broker requeues it.
+    If its answer turns up after all once it was handed back, it is not run here. Not thread-safe:
+    the worker calls it under its lock."""
+
+    def __init__(self) -> None:
+        #: Grants received (task, fencing token) -> when: kept while a heartbeat lists them, and
+        #: until one sent after they arrived.
+        self.received: dict[tuple[str, int], float] = {}
+        #: Listed and never received at the last heartbeat -> (token, lease generation).
+        self.suspects: dict[str, tuple[int, int]] = {}
+        #: Listed and never received twice in a row, with the generation: handed back next.
+        self.due: list[tuple[str, int, int]] = []
+        #: Handed back (or being handed back): task -> (token, when).
+        self.handed_back: dict[str, tuple[int, float]] = {}
+
+    def note_received(self, task_id: str, token: int) -> bool:
+        """Notes a grant that arrived; False when it was handed back already."""
+        now = time.monotonic()
+        self.handed_back = {k: v for k, v in self.handed_back.items() if now - v[1] < _HANDED_BACK_FOR}
+        back = self.handed_back.get(task_id)
+        if back is not None and back[0] == token:
+            return False
+        self.received[(task_id, token)] = now
+        return True
+
+    def listed(self, held: Sequence[pb.HeldTask], generation: int, sent: float) -> None:
+        """What a heartbeat sent at ``sent`` (``time.monotonic()``) listed as held under the lease
+        of ``generation``."""
+        listed = {(h.task_id, h.fencing_token) for h in held}
+        # A grant received before the heartbeat was sent and not listed was let go.
+        self.received = {k: at for k, at in self.received.items() if at >= sent or k in listed}
+        suspects: dict[str, tuple[int, int]] = {}
+        for h in held:
+            back = self.handed_back.get(h.task_id)
+            if (h.task_id, h.fencing_token) in self.received or (back is not None and back[0] == h.fencing_token):
+                continue
+            if self.suspects.get(h.task_id) == (h.fencing_token, generation):
+                self.due.append((h.task_id, h.fencing_token, generation))
+            else:
+                suspects[h.task_id] = (h.fencing_token, generation)
+        self.suspects = suspects
+
+    def due_now(self, generation: int) -> list[pb.HeldTask]:
+        """The grants to hand back with a heartbeat of the lease of ``generation``; from now on an
+        answer bringing one of them is not run."""
+        self.due = [d for d in self.due if d[2] == generation]
+        now = time.monotonic()
+        for task_id, token, _ in self.due:
+            self.handed_back[task_id] = (token, now)
+        return [pb.HeldTask(task_id=task_id, fencing_token=token) for task_id, token, _ in self.due]
+
+    def reported(self, handed_back: Sequence[pb.HeldTask]) -> None:
+        """The broker took these back."""
+        back = {h.task_id for h in handed_back}
+        self.due = [d for d in self.due if d[0] not in back]
+
+
 class Worker:
     """One worker's lease on the broker at ``target`` (``host:port``; ``https://host:port`` means
     TLS with the system's roots unless ``tls`` says more). ``tls`` connects with TLS (and mutual
@@ -336,6 +403,7 @@ class Worker:
         self._lease_ttl = ttl
         self._generation = 0
         self._held: dict[str, Task] = {}
+        self._undelivered = _Undelivered()
         #: Set once shutdown began: fetch returns None from then on.
         self.stopping = threading.Event()
         self._closed = threading.Event()
@@ -510,6 +578,10 @@ class Worker:
             return None
         task = Task(self, reply.task)
         with self._lock:
+            if not self._undelivered.note_received(task.task_id, task.fencing_token):
+                log.warning("a grant of task %s arrived after it was handed back as undelivered; it is not run here",
+                            task.task_id)
+                return None
             if self._generation == generation:
                 self._held[task.task_id] = task
             else:
@@ -633,6 +705,7 @@ class Worker:
                 for task_id, task in list(self._held.items()):
                     if task_id in adopted:
                         task._token = adopted[task_id]
+                        self._undelivered.note_received(task_id, adopted[task_id])
                         kept.append(task_id)
                     else:
                         task._lost = True
@@ -648,11 +721,14 @@ class Worker:
     def _heartbeat_once(self) -> None:
         with self._lock:
             lease_id, generation, ttl = self._lease_id, self._generation, self._lease_ttl
+            undelivered = self._undelivered.due_now(generation)
         policy = dataclasses.replace(self.retry, max_elapsed=min(self.retry.max_elapsed, ttl / 3))
+        sent = time.monotonic()
         try:
             reply = self._call(
                 "Heartbeat",
-                lambda stub, timeout: stub.Heartbeat(pb.HeartbeatRequest(lease_id=lease_id), timeout=timeout),
+                lambda stub, timeout: stub.Heartbeat(
+                    pb.HeartbeatRequest(lease_id=lease_id, undelivered=undelivered), timeout=timeout),
                 retry=policy,
             )
         except BrokerError as e:
@@ -660,6 +736,13 @@ class Worker:
                 self._reopen(generation, "Heartbeat")
                 return
             raise
+        with self._lock:
+            if undelivered:
+                for h in undelivered:
+                    log.warning("the broker holds a grant of task %s for this worker that never arrived; handed back",
+                                h.task_id)
+                self._undelivered.reported(undelivered)
+            self._undelivered.listed(reply.held_tasks, generation, sent)
         for task_id in reply.cancel_task_ids:
             with self._lock:
                 task = self._held.get(task_id)

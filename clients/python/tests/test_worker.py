@@ -248,3 +248,32 @@ def test_committed_stubs_match_the_proto() -> None:
     gen = pathlib.Path(__file__).resolve().parents[1] / "gen_stubs.py"
     result = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_grant_that_never_arrived_is_handed_back_and_runs_elsewhere(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox) as w, worker(sandbox, "other") as other:
+        # A FetchTask under the worker's lease whose answer the worker never sees (as when the
+        # replica that made the grant is killed before answering).
+        with grpc.insecure_channel(sandbox.address) as channel:
+            lost = pb_grpc.BrokerStub(channel).FetchTask(
+                pb.FetchTaskRequest(lease_id=w.lease_id, start=True), timeout=10)
+        assert lost.task.task_id == task_id
+        deadline = time.monotonic() + LONG
+        while db.state(task_id) != "waiting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert db.state(task_id) == "waiting", "the heartbeats handed the grant back"
+        assert db.app_lock(task_id) is None
+        again = other.fetch(wait=5.0)
+        assert again is not None and again.task_id == task_id
+        assert again.finish("completed") == "completed"
+
+
+def test_a_task_the_worker_holds_is_never_handed_back(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox) as w:
+        task = w.fetch(start=True)
+        assert task is not None and task.task_id == task_id
+        time.sleep(3.0)  # ten heartbeats (every 0.3 s) list it
+        assert db.state(task_id) == "running"
+        assert task.finish("completed") == "completed"

@@ -732,7 +732,7 @@ impl Shared {
         let lease = self.current();
         // Retry only within a third of the TTL: the next beat comes after that anyway.
         let policy = self.config.retry.within(lease.ttl / 3);
-        let undelivered = lock(&self.undelivered).to_report(lease.generation);
+        let undelivered = lock(&self.undelivered).due_now(lease.generation);
         let sent = Instant::now();
         let result = self
             .call("Heartbeat", Duration::ZERO, policy, |mut c| {
@@ -843,7 +843,7 @@ impl Undelivered {
 
     /// The grants to hand back with a heartbeat of the lease of `generation`; from now on an
     /// answer bringing one of them is not run.
-    fn to_report(&mut self, generation: u64) -> Vec<proto::HeldTask> {
+    fn due_now(&mut self, generation: u64) -> Vec<proto::HeldTask> {
         self.due.retain(|(_, g)| *g == generation);
         let now = Instant::now();
         for (h, _) in &self.due {
@@ -1191,13 +1191,13 @@ mod tests {
         let mut u = Undelivered::default();
         let sent = Instant::now();
         u.listed(&[held("a", 7)], 1, sent);
-        assert!(u.to_report(1).is_empty(), "once is not enough");
+        assert!(u.due_now(1).is_empty(), "once is not enough");
         u.listed(&[held("a", 7)], 1, sent);
-        assert_eq!(u.to_report(1), vec![held("a", 7)]);
+        assert_eq!(u.due_now(1), vec![held("a", 7)]);
         // Handed back: an answer bringing it after all is not run; the broker took it.
         assert!(!u.received("a", 7));
         u.reported(&[held("a", 7)]);
-        assert!(u.to_report(1).is_empty());
+        assert!(u.due_now(1).is_empty());
         // Granted again (a new token), it is a grant like any other.
         assert!(u.received("a", 9));
     }
@@ -1210,14 +1210,14 @@ mod tests {
         for _ in 0..3 {
             u.listed(&[held("a", 7)], 1, sent);
         }
-        assert!(u.to_report(1).is_empty());
+        assert!(u.due_now(1).is_empty());
         // Let go (not listed by a heartbeat sent after it arrived), then listed again under
         // another token that never arrived: that one is due.
         u.listed(&[], 1, Instant::now());
         assert!(u.received.is_empty(), "a grant let go is forgotten");
         u.listed(&[held("a", 8)], 1, sent);
         u.listed(&[held("a", 8)], 1, sent);
-        assert_eq!(u.to_report(1), vec![held("a", 8)]);
+        assert_eq!(u.due_now(1), vec![held("a", 8)]);
     }
 
     #[test]
@@ -1226,10 +1226,13 @@ mod tests {
         let sent = Instant::now();
         u.listed(&[held("a", 7)], 1, sent);
         u.listed(&[held("a", 8)], 1, sent);
-        assert!(u.to_report(1).is_empty(), "another grant of the task");
+        assert!(u.due_now(1).is_empty(), "another grant of the task");
         u.listed(&[held("a", 8)], 2, sent);
-        assert!(u.to_report(2).is_empty(), "another lease");
+        assert!(u.due_now(2).is_empty(), "another lease");
         u.listed(&[held("a", 8)], 2, sent);
-        assert!(u.to_report(3).is_empty(), "due under a lease that was replaced since");
+        assert!(
+            u.due_now(3).is_empty(),
+            "due under a lease that was replaced since"
+        );
     }
 }

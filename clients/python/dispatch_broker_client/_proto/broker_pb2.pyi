@@ -53,18 +53,22 @@ class HeldTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "undelivered")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDELIVERED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    undelivered: _containers.RepeatedCompositeFieldContainer[HeldTask]
+    def __init__(self, lease_id: _Optional[str] = ..., undelivered: _Optional[_Iterable[_Union[HeldTask, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("expires_at", "cancel_task_ids")
+    __slots__ = ("expires_at", "cancel_task_ids", "held_tasks")
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TASKS_FIELD_NUMBER: _ClassVar[int]
     expires_at: _timestamp_pb2.Timestamp
     cancel_task_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cancel_task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    held_tasks: _containers.RepeatedCompositeFieldContainer[HeldTask]
+    def __init__(self, expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cancel_task_ids: _Optional[_Iterable[str]] = ..., held_tasks: _Optional[_Iterable[_Union[HeldTask, _Mapping]]] = ...) -> None: ...
 
 class CloseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
