@@ -619,7 +619,7 @@ pub struct LimitArgs {
     /// it is read.
     #[arg(long = "max-message-bytes", env = "DISPATCH_MAX_MESSAGE_BYTES", default_value_t = 1 << 20)]
     pub message_bytes: usize,
-    /// Most `skip_task_ids` in one FetchTask.
+    /// Most `skip_task_ids` in one FetchTask, and most `undelivered` grants in one Heartbeat.
     #[arg(
         long = "max-skip-ids",
         env = "DISPATCH_MAX_SKIP_IDS",
