@@ -36,8 +36,8 @@ use dispatch_broker::config::ServeArgs;
 use dispatch_testkit::{Postgres, Redis};
 use dispatch_worker::{FinalState, Worker, WorkerConfig};
 use fleets::{
-    baseline_finish, baseline_fleet, baseline_locks, baseline_poll, broker_fleet, percentile,
-    redis_flush, Fleet, FleetStats, Receipt,
+    baseline_finish, baseline_fleet_counted, baseline_locks, baseline_poll, broker_fleet,
+    percentile, redis_flush, BaselineDb, Fleet, FleetStats, Receipt,
 };
 use plotters::prelude::*;
 use tokio::sync::mpsc;
@@ -56,8 +56,11 @@ const JOINING: usize = 475;
 const JOIN_AT: Duration = Duration::from_secs(6);
 /// The joining phase measured.
 const JOINING_WINDOW: Duration = Duration::from_secs(3);
-const IDLE_SETTLE: Duration = Duration::from_secs(10);
-const IDLE_WINDOW: Duration = Duration::from_secs(20);
+/// After the backlog, before the idle window: Postgres publishes the counts of a backend that
+/// went idle up to 10 s late.
+const IDLE_SETTLE: Duration = Duration::from_secs(12);
+/// Longer than a long poll (30 s): every worker's call ends and is made again within it.
+const IDLE_WINDOW: Duration = Duration::from_secs(32);
 const PROBE_EVERY: Duration = Duration::from_millis(50);
 /// The backlog must be done by then.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -73,16 +76,24 @@ type Counters = Arc<dyn Fn() -> (u64, u64) + Send + Sync>;
 /// Cumulative counts at one moment of the storm.
 #[derive(Debug, Clone, Copy, Default)]
 struct Sample {
+    /// Seconds since the storm began.
     at: f64,
+    /// Ready tasks done.
     done: f64,
+    /// The fleet's Postgres statements (the broker's counters, or the baseline workers').
     statements: f64,
+    /// The broker's Redis calls (0 for the baseline).
     redis: f64,
+    /// Postgres transactions, every session but the sampler's.
     transactions: f64,
+    /// Rows read (returned and fetched), every session.
     rows: f64,
+    /// Connections open to the database now (not a count).
     connections: f64,
 }
 
-/// One probe call: when it started (since the storm began), how long it took, whether it failed.
+/// One probe call: when it started (since the storm began) and how long it took (failed calls
+/// too: they count in the errors).
 #[derive(Debug, Clone, Copy)]
 struct Probe {
     at: Duration,
@@ -167,7 +178,7 @@ impl Storm {
         })
     }
 
-    /// Tasks done per second, second by second from the start.
+    /// The per-second rate of a count, second by second from the start.
     fn rates(&self, f: Field) -> Vec<(f64, f64)> {
         self.samples
             .windows(2)
@@ -195,6 +206,7 @@ impl Storm {
             .iter()
             .filter(|(t, _)| *t > JOIN_AT.as_secs_f64() && *t < end)
             .collect();
+        // (None when even the last full second was below: never steady.)
         let last_below = after_join.iter().rposition(|(_, r)| *r < steady);
         let first_steady = match last_below {
             Some(i) => after_join.get(i + 1)?.0,
@@ -207,6 +219,7 @@ impl Storm {
     }
 }
 
+/// A phase's figures: per second, but connections (the most open at once) and the probe's.
 struct Phase {
     tasks: f64,
     statements: f64,
@@ -278,26 +291,28 @@ fn sampler(
 ) -> tokio::task::JoinHandle<Vec<Sample>> {
     tokio::spawn(async move {
         let db = connect(&url, "storm-sampler").await;
+        // Prepared once: each sample is then one transaction (its end also drops the statistics
+        // snapshot), which is taken off the count.
+        let statement = db
+            .prepare(
+                "SELECT (xact_commit + xact_rollback)::float8, \
+                        (tup_returned + tup_fetched)::float8, \
+                        (SELECT count(*) FROM pg_stat_activity a \
+                         WHERE a.datname = current_database() \
+                           AND a.backend_type = 'client backend' \
+                           AND coalesce(a.application_name, '') NOT LIKE 'storm-%')::float8 \
+                 FROM pg_stat_database WHERE datname = current_database()",
+            )
+            .await
+            .unwrap();
         let mut out = Vec::new();
         let mut tick = tokio::time::interval(SAMPLE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut own = 0.0;
         while !stop.load(Ordering::SeqCst) {
             tick.tick().await;
+            let row = db.query_one(&statement, &[]).await.unwrap();
             let at = started.elapsed().as_secs_f64();
-            // One statement: its transaction's end also drops the statistics snapshot.
-            let row = db
-                .query_one(
-                    "SELECT (xact_commit + xact_rollback)::float8, \
-                            (tup_returned + tup_fetched)::float8, \
-                            (SELECT count(*) FROM pg_stat_activity a \
-                             WHERE a.datname = current_database() \
-                               AND a.backend_type = 'client backend' \
-                               AND coalesce(a.application_name, '') NOT LIKE 'storm-%')::float8 \
-                     FROM pg_stat_database WHERE datname = current_database()",
-                    &[],
-                )
-                .await
-                .unwrap();
             let (statements, redis) = counters();
             out.push(Sample {
                 at,
@@ -314,7 +329,8 @@ fn sampler(
     })
 }
 
-/// Counts receipts into `done`, keeping every task id seen; returns (ids, tasks done twice).
+/// Counts receipts of ready tasks into `done` (each task once), keeping every task id seen;
+/// returns (tasks done, tasks done twice).
 fn tally(
     mut rx: mpsc::UnboundedReceiver<Receipt>,
     done: Arc<AtomicU64>,
@@ -324,20 +340,28 @@ fn tally(
         let mut twice = 0;
         while let Some(r) = rx.recv().await {
             if r.name == "ready" {
-                if !seen.insert(r.id) {
+                if seen.insert(r.id) {
+                    done.fetch_add(1, Ordering::Relaxed);
+                } else {
                     twice += 1;
                 }
-                done.fetch_add(1, Ordering::Relaxed);
             }
         }
         (seen.len(), twice)
     })
 }
 
-/// Waits until `done` reaches the backlog (or the limit); returns when.
+/// Waits until `done` reaches the backlog (or the limit, which is said); returns when.
 async fn backlog_done(done: &AtomicU64, started: Instant) -> Duration {
     while done.load(Ordering::Relaxed) < READY as u64 && started.elapsed() < LIMIT {
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if done.load(Ordering::Relaxed) < READY as u64 {
+        eprintln!(
+            "  the backlog was not done within {} s: {} of {READY} tasks",
+            LIMIT.as_secs(),
+            done.load(Ordering::Relaxed)
+        );
     }
     started.elapsed()
 }
@@ -402,15 +426,17 @@ async fn broker_storm(setup: &Setup) -> Storm {
         tokio::spawn(async move {
             let mut out = Vec::new();
             let mut tick = tokio::time::interval(PROBE_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             while !stop.load(Ordering::SeqCst) {
                 tick.tick().await;
                 let asked = Instant::now();
-                match worker.next_task_started(Duration::ZERO).await {
+                let fetched = worker.next_task_started(Duration::ZERO).await;
+                out.push(Probe {
+                    at: asked - started,
+                    took: asked.elapsed(),
+                });
+                match fetched {
                     Ok(task) => {
-                        out.push(Probe {
-                            at: asked - started,
-                            took: asked.elapsed(),
-                        });
                         if let Some(task) = task {
                             let (id, name) = (task.id().parse().unwrap(), task.task().name.clone());
                             match task.finish(FinalState::Completed, None).await {
@@ -537,20 +563,17 @@ async fn baseline_storm(setup: &Setup) -> Storm {
     );
     let probe = {
         let (stop, tx, stats) = (Arc::clone(&stop), tx.clone(), Arc::clone(&probe_stats));
-        let probe_db = connect(&url, "probe").await;
+        // (A connection of its own, where the baseline's workers share 20 per fleet.)
+        let probe_db = BaselineDb::connect(&url).await;
         let mut redis = redis_pool.get().await.unwrap();
         let app_status = Uuid::new_v4();
         probe_db
-            .execute(
-                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
-                 VALUES ($1, 'worker', $2, interval '30 seconds')",
-                &[&app_status, &format!("baseline-probe-{app_status}")],
-            )
-            .await
-            .unwrap();
+            .register(app_status, &format!("baseline-probe-{app_status}"))
+            .await;
         tokio::spawn(async move {
             let mut out = Vec::new();
             let mut tick = tokio::time::interval(PROBE_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let name = format!("baseline-probe-{app_status}");
             while !stop.load(Ordering::SeqCst) {
                 tick.tick().await;
@@ -575,12 +598,32 @@ async fn baseline_storm(setup: &Setup) -> Storm {
         })
     };
     let redis_url = setup.redis.url();
-    let first = baseline_fleet(&url, &redis_url, FIRST, Duration::ZERO, tx.clone()).await;
-    fleet_stats.lock().unwrap().push(Arc::clone(&first.stats));
+    // Each fleet's counts are read from the moment its first worker starts.
+    let counted = |stats: &Arc<Mutex<Vec<Arc<FleetStats>>>>| {
+        let fleet = Arc::new(FleetStats::default());
+        stats.lock().unwrap().push(Arc::clone(&fleet));
+        fleet
+    };
+    let first = baseline_fleet_counted(
+        &url,
+        &redis_url,
+        FIRST,
+        Duration::ZERO,
+        tx.clone(),
+        counted(&fleet_stats),
+    )
+    .await;
     tokio::time::sleep_until((started + JOIN_AT).into()).await;
     let joining = Instant::now();
-    let second: Fleet = baseline_fleet(&url, &redis_url, JOINING, Duration::ZERO, tx.clone()).await;
-    fleet_stats.lock().unwrap().push(Arc::clone(&second.stats));
+    let second: Fleet = baseline_fleet_counted(
+        &url,
+        &redis_url,
+        JOINING,
+        Duration::ZERO,
+        tx.clone(),
+        counted(&fleet_stats),
+    )
+    .await;
     let joined_in = joining.elapsed();
     eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
     drop(tx);
@@ -635,10 +678,7 @@ fn report(storms: &[Storm]) {
         ];
         for (name, from, to) in phases {
             let Some(p) = storm.phase(from, to) else {
-                println!(
-                    "| {} | {name} | (under a second) | | | | | | | | |",
-                    storm.label
-                );
+                println!("| {} | {name} | (too short) | | | | | | | | |", storm.label);
                 continue;
             };
             let per_task = |x: f64| {
@@ -691,7 +731,7 @@ fn report(storms: &[Storm]) {
             storm.backlog_done.as_secs_f64(),
             storm
                 .steady_after()
-                .map_or("-".into(), |d| format!("{:.0} s", d.as_secs_f64())),
+                .map_or("never".into(), |d| format!("{:.0} s", d.as_secs_f64())),
             storm.errors,
             storm.done,
             storm.twice,
@@ -791,4 +831,14 @@ async fn main() {
             "/benches/results/storm.svg"
         )),
     );
+    for storm in &storms {
+        assert!(
+            storm.done == READY && storm.twice == 0 && storm.left == 0,
+            "{}: every ready task must be done exactly once ({} done, {} twice, {} left)",
+            storm.label,
+            storm.done,
+            storm.twice,
+            storm.left
+        );
+    }
 }

@@ -283,23 +283,73 @@ pub struct BaselineClaim {
     args: Vec<String>,
 }
 
+/// A baseline connection with its statements prepared once, so each runs as one round trip and
+/// one transaction (as a Pulp worker's do; a statement given as text would be prepared on every
+/// call: two of each).
+pub struct BaselineDb {
+    client: tokio_postgres::Client,
+    head: tokio_postgres::Statement,
+    claim: tokio_postgres::Statement,
+    complete: tokio_postgres::Statement,
+}
+
+impl BaselineDb {
+    pub async fn connect(url: &str) -> BaselineDb {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let head = client
+            .prepare(
+                "SELECT pulp_id, name, coalesce(reserved_resources_record, '{}') FROM core_task \
+                 WHERE state = 'waiting' AND app_lock_id IS NULL ORDER BY pulp_created LIMIT 20",
+            )
+            .await
+            .unwrap();
+        let claim = client
+            .prepare(
+                "UPDATE core_task SET app_lock_id = $2, state = 'running', started_at = now() \
+                 WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL",
+            )
+            .await
+            .unwrap();
+        let complete = client
+            .prepare(
+                "UPDATE core_task SET state = 'completed', finished_at = now() WHERE pulp_id = $1",
+            )
+            .await
+            .unwrap();
+        BaselineDb {
+            client,
+            head,
+            claim,
+            complete,
+        }
+    }
+
+    /// Registers a baseline worker's `core_appstatus` row.
+    pub async fn register(&self, app_status: Uuid, name: &str) {
+        self.client
+            .execute(
+                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
+                 VALUES ($1, 'worker', $2, interval '30 seconds')",
+                &[&app_status, &name],
+            )
+            .await
+            .unwrap();
+    }
+}
+
 /// One poll of a baseline worker: reads the head of the task table, skips tasks that conflict
 /// with an older one of the batch, takes the first free task's locks and claims it.
 pub async fn baseline_poll(
-    db: &tokio_postgres::Client,
+    db: &BaselineDb,
     redis: &mut deadpool_redis::Connection,
     name: &str,
     app_status: Uuid,
     stats: &FleetStats,
 ) -> Option<BaselineClaim> {
-    let rows = db
-        .query(
-            "SELECT pulp_id, name, coalesce(reserved_resources_record, '{}') FROM core_task \
-             WHERE state = 'waiting' AND app_lock_id IS NULL ORDER BY pulp_created LIMIT 20",
-            &[],
-        )
-        .await
-        .unwrap();
+    let rows = db.client.query(&db.head, &[]).await.unwrap();
     stats.statements.fetch_add(1, Ordering::Relaxed);
     // Resources of older tasks in this batch, by mode: a newer task conflicting with one is
     // skipped.
@@ -326,11 +376,8 @@ pub async fn baseline_poll(
             continue;
         }
         let claimed = db
-            .execute(
-                "UPDATE core_task SET app_lock_id = $2, state = 'running', started_at = now() \
-                 WHERE pulp_id = $1 AND state = 'waiting' AND app_lock_id IS NULL",
-                &[&id, &app_status],
-            )
+            .client
+            .execute(&db.claim, &[&id, &app_status])
             .await
             .unwrap();
         stats.statements.fetch_add(1, Ordering::Relaxed);
@@ -348,18 +395,13 @@ pub async fn baseline_poll(
 
 /// Marks a claimed task completed and drops its locks, as a baseline worker does.
 pub async fn baseline_finish(
-    db: &tokio_postgres::Client,
+    db: &BaselineDb,
     redis: &mut deadpool_redis::Connection,
     name: &str,
     claim: &BaselineClaim,
     stats: &FleetStats,
 ) {
-    db.execute(
-        "UPDATE core_task SET state = 'completed', finished_at = now() WHERE pulp_id = $1",
-        &[&claim.id],
-    )
-    .await
-    .unwrap();
+    db.client.execute(&db.complete, &[&claim.id]).await.unwrap();
     stats.statements.fetch_add(1, Ordering::Relaxed);
     baseline_locks(redis, name, &claim.args, false).await;
 }
@@ -368,18 +410,35 @@ pub async fn baseline_finish(
 /// as Pulp's workers scale their sleep with the workers online.
 static BASELINE_ONLINE: AtomicUsize = AtomicUsize::new(0);
 
+/// Counts a baseline worker online while it lives (also when it panics).
+struct Online;
+
+impl Online {
+    fn new() -> Online {
+        BASELINE_ONLINE.fetch_add(1, Ordering::Relaxed);
+        Online
+    }
+}
+
+impl Drop for Online {
+    fn drop(&mut self) {
+        BASELINE_ONLINE.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// One baseline worker.
 #[allow(clippy::too_many_arguments)]
 async fn baseline_worker(
     name: String,
     app_status: Uuid,
     work: Duration,
-    db: Arc<tokio_postgres::Client>,
+    db: Arc<BaselineDb>,
     mut redis: deadpool_redis::Connection,
     receipts: mpsc::UnboundedSender<Receipt>,
     stop: Arc<AtomicBool>,
     stats: Arc<FleetStats>,
 ) {
+    let _online = Online::new();
     while !stop.load(Ordering::SeqCst) {
         let asked = Instant::now();
         match baseline_poll(&db, &mut redis, &name, app_status, &stats).await {
@@ -411,7 +470,6 @@ async fn baseline_worker(
             }
         }
     }
-    BASELINE_ONLINE.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Starts `n` baseline workers (each with its own `core_appstatus` row).
@@ -422,15 +480,22 @@ pub async fn baseline_fleet(
     work: Duration,
     receipts: mpsc::UnboundedSender<Receipt>,
 ) -> Fleet {
+    baseline_fleet_counted(url, redis_url, n, work, receipts, Arc::default()).await
+}
+
+/// [`baseline_fleet`], counting in `stats` (which the caller may read while the workers start).
+pub async fn baseline_fleet_counted(
+    url: &str,
+    redis_url: &str,
+    n: usize,
+    work: Duration,
+    receipts: mpsc::UnboundedSender<Receipt>,
+    stats: Arc<FleetStats>,
+) -> Fleet {
     let stop = Arc::new(AtomicBool::new(false));
-    let stats = Arc::new(FleetStats::default());
     let mut clients = Vec::new();
     for _ in 0..BASELINE_CONNECTIONS.min(n) {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        clients.push(Arc::new(client));
+        clients.push(Arc::new(BaselineDb::connect(url).await));
     }
     let pool = deadpool_redis::Config::from_url(redis_url)
         .builder()
@@ -440,17 +505,11 @@ pub async fn baseline_fleet(
         .build()
         .unwrap();
     let mut handles = Vec::new();
-    BASELINE_ONLINE.fetch_add(n, Ordering::Relaxed);
     for w in 0..n {
         let app_status = Uuid::new_v4();
         clients[0]
-            .execute(
-                "INSERT INTO core_appstatus (pulp_id, app_type, name, ttl) \
-                 VALUES ($1, 'worker', $2, interval '30 seconds')",
-                &[&app_status, &format!("baseline-{w}-{app_status}")],
-            )
-            .await
-            .unwrap();
+            .register(app_status, &format!("baseline-{w}-{app_status}"))
+            .await;
         let db = Arc::clone(&clients[w % clients.len()]);
         let redis = pool.get().await.unwrap();
         handles.push(tokio::spawn(baseline_worker(
