@@ -20,8 +20,15 @@
 //!
 //! At the end every ready task must be completed exactly once (none left, none run twice).
 //!
-//! Run: `cargo bench --bench storm` (both fleets) or `-- broker`. Prints Markdown tables and
-//! writes `benches/results/storm.svg` (tasks/s and Postgres statements/s over the storm).
+//! Then the storm once more with faults (broker only): two replicas, run as the real binary,
+//! share the fleet; replica B is killed (SIGKILL) 2 s after the join began and started again 1 s
+//! later, and Redis is paused for 5 s (shorter than the leases' TTL) 4 s after that. Every ready
+//! task must still be done exactly once: grants lost with B are handed back by the workers'
+//! heartbeats (undelivered grants).
+//!
+//! Run: `cargo bench --bench storm` (both fleets, then the faults), `-- broker` (the broker's
+//! storm only) or `-- faults`. Prints Markdown tables and writes `benches/results/storm.svg`
+//! (tasks/s and Postgres statements/s over the storm).
 
 #[path = "support/fleets.rs"]
 mod fleets;
@@ -329,8 +336,9 @@ fn sampler(
     })
 }
 
-/// Counts receipts of ready tasks into `done` (each task once), keeping every task id seen;
-/// returns (tasks done, tasks done twice).
+/// Counts receipts of ready tasks (a worker ran the task; its finish may still be retried in the
+/// background) into `done`, each task once; returns (tasks run, tasks run twice). The database
+/// says at the end whether every one was finished (`left`).
 fn tally(
     mut rx: mpsc::UnboundedReceiver<Receipt>,
     done: Arc<AtomicU64>,
@@ -439,18 +447,17 @@ async fn broker_storm(setup: &Setup) -> Storm {
                     Ok(task) => {
                         if let Some(task) = task {
                             let (id, name) = (task.id().parse().unwrap(), task.task().name.clone());
-                            match task.finish(FinalState::Completed, None).await {
-                                Ok(_) => {
-                                    let now = Instant::now();
-                                    let _ = tx.send(Receipt {
-                                        id,
-                                        name,
-                                        received: now,
-                                        done: now,
-                                    });
-                                }
-                                Err(e) => stats.failed(&e),
+                            // (A finish that fails in passing is retried in the background.)
+                            if let Err(e) = task.finish(FinalState::Completed, None).await {
+                                stats.failed(&e);
                             }
+                            let now = Instant::now();
+                            let _ = tx.send(Receipt {
+                                id,
+                                name,
+                                received: now,
+                                done: now,
+                            });
                         }
                     }
                     Err(e) => stats.failed(&e),
@@ -656,6 +663,165 @@ async fn baseline_storm(setup: &Setup) -> Storm {
     }
 }
 
+/// A broker replica run as the real binary, so it can be killed (SIGKILL).
+struct Replica {
+    port: u16,
+    args: Vec<String>,
+    log: std::path::PathBuf,
+    child: Option<tokio::process::Child>,
+}
+
+impl Replica {
+    fn start(pg_url: &str, redis_url: &str, log_dir: &Path) -> Replica {
+        let port = dispatch_testkit::free_port().unwrap();
+        let args = [
+            "serve",
+            "--postgres-url",
+            pg_url,
+            "--redis-url",
+            redis_url,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut replica = Replica {
+            port,
+            args,
+            log: log_dir.join(format!("replica-{port}.log")),
+            child: None,
+        };
+        replica.boot();
+        replica
+    }
+
+    fn boot(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = Some(
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
+                .args(&self.args)
+                .env("RUST_LOG", "warn")
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start dispatch-broker"),
+        );
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Lines of its log that contain `what`.
+    fn logged(&self, what: &str) -> usize {
+        std::fs::read_to_string(&self.log)
+            .map(|log| log.lines().filter(|l| l.contains(what)).count())
+            .unwrap_or(0)
+    }
+}
+
+/// What the storm with faults showed.
+struct Faults {
+    backlog_done: Duration,
+    errors: u64,
+    done: usize,
+    twice: usize,
+    left: i64,
+    /// Grants handed back as undelivered and requeued (the replicas' warnings).
+    handed_back: usize,
+    /// What happened when.
+    timeline: Vec<String>,
+}
+
+/// The storm once more, broker only, with two replicas (the real binary) sharing the fleet and
+/// faults while the 500 work: replica B killed (SIGKILL) 2 s after the join began and started
+/// again 1 s later; Redis paused (SIGSTOP) for 5 s, shorter than the leases' 30 s TTL, 4 s after
+/// that. Nothing may be lost: every ready task done exactly once.
+async fn faults_storm(setup: &Setup) -> Faults {
+    let (url, db, head) = setup.database("storm_faults").await;
+    let logs = tempfile::tempdir().unwrap();
+    let redis_url = setup.redis.url();
+    let a = Replica::start(&url, &redis_url, logs.path());
+    let mut b = Replica::start(&url, &redis_url, logs.path());
+    let holder = Worker::connect(a.endpoint(), WorkerConfig::new("head-holder"))
+        .await
+        .unwrap();
+    let head_task = holder
+        .claim(&head.to_string())
+        .await
+        .unwrap()
+        .expect("B0's head is ready");
+    let (tx, rx) = mpsc::unbounded_channel();
+    let done = Arc::new(AtomicU64::new(0));
+    let tally = tally(rx, Arc::clone(&done));
+    let started = Instant::now();
+    let mut fleets = Vec::new();
+    for endpoint in [a.endpoint(), b.endpoint()] {
+        fleets.push(broker_fleet(&endpoint, FIRST / 2, Duration::ZERO, true, tx.clone()).await);
+    }
+    tokio::time::sleep_until((started + JOIN_AT).into()).await;
+    for endpoint in [a.endpoint(), b.endpoint()] {
+        fleets.push(broker_fleet(&endpoint, JOINING / 2, Duration::ZERO, true, tx.clone()).await);
+    }
+    drop(tx);
+    let mut timeline = Vec::new();
+    let mut note = |what: &str| {
+        let line = format!("{:.1} s: {what}", started.elapsed().as_secs_f64());
+        eprintln!("  {line}");
+        timeline.push(line);
+    };
+    tokio::time::sleep_until((started + JOIN_AT + Duration::from_secs(2)).into()).await;
+    b.kill().await;
+    note("replica B killed (SIGKILL)");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    b.boot();
+    note("replica B started again");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    setup.redis.pause();
+    note("Redis paused (SIGSTOP)");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    setup.redis.resume();
+    note("Redis resumed");
+    let backlog_done = backlog_done(&done, started).await;
+    note("backlog done");
+    let errors = fleets
+        .iter()
+        .map(|f| f.stats.errors.load(Ordering::Relaxed))
+        .sum();
+    for fleet in fleets {
+        fleet.stop().await;
+    }
+    let (done, twice) = tally.await.unwrap();
+    head_task.finish(FinalState::Completed, None).await.unwrap();
+    holder.close().await.unwrap();
+    let handed_back = [&a, &b]
+        .iter()
+        .map(|r| r.logged("the worker never received this grant"))
+        .sum();
+    Faults {
+        backlog_done,
+        errors,
+        done,
+        twice,
+        left: left(&db).await,
+        handed_back,
+        timeline,
+    }
+}
+
 fn ms(d: Option<Duration>) -> String {
     d.map_or("-".into(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))
 }
@@ -817,20 +983,57 @@ async fn main() {
             .unwrap();
     let setup = Setup { pg, redis };
     let mut storms = Vec::new();
-    eprintln!("storm: broker ...");
-    storms.push(broker_storm(&setup).await);
-    if which.as_deref() != Some("broker") {
+    if which.as_deref() != Some("faults") {
+        eprintln!("storm: broker ...");
+        storms.push(broker_storm(&setup).await);
+    }
+    if which.is_none() {
         eprintln!("storm: baseline ...");
         storms.push(baseline_storm(&setup).await);
     }
-    report(&storms);
-    plot(
-        &storms,
-        Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/benches/results/storm.svg"
-        )),
-    );
+    let faults = if which.is_none() || which.as_deref() == Some("faults") {
+        eprintln!("storm with faults: broker, two replicas ...");
+        Some(faults_storm(&setup).await)
+    } else {
+        None
+    };
+    if !storms.is_empty() {
+        report(&storms);
+        plot(
+            &storms,
+            Path::new(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/benches/results/storm.svg"
+            )),
+        );
+    }
+    if let Some(f) = &faults {
+        println!(
+            "\n### The storm with faults (broker, two replicas as the real binary, the fleet split between them)\n"
+        );
+        for line in &f.timeline {
+            println!("- {line}");
+        }
+        println!(
+            "\nFailed calls (retried by the workers): {}; grants handed back as undelivered and requeued: {}; \
+             backlog done at {:.1} s; ready tasks done {} (twice: {}), left incomplete in the database: {}.",
+            f.errors,
+            f.handed_back,
+            f.backlog_done.as_secs_f64(),
+            f.done,
+            f.twice,
+            f.left
+        );
+    }
+    if let Some(f) = &faults {
+        assert!(
+            f.done == READY && f.twice == 0 && f.left == 0,
+            "with faults, every ready task must be done exactly once ({} done, {} twice, {} left)",
+            f.done,
+            f.twice,
+            f.left
+        );
+    }
     for storm in &storms {
         assert!(
             storm.done == READY && storm.twice == 0 && storm.left == 0,

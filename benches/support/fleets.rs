@@ -192,17 +192,17 @@ pub async fn broker_fleet(
                             .busy_nanos
                             .fetch_add(received.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         let (id, name) = (task.id().parse().unwrap(), task.task().name.clone());
-                        match task.finish(FinalState::Completed, None).await {
-                            Ok(_) => {
-                                let _ = receipts.send(Receipt {
-                                    id,
-                                    name,
-                                    received,
-                                    done: Instant::now(),
-                                });
-                            }
-                            Err(e) => stats.failed(&e),
+                        // A finish that fails in passing is retried in the background by the
+                        // library: the task ran either way.
+                        if let Err(e) = task.finish(FinalState::Completed, None).await {
+                            stats.failed(&e);
                         }
+                        let _ = receipts.send(Receipt {
+                            id,
+                            name,
+                            received,
+                            done: Instant::now(),
+                        });
                     }
                     Ok(None) => stats.empty(asked.elapsed()),
                     Err(_) if stop.load(Ordering::SeqCst) => {}
