@@ -782,9 +782,13 @@ impl Dispatch {
 
     /// Heartbeat's `undelivered`: grants a live lease holds that never reached its worker (the
     /// answer was lost with a replica or a connection). Each still held by `lease_id` under the
-    /// given token goes back to the queue, started or not, and its locks are released, as a
-    /// grant whose caller left is (`Requeue::requeue`); any other is left alone. Runs in a task
-    /// of its own (shutdown waits for it), so the heartbeat answers without Postgres.
+    /// given token has its locks released, then goes back to the queue, started or not; any other
+    /// is left alone. The release comes first and is atomic (lease and token checked in the same
+    /// script), so two hand-backs of one grant (a retried heartbeat) act once, and one that comes
+    /// after the task was requeued and granted again does nothing. Between the two steps the task
+    /// is still claimed in Postgres, so no newer task on its resources becomes ready and nobody
+    /// can claim it. Runs in a task of its own (shutdown waits for it), so the heartbeat answers
+    /// without Postgres; the worker hands the grant back again while heartbeats still list it.
     pub fn return_undelivered(
         &self,
         lease_id: LeaseId,
@@ -798,25 +802,45 @@ impl Dispatch {
         tokio::spawn(async move {
             let _running = running;
             for (task_id, token) in undelivered {
-                match dispatch.locks.holder(lease_id, task_id, token).await {
-                    Ok(Ok(_)) => {
+                match dispatch.locks.release(lease_id, task_id, token).await {
+                    Ok((Release::Released, _)) => {
                         tracing::warn!(%task_id, %lease_id, "the worker never received this grant; requeueing it");
-                        dispatch
-                            .requeue
-                            .requeue(task_id, app_status, lease_id, token, true)
-                            .await;
-                        dispatch.stats.undelivered_returned();
+                        dispatch.requeue_undelivered(task_id, app_status).await;
                     }
-                    Ok(Err(_)) => {
-                        tracing::debug!(%task_id, %lease_id, "a grant reported undelivered is no longer the lease's; left alone")
+                    Ok(_) => {
+                        tracing::debug!(%task_id, %lease_id, "a grant handed back is no longer the lease's under that token; left alone")
                     }
                     Err(e) => {
-                        tracing::warn!(%task_id, %lease_id, error = %e, "could not check a grant reported undelivered; the worker reports it again")
+                        tracing::warn!(%task_id, %lease_id, error = %e, "could not release a grant handed back; the worker hands it back again")
                     }
                 }
             }
             dispatch.wake();
         });
+    }
+
+    /// Puts back in the queue an undelivered grant whose locks were just released, trying again
+    /// while Postgres fails (for up to a minute; after that the reconciler deals with a claimed
+    /// task without locks: design.md, "No lock outlives its holder", invariant 2).
+    async fn requeue_undelivered(&self, task_id: TaskId, app_status: Uuid) {
+        for attempt in 0..60 {
+            match self.tasks.requeue(task_id, app_status, true).await {
+                Ok(requeued) => {
+                    if requeued {
+                        self.requeue.note_requeue(task_id).await;
+                        self.stats.undelivered_returned();
+                    }
+                    return;
+                }
+                Err(e) => {
+                    if attempt == 0 {
+                        tracing::warn!(%task_id, error = %e, "could not requeue a grant handed back; trying again every second");
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+        tracing::error!(%task_id, "a grant handed back could not be requeued for a minute; the reconciler takes it up");
     }
 
     /// The resource queues of this replica (the server runs their loading).

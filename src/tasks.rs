@@ -463,6 +463,42 @@ pub struct Tasks {
     pool: Pool,
     timeout: Duration,
     stats: Arc<Stats>,
+    suspect: Arc<Suspect>,
+}
+
+/// Until when every pooled connection is checked before use, however recently it was used: set
+/// for a second after a statement failed in a way that may have broken its connection (closed,
+/// a fatal error such as a terminated session, a timeout). The pool hands out the connection
+/// used last first, and the broken one may not be known closed yet when the next statement
+/// takes it.
+#[derive(Default)]
+struct Suspect {
+    until: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Suspect {
+    fn note(&self, failure: &Error) {
+        let broken = match failure {
+            Error::Timeout(_) => true,
+            Error::Db(e) => {
+                e.is_closed()
+                    || e.as_db_error()
+                        .is_none_or(|d| matches!(d.severity(), "FATAL" | "PANIC"))
+            }
+            _ => false,
+        };
+        if broken {
+            *self.until.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(std::time::Instant::now() + VERIFY_IDLE_AFTER);
+        }
+    }
+
+    fn now(&self) -> bool {
+        self.until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|until| std::time::Instant::now() < until)
+    }
 }
 
 use crate::config::{VERIFY_IDLE_AFTER, VERIFY_IDLE_WITHIN};
@@ -470,8 +506,9 @@ use crate::config::{VERIFY_IDLE_AFTER, VERIFY_IDLE_WITHIN};
 async fn verify_idle(
     client: &mut deadpool_postgres::ClientWrapper,
     metrics: &deadpool_postgres::Metrics,
+    suspect: &Suspect,
 ) -> Result<(), deadpool_postgres::HookError> {
-    if metrics.last_used() < VERIFY_IDLE_AFTER {
+    if metrics.last_used() < VERIFY_IDLE_AFTER && !suspect.now() {
         return Ok(());
     }
     // Bounded: deadpool runs hooks without its recycle timeout, and a connection that idled at
@@ -523,6 +560,7 @@ impl Tasks {
              -c max_parallel_workers_per_gather=0",
             server_limit.as_millis()
         ));
+        let suspect = Arc::new(Suspect::default());
         let manager = Manager::from_config(
             pg,
             NoTls,
@@ -545,15 +583,20 @@ impl Tasks {
             .wait_timeout(Some(timeout))
             .create_timeout(Some(timeout))
             .recycle_timeout(Some(timeout))
-            .pre_recycle(deadpool_postgres::Hook::async_fn(|client, metrics| {
-                Box::pin(verify_idle(client, metrics))
-            }))
+            .pre_recycle({
+                let suspect = Arc::clone(&suspect);
+                deadpool_postgres::Hook::async_fn(move |client, metrics| {
+                    let suspect = Arc::clone(&suspect);
+                    Box::pin(async move { verify_idle(client, metrics, &suspect).await })
+                })
+            })
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
         let tasks = Tasks {
             pool,
             timeout,
             stats,
+            suspect,
         };
         drop(tasks.client().await?);
         Ok(tasks)
@@ -639,10 +682,14 @@ impl Tasks {
         fut: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, Error> {
         self.stats.postgres_statement();
-        tokio::time::timeout(limit, fut)
+        let outcome = tokio::time::timeout(limit, fut)
             .await
-            .map_err(|_| Error::Timeout(limit))?
-            .map_err(Error::from)
+            .map_err(|_| Error::Timeout(limit))
+            .and_then(|answer| answer.map_err(Error::from));
+        if let Err(e) = &outcome {
+            self.suspect.note(e);
+        }
+        outcome
     }
 
     async fn query(

@@ -293,14 +293,20 @@ class Task:
 #: run (an answer is never delayed anywhere near this long).
 _HANDED_BACK_FOR = 3600.0
 
+#: Most grants handed back by one heartbeat (the broker refuses more than ``--max-skip-ids``,
+#: 1,000 by default); the rest go with the next ones.
+_HAND_BACK_AT_ONCE = 100
+
 
 class _Undelivered:
     """Grants the broker made for this worker that never arrived (the answer was lost with a
     replica or a connection): the lease holds them, so nothing else may run them, and nobody here
     runs them. A task the heartbeats list as held that this worker never received, in two
     heartbeats in a row (an answer on its way arrives well within a heartbeat's period), is one:
-    the next heartbeat hands it back (``HeartbeatRequest.undelivered``) and the broker requeues it.
-    If its answer turns up after all once it was handed back, it is not run here. Not thread-safe:
+    the next heartbeat hands it back (``HeartbeatRequest.undelivered``), and the following ones do
+    again while the heartbeats still list it (the broker acts once: it releases the grant's locks
+    only under its token, then requeues it). Once a grant is handed back, an answer bringing it
+    after all is not run; one that arrives before that takes it off the list. Not thread-safe:
     the worker calls it under its lock."""
 
     def __init__(self) -> None:
@@ -309,20 +315,29 @@ class _Undelivered:
         self.received: dict[tuple[str, int], float] = {}
         #: Listed and never received at the last heartbeat -> (token, lease generation).
         self.suspects: dict[str, tuple[int, int]] = {}
-        #: Listed and never received twice in a row, with the generation: handed back next.
+        #: To hand back with the next heartbeat: (task, token, lease generation).
         self.due: list[tuple[str, int, int]] = []
         #: Handed back (or being handed back): task -> (token, when).
         self.handed_back: dict[str, tuple[int, float]] = {}
 
     def note_received(self, task_id: str, token: int) -> bool:
-        """Notes a grant that arrived; False when it was handed back already."""
+        """Notes a grant that arrived; False when it was handed back already (it must not run)."""
         now = time.monotonic()
         self.handed_back = {k: v for k, v in self.handed_back.items() if now - v[1] < _HANDED_BACK_FOR}
         back = self.handed_back.get(task_id)
         if back is not None and back[0] == token:
             return False
+        # Arrived late but before its hand-back: it is this worker's after all.
+        self.suspects.pop(task_id, None)
+        self.due = [d for d in self.due if d[0] != task_id]
         self.received[(task_id, token)] = now
         return True
+
+    def adopted(self, task_id: str, token: int) -> None:
+        """A task a reopened lease adopted under ``token``: received if this worker received the
+        task before (it may be finishing it), otherwise a grant that never arrived."""
+        if any(t == task_id for t, _ in self.received):
+            self.received[(task_id, token)] = time.monotonic()
 
     def listed(self, held: Sequence[pb.HeldTask], generation: int, sent: float) -> None:
         """What a heartbeat sent at ``sent`` (``time.monotonic()``) listed as held under the lease
@@ -332,11 +347,14 @@ class _Undelivered:
         self.received = {k: at for k, at in self.received.items() if at >= sent or k in listed}
         suspects: dict[str, tuple[int, int]] = {}
         for h in held:
-            back = self.handed_back.get(h.task_id)
-            if (h.task_id, h.fencing_token) in self.received or (back is not None and back[0] == h.fencing_token):
+            if (h.task_id, h.fencing_token) in self.received:
                 continue
-            if self.suspects.get(h.task_id) == (h.fencing_token, generation):
-                self.due.append((h.task_id, h.fencing_token, generation))
+            back = self.handed_back.get(h.task_id)
+            handed_back = back is not None and back[0] == h.fencing_token
+            twice = self.suspects.get(h.task_id) == (h.fencing_token, generation)
+            if handed_back or twice:
+                if not any(d[0] == h.task_id for d in self.due):
+                    self.due.append((h.task_id, h.fencing_token, generation))
             else:
                 suspects[h.task_id] = (h.fencing_token, generation)
         self.suspects = suspects
@@ -346,12 +364,13 @@ class _Undelivered:
         answer bringing one of them is not run."""
         self.due = [d for d in self.due if d[2] == generation]
         now = time.monotonic()
-        for task_id, token, _ in self.due:
+        out = self.due[:_HAND_BACK_AT_ONCE]
+        for task_id, token, _ in out:
             self.handed_back[task_id] = (token, now)
-        return [pb.HeldTask(task_id=task_id, fencing_token=token) for task_id, token, _ in self.due]
+        return [pb.HeldTask(task_id=task_id, fencing_token=token) for task_id, token, _ in out]
 
     def reported(self, handed_back: Sequence[pb.HeldTask]) -> None:
-        """The broker took these back."""
+        """The broker has these (it acts on them after answering)."""
         back = {h.task_id for h in handed_back}
         self.due = [d for d in self.due if d[0] not in back]
 
@@ -702,6 +721,11 @@ class Worker:
             self._install(lease)
             kept, lost = [], []
             with self._lock:
+                # Adopted tasks this worker received before (held, or being finished or
+                # released) are received under their new tokens; any other is a grant that never
+                # arrived.
+                for task_id, token in adopted.items():
+                    self._undelivered.adopted(task_id, token)
                 for task_id, task in list(self._held.items()):
                     if task_id in adopted:
                         task._token = adopted[task_id]

@@ -703,12 +703,16 @@ impl Shared {
                 }
             });
         }
-        // The adopted tasks this worker holds are received under their new tokens; any other
-        // the new lease adopted is a grant that never arrived (see `Undelivered`).
+        // The adopted tasks this worker received before (held, or being finished or released)
+        // are received under their new tokens; any other the new lease adopted is a grant that
+        // never arrived (see `Undelivered`).
         {
             let mut undelivered = lock(&self.undelivered);
             for task_id in &adopted_tasks {
                 undelivered.received(task_id, adopted[task_id]);
+            }
+            for (task_id, token) in &adopted {
+                undelivered.adopted(task_id, *token);
             }
         }
         tracing::warn!(
@@ -774,8 +778,10 @@ impl Shared {
 /// replica or a connection): the lease holds them, so nothing else may run them, and nobody here
 /// runs them. A task the heartbeats list as held that this worker never received, in two
 /// heartbeats in a row (an answer on its way arrives well within a heartbeat's period), is one:
-/// the next heartbeat hands it back (`HeartbeatRequest.undelivered`) and the broker requeues it.
-/// If its answer turns up after all once it was handed back, it is not run here.
+/// the next heartbeat hands it back (`HeartbeatRequest.undelivered`), and the following ones do
+/// again while the heartbeats still list it (the broker acts once: it releases the grant's locks
+/// only under its token, then requeues it). Once a grant is handed back, an answer bringing it
+/// after all is not run; one that arrives before that takes it off the list.
 #[derive(Debug, Default)]
 struct Undelivered {
     /// Grants received under this worker's leases (task and fencing token), with when: kept
@@ -784,7 +790,7 @@ struct Undelivered {
     /// Listed and never received at the last heartbeat, with the fencing token and the lease
     /// generation they were listed under.
     suspects: HashMap<String, (u64, u64)>,
-    /// Listed and never received twice in a row: handed back by the next heartbeat.
+    /// To hand back with the next heartbeat, with the lease generation.
     due: Vec<(proto::HeldTask, u64)>,
     /// Handed back (or being handed back): the grant's fencing token, and when (kept for
     /// [`HANDED_BACK_FOR`]). The same task granted again has a new token.
@@ -795,8 +801,12 @@ struct Undelivered {
 /// not run (an answer is never delayed anywhere near this long).
 const HANDED_BACK_FOR: Duration = Duration::from_secs(3600);
 
+/// Most grants handed back by one heartbeat (the broker refuses more than `--max-skip-ids`,
+/// 1,000 by default); the rest go with the next ones.
+const HAND_BACK_AT_ONCE: usize = 100;
+
 impl Undelivered {
-    /// Notes a grant that arrived; false when it was handed back already.
+    /// Notes a grant that arrived; false when it was handed back already (it must not run here).
     fn received(&mut self, task_id: &str, token: u64) -> bool {
         let now = Instant::now();
         self.handed_back
@@ -808,8 +818,20 @@ impl Undelivered {
         {
             return false;
         }
+        // Arrived late but before its hand-back: it is this worker's after all.
+        self.suspects.remove(task_id);
+        self.due.retain(|(h, _)| h.task_id != task_id);
         self.received.insert((task_id.to_owned(), token), now);
         true
+    }
+
+    /// A task the lease of a reopened lease adopted under `token`: received if this worker
+    /// received the task before (it may be finishing it), otherwise a grant that never arrived.
+    fn adopted(&mut self, task_id: &str, token: u64) {
+        if self.received.keys().any(|(t, _)| t == task_id) {
+            self.received
+                .insert((task_id.to_owned(), token), Instant::now());
+        }
     }
 
     /// What a heartbeat sent at `sent` listed as held under the lease of `generation`.
@@ -824,16 +846,21 @@ impl Undelivered {
         });
         let mut suspects = HashMap::new();
         for h in held {
+            if self
+                .received
+                .contains_key(&(h.task_id.clone(), h.fencing_token))
+            {
+                continue;
+            }
             let handed_back = self
                 .handed_back
                 .get(&h.task_id)
                 .is_some_and(|(t, _)| *t == h.fencing_token);
-            let key = (h.task_id.clone(), h.fencing_token);
-            if self.received.contains_key(&key) || handed_back {
-                continue;
-            }
-            if self.suspects.get(&h.task_id) == Some(&(h.fencing_token, generation)) {
-                self.due.push((h.clone(), generation));
+            let twice = self.suspects.get(&h.task_id) == Some(&(h.fencing_token, generation));
+            if handed_back || twice {
+                if !self.due.iter().any(|(d, _)| d.task_id == h.task_id) {
+                    self.due.push((h.clone(), generation));
+                }
             } else {
                 suspects.insert(h.task_id.clone(), (h.fencing_token, generation));
             }
@@ -846,14 +873,20 @@ impl Undelivered {
     fn due_now(&mut self, generation: u64) -> Vec<proto::HeldTask> {
         self.due.retain(|(_, g)| *g == generation);
         let now = Instant::now();
-        for (h, _) in &self.due {
+        let out: Vec<proto::HeldTask> = self
+            .due
+            .iter()
+            .take(HAND_BACK_AT_ONCE)
+            .map(|(h, _)| h.clone())
+            .collect();
+        for h in &out {
             self.handed_back
                 .insert(h.task_id.clone(), (h.fencing_token, now));
         }
-        self.due.iter().map(|(h, _)| h.clone()).collect()
+        out
     }
 
-    /// The broker took these back.
+    /// The broker has these (it acts on them after answering).
     fn reported(&mut self, handed_back: &[proto::HeldTask]) {
         self.due
             .retain(|(h, _)| !handed_back.iter().any(|r| r.task_id == h.task_id));
@@ -1200,6 +1233,51 @@ mod tests {
         assert!(u.due_now(1).is_empty());
         // Granted again (a new token), it is a grant like any other.
         assert!(u.received("a", 9));
+    }
+
+    #[test]
+    fn an_answer_that_arrives_before_the_hand_back_takes_the_grant_off_the_list() {
+        let mut u = Undelivered::default();
+        let sent = Instant::now();
+        u.listed(&[held("a", 7)], 1, sent);
+        u.listed(&[held("a", 7)], 1, sent);
+        assert!(u.received("a", 7), "it arrived: it runs here");
+        assert!(u.due_now(1).is_empty(), "so it is not handed back");
+        u.listed(&[held("a", 7)], 1, sent);
+        assert!(u.due_now(1).is_empty());
+    }
+
+    #[test]
+    fn a_grant_handed_back_goes_again_while_it_is_listed() {
+        let mut u = Undelivered::default();
+        let sent = Instant::now();
+        u.listed(&[held("a", 7)], 1, sent);
+        u.listed(&[held("a", 7)], 1, sent);
+        let back = u.due_now(1);
+        u.reported(&back);
+        // The broker did not act on it (a replica killed after answering): still listed.
+        u.listed(&[held("a", 7)], 1, sent);
+        assert_eq!(u.due_now(1), vec![held("a", 7)]);
+        // Acted on: no longer listed, nothing more to hand back.
+        u.reported(&[held("a", 7)]);
+        u.listed(&[], 1, sent);
+        assert!(u.due_now(1).is_empty());
+    }
+
+    #[test]
+    fn a_task_adopted_after_a_rebuild_is_received_if_it_was_before() {
+        let mut u = Undelivered::default();
+        assert!(u.received("a", 7));
+        u.adopted("a", 12);
+        u.adopted("b", 13);
+        let sent = Instant::now();
+        u.listed(&[held("a", 12), held("b", 13)], 2, sent);
+        u.listed(&[held("a", 12), held("b", 13)], 2, sent);
+        assert_eq!(
+            u.due_now(2),
+            vec![held("b", 13)],
+            "only the one never received"
+        );
     }
 
     #[test]
