@@ -797,6 +797,41 @@ async fn faults_storm(setup: &Setup) -> Faults {
     note("Redis resumed");
     let backlog_done = backlog_done(&done, started).await;
     note("backlog done");
+    // What is left, and why, when something is (before the leases close).
+    for row in db
+        .query(
+            "SELECT pulp_id::text, state, app_lock_id::text, started_at IS NOT NULL \
+             FROM core_task WHERE name = 'ready' AND state <> 'completed' AND $1",
+            &[&(done.load(Ordering::Relaxed) < READY as u64)],
+        )
+        .await
+        .unwrap()
+    {
+        let id: String = row.get(0);
+        let lock = std::process::Command::new("redis-cli")
+            .args([
+                "-u",
+                &redis_url,
+                "HGETALL",
+                &format!("{{dispatch}}:task:{id}"),
+            ])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).replace('\n', " "))
+            .unwrap_or_default();
+        eprintln!(
+            "  left: {id} {} claimed by {:?}, started: {}; its lock: [{lock}]",
+            row.get::<_, String>(1),
+            row.get::<_, Option<String>>(2),
+            row.get::<_, bool>(3),
+        );
+        for r in [&a, &b] {
+            if let Ok(log) = std::fs::read_to_string(&r.log) {
+                for line in log.lines().filter(|l| l.contains(&id)) {
+                    eprintln!("    {line}");
+                }
+            }
+        }
+    }
     let errors = fleets
         .iter()
         .map(|f| f.stats.errors.load(Ordering::Relaxed))

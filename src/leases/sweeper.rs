@@ -154,19 +154,44 @@ impl Sweeper {
             let ids: Vec<TaskId> = chunk.iter().map(|(id, _, _)| *id).collect();
             let locked = self.locks.are_locked(&ids).await?;
             let mut lost_running = false;
+            let mut running_unlocked = Vec::new();
             for ((task, state, app_status), has_lock) in chunk.iter().zip(locked) {
                 if has_lock {
                     continue;
                 }
-                if *state == TaskState::Waiting {
-                    if self.tasks.requeue(*task, *app_status, false).await? {
-                        self.locks.note_changes(&["*"]).await?;
-                        self.stats.lock_reconciled();
-                        tracing::warn!(task_id = %task, "a claimed task had no lock; back in the queue");
+                if *state != TaskState::Waiting {
+                    running_unlocked.push(*task);
+                    continue;
+                }
+                if self.tasks.requeue(*task, *app_status, false).await? {
+                    self.locks.note_changes(&["*"]).await?;
+                    self.stats.lock_reconciled();
+                    tracing::warn!(task_id = %task, "a claimed task had no lock; back in the queue");
+                }
+            }
+            // A running task read as claimed just before its locks went, on the way back to the
+            // queue (an undelivered grant handed back: its locks are released first, then it is
+            // requeued), is no lost write: only one still claimed, running and unlocked at a
+            // second look is.
+            if !running_unlocked.is_empty() {
+                let still: HashSet<TaskId> = self
+                    .tasks
+                    .claimed_since(self.claim_grace)
+                    .await?
+                    .into_iter()
+                    .filter(|(_, state, _)| *state != TaskState::Waiting)
+                    .map(|(id, _, _)| id)
+                    .collect();
+                let again: Vec<TaskId> = running_unlocked
+                    .into_iter()
+                    .filter(|t| still.contains(t))
+                    .collect();
+                let locked = self.locks.are_locked(&again).await?;
+                for (task, has_lock) in again.iter().zip(locked) {
+                    if !has_lock {
+                        tracing::error!(task_id = %task, "a running task has no lock: redis lost writes");
+                        lost_running = true;
                     }
-                } else {
-                    tracing::error!(task_id = %task, %state, "a running task has no lock: redis lost writes");
-                    lost_running = true;
                 }
             }
             if lost_running {
