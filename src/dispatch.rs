@@ -187,6 +187,10 @@ enum Fair {
     Wait,
 }
 
+/// How long one replica holds the hand-back of an undelivered grant (`Dispatch::return_one`);
+/// it retries the requeue for half of it.
+const RETURN_HOLD: Duration = Duration::from_secs(60);
+
 /// The task RPCs.
 #[derive(Clone)]
 pub struct Dispatch {
@@ -782,13 +786,13 @@ impl Dispatch {
 
     /// Heartbeat's `undelivered`: grants a live lease holds that never reached its worker (the
     /// answer was lost with a replica or a connection). Each still held by `lease_id` under the
-    /// given token has its locks released, then goes back to the queue, started or not; any other
-    /// is left alone. The release comes first and is atomic (lease and token checked in the same
-    /// script), so two hand-backs of one grant (a retried heartbeat) act once, and one that comes
-    /// after the task was requeued and granted again does nothing. Between the two steps the task
-    /// is still claimed in Postgres, so no newer task on its resources becomes ready and nobody
-    /// can claim it. Runs in a task of its own (shutdown waits for it), so the heartbeat answers
-    /// without Postgres; the worker hands the grant back again while heartbeats still list it.
+    /// given token goes back to the queue, started or not, then has its locks released; any
+    /// other is left alone. One replica at a time hands a grant back (`Locks::take_return`), so a
+    /// repeated hand-back (a retried heartbeat, the next heartbeat) does nothing more. The task
+    /// stays locked until it is back in the queue: no grant can take it meanwhile, so retrying
+    /// the requeue is safe, and a replica dying half-way leaves it locked and still listed, to be
+    /// handed back again. Runs in a task of its own (shutdown waits for it), so the heartbeat
+    /// answers without Postgres.
     pub fn return_undelivered(
         &self,
         lease_id: LeaseId,
@@ -802,45 +806,56 @@ impl Dispatch {
         tokio::spawn(async move {
             let _running = running;
             for (task_id, token) in undelivered {
-                match dispatch.locks.release(lease_id, task_id, token).await {
-                    Ok((Release::Released, _)) => {
-                        tracing::warn!(%task_id, %lease_id, "the worker never received this grant; requeueing it");
-                        dispatch.requeue_undelivered(task_id, app_status).await;
-                    }
-                    Ok(_) => {
-                        tracing::debug!(%task_id, %lease_id, "a grant handed back is no longer the lease's under that token; left alone")
-                    }
-                    Err(e) => {
-                        tracing::warn!(%task_id, %lease_id, error = %e, "could not release a grant handed back; the worker hands it back again")
-                    }
+                if let Err(e) = dispatch
+                    .return_one(lease_id, app_status, task_id, token)
+                    .await
+                {
+                    tracing::warn!(%task_id, %lease_id, error = %e, "could not hand back an undelivered grant; the worker hands it back again");
                 }
             }
             dispatch.wake();
         });
     }
 
-    /// Puts back in the queue an undelivered grant whose locks were just released, trying again
-    /// while Postgres fails (for up to a minute; after that the reconciler deals with a claimed
-    /// task without locks: design.md, "No lock outlives its holder", invariant 2).
-    async fn requeue_undelivered(&self, task_id: TaskId, app_status: Uuid) {
-        for attempt in 0..60 {
+    async fn return_one(
+        &self,
+        lease_id: LeaseId,
+        app_status: Uuid,
+        task_id: TaskId,
+        token: FencingToken,
+    ) -> Result<()> {
+        if self.locks.holder(lease_id, task_id, token).await?.is_err() {
+            tracing::debug!(%task_id, %lease_id, "a grant handed back is no longer the lease's under that token; left alone");
+            return Ok(());
+        }
+        if !self.locks.take_return(task_id, token, RETURN_HOLD).await? {
+            return Ok(());
+        }
+        tracing::warn!(%task_id, %lease_id, "the worker never received this grant; requeueing it");
+        let mut requeued = None;
+        let started = Instant::now();
+        while requeued.is_none() && started.elapsed() < RETURN_HOLD / 2 {
             match self.tasks.requeue(task_id, app_status, true).await {
-                Ok(requeued) => {
-                    if requeued {
-                        self.requeue.note_requeue(task_id).await;
-                        self.stats.undelivered_returned();
-                    }
-                    return;
-                }
+                Ok(done) => requeued = Some(done),
                 Err(e) => {
-                    if attempt == 0 {
-                        tracing::warn!(%task_id, error = %e, "could not requeue a grant handed back; trying again every second");
-                    }
+                    tracing::warn!(%task_id, error = %e, "could not requeue a grant handed back; trying again");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
         }
-        tracing::error!(%task_id, "a grant handed back could not be requeued for a minute; the reconciler takes it up");
+        let Some(requeued) = requeued else {
+            // Still locked and claimed: the worker hands it back again once the hold expires.
+            return Ok(());
+        };
+        // Noted whatever the requeue found: an earlier attempt may have put it back already.
+        self.requeue.note_requeue(task_id).await;
+        if requeued {
+            self.stats.undelivered_returned();
+        }
+        self.requeue
+            .release_after_failure(lease_id, task_id, token)
+            .await;
+        Ok(())
     }
 
     /// The resource queues of this replica (the server runs their loading).

@@ -329,6 +329,27 @@ impl Locks {
         }
     }
 
+    /// Takes the hand-back of an undelivered grant for `hold` (it expires then, should this
+    /// replica die half-way): false when another replica is handing it back.
+    pub async fn take_return(
+        &self,
+        task_id: TaskId,
+        fencing_token: FencingToken,
+        hold: Duration,
+    ) -> Result<bool, Error> {
+        let set: Option<String> = self
+            .command(
+                redis::cmd("SET")
+                    .arg(self.keys.returning(task_id, fencing_token.0))
+                    .arg(1)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(u64::try_from(hold.as_millis()).unwrap_or(u64::MAX)),
+            )
+            .await?;
+        Ok(set.is_some())
+    }
+
     /// Checks that a live lease holds a task under `fencing_token`: `Ok(Ok(app_status_id))` when
     /// it does, `Ok(Err(why))` when it does not (`Release::NotHeld` standing for "lease gone").
     pub async fn holder(

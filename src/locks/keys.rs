@@ -111,6 +111,12 @@ impl Keys {
         format!("{}:changefloor", self.tag)
     }
 
+    /// Set while a replica hands an undelivered grant (task, fencing token) back to the queue,
+    /// with a TTL: one replica at a time does it.
+    pub fn returning(&self, task_id: TaskId, token: u64) -> String {
+        format!("{}:returning:{task_id}:{token}", self.tag)
+    }
+
     /// Hash group -> the number of that group's tasks holding locks (fairness: caps, shares).
     pub fn running(&self) -> String {
         format!("{}:running", self.tag)
@@ -160,6 +166,7 @@ mod tests {
             k.changes(),
             k.change_seq(),
             k.change_floor(),
+            k.returning(TaskId(uuid::Uuid::nil()), 1),
             k.running(),
             k.deferred(),
             k.fair_overrides(),

@@ -779,8 +779,8 @@ impl Shared {
 /// runs them. A task the heartbeats list as held that this worker never received, in two
 /// heartbeats in a row (an answer on its way arrives well within a heartbeat's period), is one:
 /// the next heartbeat hands it back (`HeartbeatRequest.undelivered`), and the following ones do
-/// again while the heartbeats still list it (the broker acts once: it releases the grant's locks
-/// only under its token, then requeues it). Once a grant is handed back, an answer bringing it
+/// again while the heartbeats still list it (the broker acts once, and only on the grant under
+/// its token: it requeues the task, then releases its locks). Once a grant is handed back, an answer bringing it
 /// after all is not run; one that arrives before that takes it off the list.
 #[derive(Debug, Default)]
 struct Undelivered {
