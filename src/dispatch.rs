@@ -2002,14 +2002,19 @@ impl Dispatch {
             Ok(Some(started_at)) => {
                 // The lease may have been closed or swept between the lock and the claim; its
                 // clean-up then missed this claim. Hand out only what the live lease still holds.
-                if !matches!(
-                    self.locks.holder(lease_id, row.id, fencing_token).await,
-                    Ok(Ok(_))
-                ) {
+                // Only a lease Redis no longer knows is gone: a failed check (Redis slow or
+                // paused) is an error to retry, not a reason for the worker to replace a lease
+                // that is alive (and leave what it holds to the sweeper).
+                let held = self.locks.holder(lease_id, row.id, fencing_token).await;
+                if !matches!(held, Ok(Ok(_))) {
                     self.requeue
                         .requeue(row.id, app_status, lease_id, fencing_token, start)
                         .await;
-                    return Ok(Attempt::LeaseGone);
+                    return match held {
+                        Err(e) => Err(e.into()),
+                        Ok(Err(Release::NotHeld)) => Ok(Attempt::LeaseGone),
+                        _ => Ok(Attempt::Lost),
+                    };
                 }
                 tracing::info!(task_id = %row.id, %lease_id, %fencing_token, "task handed out");
                 let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
