@@ -1736,23 +1736,29 @@ mod tests {
         );
     }
 
-    /// Statements one after another take the connection used last, not each pooled connection
-    /// in turn: at idle, a connection handed out in turn has sat idle past VERIFY_IDLE_AFTER and
-    /// costs a verifying query (a transaction of its own) before every statement.
-    #[tokio::test]
-    async fn statements_one_after_another_reuse_the_last_connection() {
+    /// A task store on a throwaway Postgres with a pool of `pool_size` connections.
+    async fn throwaway(pool_size: usize) -> (dispatch_testkit::Postgres, Tasks) {
         let pg = tokio::task::spawn_blocking(dispatch_testkit::Postgres::start)
             .await
             .unwrap()
             .expect("start postgres");
         let tasks = Tasks::connect(
             &pg.url("postgres"),
-            4,
+            pool_size,
             Duration::from_secs(5),
             Arc::new(Stats::default()),
         )
         .await
         .unwrap();
+        (pg, tasks)
+    }
+
+    /// Statements one after another take the connection used last, not each pooled connection
+    /// in turn: at idle, a connection handed out in turn has sat idle past VERIFY_IDLE_AFTER and
+    /// costs a verifying query (a transaction of its own) before every statement.
+    #[tokio::test]
+    async fn statements_one_after_another_reuse_the_last_connection() {
+        let (_pg, tasks) = throwaway(4).await;
         // Four connections in the pool, all handed back.
         let held = futures::future::try_join_all((0..4).map(|_| tasks.client()))
             .await
@@ -1776,18 +1782,7 @@ mod tests {
     /// runs outside it, with the settings as they were.
     #[tokio::test]
     async fn a_read_under_settings_that_fails_leaves_no_transaction_behind() {
-        let pg = tokio::task::spawn_blocking(dispatch_testkit::Postgres::start)
-            .await
-            .unwrap()
-            .expect("start postgres");
-        let tasks = Tasks::connect(
-            &pg.url("postgres"),
-            1,
-            Duration::from_secs(5),
-            Arc::new(Stats::default()),
-        )
-        .await
-        .unwrap();
+        let (_pg, tasks) = throwaway(1).await;
         let failed = tasks
             .query_read_under(
                 sql::CANDIDATES_SETTINGS,

@@ -1041,26 +1041,12 @@ async fn a_task_behind_one_pulp_is_canceling_is_handed_out_once_it_is_canceled()
     env.shutdown().await;
 }
 
-/// FetchTask asking the grant to start its task.
-async fn fetch_started(env: &Env, lease: &str) -> Option<dispatch_broker::proto::Task> {
-    env.client
-        .clone()
-        .fetch_task(dispatch_broker::proto::FetchTaskRequest {
-            start: true,
-            ..support::fetch_request(lease)
-        })
-        .await
-        .expect("fetch")
-        .into_inner()
-        .task
-}
-
 #[tokio::test]
 async fn a_fetch_that_starts_its_task_hands_it_out_running_in_one_call() {
     let mut env = Env::new().await;
     let task = env.task(&["a"]).await;
     let lease = env.open("w").await;
-    let granted = fetch_started(&env, &lease).await.expect("the task");
+    let granted = env.fetch_started(&lease).await.expect("the task");
     assert_eq!(id(&granted), task);
     assert!(
         granted.started_at.is_some(),
@@ -1114,7 +1100,7 @@ async fn closing_a_lease_fails_a_task_its_fetch_started_and_requeues_one_only_cl
     let started = env.task(&["a"]).await;
     let claimed = env.task(&["b"]).await;
     let lease = env.open("w").await;
-    assert_eq!(id(&fetch_started(&env, &lease).await.unwrap()), started);
+    assert_eq!(id(&env.fetch_started(&lease).await.unwrap()), started);
     assert_eq!(id(&env.fetch(&lease).await.unwrap()), claimed);
     let closed = env
         .client

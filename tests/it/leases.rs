@@ -351,23 +351,8 @@ async fn a_grant_handed_back_as_undelivered_goes_back_to_the_queue() {
     env.task(&["b"]).await;
     let lease = env.open("w").await;
     let other = env.open("v").await;
-    let mut started = Vec::new();
-    for _ in 0..2 {
-        started.push(
-            env.client
-                .fetch_task(FetchTaskRequest {
-                    lease_id: lease.clone(),
-                    start: true,
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .task
-                .expect("granted"),
-        );
-    }
-    let (ta, tb) = (started[0].clone(), started[1].clone());
+    let ta = env.fetch_started(&lease).await.expect("granted");
+    let tb = env.fetch_started(&lease).await.expect("granted");
     assert_eq!(id(&ta), a);
     let beat = |lease: &str, back: Vec<HeldTask>| HeartbeatRequest {
         lease_id: lease.to_owned(),

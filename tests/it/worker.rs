@@ -455,20 +455,12 @@ fn the_worker_library_reads_the_brokers_not_found_key() {
 /// the lease would hold it, and its resource, for as long as the worker lives.
 #[tokio::test]
 async fn a_grant_that_never_arrived_is_handed_back_and_runs_elsewhere() {
-    let mut env = Env::new().await;
+    let env = Env::new().await;
     let task = env.task(&["a"]).await;
     let worker = connect(&env, "w").await;
     let lost = env
-        .client
-        .fetch_task(dispatch_broker::proto::FetchTaskRequest {
-            lease_id: worker.lease_id(),
-            start: true,
-            ..Default::default()
-        })
+        .fetch_started(&worker.lease_id())
         .await
-        .unwrap()
-        .into_inner()
-        .task
         .expect("the task was granted");
     assert_eq!(lost.task_id, task.to_string());
     assert!(

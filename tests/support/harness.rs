@@ -278,6 +278,20 @@ impl Env {
         self.try_fetch(lease, &[]).await.expect("fetch")
     }
 
+    /// FetchTask asking the grant to start its task.
+    pub async fn fetch_started(&self, lease: &str) -> Option<Task> {
+        self.client
+            .clone()
+            .fetch_task(FetchTaskRequest {
+                start: true,
+                ..fetch_request(lease)
+            })
+            .await
+            .expect("fetch")
+            .into_inner()
+            .task
+    }
+
     pub async fn try_fetch(
         &mut self,
         lease: &str,
