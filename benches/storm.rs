@@ -385,6 +385,92 @@ async fn left(db: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
+/// A storm under way, its first 25 workers started: what runs beside the fleet.
+struct Course {
+    started: Instant,
+    /// Ready tasks run so far.
+    done: Arc<AtomicU64>,
+    /// Stops the probe and the sampler.
+    stop: Arc<AtomicBool>,
+    probe: tokio::task::JoinHandle<Vec<Probe>>,
+    probe_stats: Arc<FleetStats>,
+    samples: tokio::task::JoinHandle<Vec<Sample>>,
+    tally: tokio::task::JoinHandle<(usize, usize)>,
+}
+
+/// What a storm measured, but its label and what the database has left.
+struct Measured {
+    samples: Vec<Sample>,
+    joined_in: Duration,
+    backlog_done: Duration,
+    idle: (Duration, Duration),
+    probes: Vec<Probe>,
+    errors: u64,
+    done: usize,
+    twice: usize,
+}
+
+impl Course {
+    /// The rest of the storm, the same for both fleets: the 475 join at JOIN_AT (`join` starts
+    /// them), the backlog is worked down, the fleet idles; then the probe, the sampler and both
+    /// fleets stop.
+    async fn run(
+        self,
+        first: Fleet,
+        join: impl std::future::Future<Output = Fleet>,
+        tx: mpsc::UnboundedSender<Receipt>,
+    ) -> Measured {
+        let started = self.started;
+        tokio::time::sleep_until((started + JOIN_AT).into()).await;
+        let joining = Instant::now();
+        let second = join.await;
+        let joined_in = joining.elapsed();
+        eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
+        drop(tx);
+        let backlog_done = backlog_done(&self.done, started).await;
+        eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
+        let idle_from = started.elapsed() + IDLE_SETTLE;
+        tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
+        self.stop.store(true, Ordering::SeqCst);
+        let probes = self.probe.await.unwrap();
+        let samples = self.samples.await.unwrap();
+        let errors = [&first.stats, &second.stats, &self.probe_stats]
+            .iter()
+            .map(|s| s.errors.load(Ordering::Relaxed))
+            .sum();
+        first.stop().await;
+        second.stop().await;
+        let (done, twice) = self.tally.await.unwrap();
+        Measured {
+            samples,
+            joined_in,
+            backlog_done,
+            idle: (idle_from, idle_from + IDLE_WINDOW),
+            probes,
+            errors,
+            done,
+            twice,
+        }
+    }
+}
+
+impl Measured {
+    fn into_storm(self, label: &'static str, left: i64) -> Storm {
+        Storm {
+            label,
+            samples: self.samples,
+            joined_in: self.joined_in,
+            backlog_done: self.backlog_done,
+            idle: self.idle,
+            probes: self.probes,
+            errors: self.errors,
+            done: self.done,
+            twice: self.twice,
+            left,
+        }
+    }
+}
+
 async fn broker_storm(setup: &Setup) -> Storm {
     let (url, db, head) = setup.database("storm_broker").await;
     let args = ServeArgs::with_urls(&url, &setup.redis.url());
@@ -468,42 +554,21 @@ async fn broker_storm(setup: &Setup) -> Storm {
         })
     };
     let first = broker_fleet(&endpoint, FIRST, Duration::ZERO, true, tx.clone()).await;
-    tokio::time::sleep_until((started + JOIN_AT).into()).await;
-    let joining = Instant::now();
-    let second = broker_fleet(&endpoint, JOINING, Duration::ZERO, true, tx.clone()).await;
-    let joined_in = joining.elapsed();
-    eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
-    drop(tx);
-    let backlog_done = backlog_done(&done, started).await;
-    eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
-    let idle_from = started.elapsed() + IDLE_SETTLE;
-    tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
-    let idle = (idle_from, idle_from + IDLE_WINDOW);
-    stop.store(true, Ordering::SeqCst);
-    let probes = probe.await.unwrap();
-    let samples = samples.await.unwrap();
-    let errors = [&first.stats, &second.stats, &probe_stats]
-        .iter()
-        .map(|s| s.errors.load(Ordering::Relaxed))
-        .sum();
-    first.stop().await;
-    second.stop().await;
-    let (done, twice) = tally.await.unwrap();
+    let join = broker_fleet(&endpoint, JOINING, Duration::ZERO, true, tx.clone());
+    let course = Course {
+        started,
+        done,
+        stop,
+        probe,
+        probe_stats,
+        samples,
+        tally,
+    };
+    let storm = course.run(first, join, tx).await;
     head_task.finish(FinalState::Completed, None).await.unwrap();
     holder.close().await.unwrap();
     broker.shutdown().await.unwrap();
-    Storm {
-        label: "broker",
-        samples,
-        joined_in,
-        backlog_done,
-        idle,
-        probes,
-        errors,
-        done,
-        twice,
-        left: left(&db).await,
-    }
+    storm.into_storm("broker", left(&db).await)
 }
 
 async fn baseline_storm(setup: &Setup) -> Storm {
@@ -620,47 +685,25 @@ async fn baseline_storm(setup: &Setup) -> Storm {
         counted(&fleet_stats),
     )
     .await;
-    tokio::time::sleep_until((started + JOIN_AT).into()).await;
-    let joining = Instant::now();
-    let second: Fleet = baseline_fleet_counted(
+    let join = baseline_fleet_counted(
         &url,
         &redis_url,
         JOINING,
         Duration::ZERO,
         tx.clone(),
         counted(&fleet_stats),
-    )
-    .await;
-    let joined_in = joining.elapsed();
-    eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
-    drop(tx);
-    let backlog_done = backlog_done(&done, started).await;
-    eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
-    let idle_from = started.elapsed() + IDLE_SETTLE;
-    tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
-    let idle = (idle_from, idle_from + IDLE_WINDOW);
-    stop.store(true, Ordering::SeqCst);
-    let probes = probe.await.unwrap();
-    let samples = samples.await.unwrap();
-    let errors = [&first.stats, &second.stats, &probe_stats]
-        .iter()
-        .map(|s| s.errors.load(Ordering::Relaxed))
-        .sum();
-    first.stop().await;
-    second.stop().await;
-    let (done, twice) = tally.await.unwrap();
-    Storm {
-        label: "baseline",
-        samples,
-        joined_in,
-        backlog_done,
-        idle,
-        probes,
-        errors,
+    );
+    let course = Course {
+        started,
         done,
-        twice,
-        left: left(&db).await,
-    }
+        stop,
+        probe,
+        probe_stats,
+        samples,
+        tally,
+    };
+    let storm = course.run(first, join, tx).await;
+    storm.into_storm("baseline", left(&db).await)
 }
 
 /// A broker replica run as the real binary, so it can be killed (SIGKILL).
