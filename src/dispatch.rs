@@ -15,6 +15,7 @@
 
 mod carried;
 mod claimants;
+mod claiming;
 pub mod fairness;
 mod hint;
 pub mod queues;
@@ -42,6 +43,7 @@ use crate::states::TaskState;
 use crate::tasks::{TaskRow, Tasks};
 use carried::Carried;
 use claimants::{Claimants, Pick, Turn};
+use claiming::{Tried, Try};
 pub use fairness::{FairSettings, Fairness};
 use hint::{
     position_key, released_names, split_by_known, trusted_until, HintBook, ReadAgainst, ScanHint,
@@ -1550,44 +1552,89 @@ impl Dispatch {
         answer: &mut Answer,
         stalled: &CancellationToken,
     ) -> Round {
-        // The round's attempts run at once; each grant is delivered as soon as it is
-        // made (the caller's own through `answer`), so a slow claim holds up no other
-        // grant of the round (the pass's next round waits for it; calls waiting for
-        // the pass, only up to `pass_stall`).
-        let mut attempts: futures::stream::FuturesUnordered<_> = steps
+        // The round's tasks are locked, claimed and checked together (three round trips for the
+        // round); each grant is delivered once made (the caller's own through `answer`). A task
+        // whose row another transaction holds is claimed on its own afterwards, so it holds up
+        // no other grant of the round (the pass's next round waits for it; calls waiting for the
+        // pass, only up to `pass_stall`).
+        let offers: Vec<(usize, Offer)> = steps
             .iter()
             .enumerate()
             .filter_map(|(i, step)| match &step.seen {
-                Seen::Attempt { who, .. } => {
-                    let offer = claimants.offer(*who).clone();
-                    let row = &step.row;
-                    Some(async move {
-                        (
-                            i,
-                            self.lock_and_claim(offer.lease_id, &offer.lease, row, offer.start)
-                                .await,
-                        )
-                    })
-                }
+                Seen::Attempt { who, .. } => Some((i, claimants.offer(*who).clone())),
                 _ => None,
             })
             .collect();
+        let tries: Vec<Try<'_>> = offers
+            .iter()
+            .map(|(i, offer)| Try {
+                lease_id: offer.lease_id,
+                lease: &offer.lease,
+                row: &steps[*i].row,
+                start: offer.start,
+            })
+            .collect();
+        let together = futures::FutureExt::fuse(self.lock_and_claim_round(&tries));
+        tokio::pin!(together);
+        let mut alone = futures::stream::FuturesUnordered::new();
+        let mut settled_now: std::collections::VecDeque<(usize, Result<Attempt>)> =
+            std::collections::VecDeque::new();
+        let mut let_go = stalled.is_cancelled();
         let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
         let mut round = Round::default();
         loop {
-            let next = if stalled.is_cancelled() {
-                futures::StreamExt::next(&mut attempts).await
-            } else {
-                tokio::select! {
-                    next = futures::StreamExt::next(&mut attempts) => next,
-                    () = stalled.cancelled() => {
-                        // Held up: the recruits not trying a task wait elsewhere.
-                        claimants.let_go();
-                        continue;
+            let (i, outcome) = match settled_now.pop_front() {
+                Some(next) => next,
+                None => {
+                    tokio::select! {
+                        out = &mut together, if !futures::future::FusedFuture::is_terminated(&together) => {
+                            match out {
+                                Ok(tried) => {
+                                    for (k, tried) in tried.into_iter().enumerate() {
+                                        let i = offers[k].0;
+                                        match tried {
+                                            Tried::Done(attempt) => settled_now.push_back((i, Ok(attempt))),
+                                            Tried::Alone { fencing_token, app_status } => {
+                                                let t = &tries[k];
+                                                alone.push(async move {
+                                                    (i, self.claim_alone(t, fencing_token, app_status).await)
+                                                });
+                                            }
+                                        }
+                                    }
+                                }
+                                Err(e) => {
+                                    // Backend trouble for the whole round: the pass ends after
+                                    // it. The caller hears of it; recruits go back to waiting.
+                                    round.stop = true;
+                                    let mut e = Some(e);
+                                    for (i, _) in &offers {
+                                        let Seen::Attempt { who, .. } = &steps[*i].seen else {
+                                            continue;
+                                        };
+                                        let claimant = claimants.get_mut(*who);
+                                        claimant.state = Turn::Done;
+                                        if claimant.recruit.take().is_none() {
+                                            round.failure = round.failure.take().or(e.take());
+                                        }
+                                        settled[*i] = Some(Settled::NotGranted);
+                                    }
+                                }
+                            }
+                            continue;
+                        }
+                        Some(next) = futures::StreamExt::next(&mut alone), if !alone.is_empty() => next,
+                        () = stalled.cancelled(), if !let_go
+                            && !(futures::future::FusedFuture::is_terminated(&together) && alone.is_empty()) => {
+                            // Held up: the recruits not trying a task wait elsewhere.
+                            let_go = true;
+                            claimants.let_go();
+                            continue;
+                        }
+                        else => break,
                     }
                 }
             };
-            let Some((i, outcome)) = next else { break };
             let Seen::Attempt { who, .. } = &steps[i].seen else {
                 continue;
             };
@@ -1642,7 +1689,6 @@ impl Dispatch {
                 }
             });
         }
-        drop(attempts);
         round.settled = settled;
         round
     }
@@ -1938,124 +1984,6 @@ impl Dispatch {
     /// either returns the grant or releases them, except one: when the claim's outcome is
     /// unknown and the task cannot be put back, the locks stay with the claim, so the state
     /// stays consistent until the lease ends.
-    async fn lock_and_claim(
-        &self,
-        lease_id: LeaseId,
-        lease: &LeaseRecord,
-        row: &TaskRow,
-        start: bool,
-    ) -> Result<Attempt> {
-        let resources = &row.candidate.resources;
-        if resources
-            .exclusive
-            .iter()
-            .chain(&resources.shared)
-            .any(|r| r.contains('\n'))
-        {
-            tracing::error!(task_id = %row.id, "a resource name contains a newline; the task cannot be locked");
-            return Ok(Attempt::NotGranted);
-        }
-        let app_status: Uuid = lease.app_status_id.parse().map_err(|_| {
-            Error::Internal(format!(
-                "lease {lease_id} names no valid core_appstatus row"
-            ))
-        })?;
-        let admission = self
-            .fairness
-            .admission(self.fairness.group_of_row(row), row.immediate);
-        let acquired = match self
-            .locks
-            .acquire(lease_id, row.id, resources, admission)
-            .await
-        {
-            Ok(acquired) => acquired,
-            Err(crate::locks::Error::StateLost) => {
-                return Err(crate::locks::Error::StateLost.into())
-            }
-            Err(e) => {
-                // The script may have run although the answer was lost: take back whatever this
-                // lease holds for the unclaimed task.
-                if let Err(abort) = self.locks.abort(lease_id, row.id).await {
-                    tracing::error!(task_id = %row.id, error = %abort, "could not take back locks of a failed acquire; they stay until the lease ends");
-                }
-                return Err(e.into());
-            }
-        };
-        let fencing_token = match acquired {
-            Acquire::Granted { fencing_token } => fencing_token,
-            Acquire::LeaseGone => return Ok(Attempt::LeaseGone),
-            Acquire::TaskHeld => return Ok(Attempt::NotGranted),
-            Acquire::Blocked(names) => {
-                tracing::debug!(task_id = %row.id, ?names, "resources held; not ready");
-                return Ok(Attempt::Blocked);
-            }
-            Acquire::HeldBack(why) => {
-                tracing::debug!(task_id = %row.id, %why, "ready, held back by fairness");
-                self.stats.held_back(match why {
-                    crate::fair::HeldBack::Cap { .. } => "cap",
-                    crate::fair::HeldBack::Reserve { .. } => "reserve",
-                });
-                return Ok(Attempt::HeldBack(why));
-            }
-        };
-        match self.tasks.claim(row.id, app_status, start).await {
-            Ok(Some(started_at)) => {
-                // The lease may have been closed or swept between the lock and the claim; its
-                // clean-up then missed this claim. Hand out only what the live lease still holds.
-                // Only a lease Redis no longer knows is gone: a failed check (Redis slow or
-                // paused) is an error to retry, not a reason for the worker to replace a lease
-                // that is alive (and leave what it holds to the sweeper).
-                let held = self.locks.holder(lease_id, row.id, fencing_token).await;
-                if !matches!(held, Ok(Ok(_))) {
-                    self.requeue
-                        .requeue(row.id, app_status, lease_id, fencing_token, start)
-                        .await;
-                    return match held {
-                        Err(e) => Err(e.into()),
-                        Ok(Err(Release::NotHeld)) => Ok(Attempt::LeaseGone),
-                        _ => Ok(Attempt::Lost),
-                    };
-                }
-                tracing::info!(task_id = %row.id, %lease_id, %fencing_token, "task handed out");
-                let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
-                self.stats
-                    .task_waited(self.fairness.label(self.fairness.group_of_row(row)), waited);
-                Ok(Attempt::Granted(Grant {
-                    task_id: row.id,
-                    name: row.name.clone(),
-                    resources: resources.clone(),
-                    fencing_token,
-                    immediate: row.immediate,
-                    created_at: row.created,
-                    started_at,
-                    lease_id,
-                    app_status_id: app_status,
-                }))
-            }
-            Ok(None) => {
-                // Canceled, finished or claimed elsewhere since it was read.
-                self.requeue
-                    .release_after_failure(lease_id, row.id, fencing_token)
-                    .await;
-                Ok(Attempt::Lost)
-            }
-            Err(e) if e.certainly_not_applied() => {
-                self.requeue
-                    .release_after_failure(lease_id, row.id, fencing_token)
-                    .await;
-                Err(e.into())
-            }
-            Err(e) => {
-                // The claim may have committed although the answer was lost: put the task back
-                // first, and release only once it is back.
-                self.requeue
-                    .requeue(row.id, app_status, lease_id, fencing_token, start)
-                    .await;
-                Err(e.into())
-            }
-        }
-    }
-
     /// Fair dispatch's directed passes for one call, in the order `fairness` plans them: the
     /// first ready task of the immediate tasks or of a group goes to the caller. `None` when
     /// fairness is not engaged or no directed page held a ready task (the pass in queue order

@@ -34,7 +34,7 @@ use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::metrics::Stats;
 use crate::ready::Resources;
 pub use changes::{Change, Changes, LEFT_PREFIX, REQUEUED_PREFIX};
-pub use grants::{Acquire, Admission, Release};
+pub use grants::{Acquire, Admission, Release, Wanted};
 pub use keys::Keys;
 pub use leases::{Beaten, Ending, LeaseRecord, NewLease};
 use scripts::Scripts;

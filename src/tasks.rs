@@ -86,6 +86,7 @@ pub mod sql {
         composed
     }
     pub const CLAIM: &str = include_str!("tasks/claim.sql");
+    pub const CLAIM_ROUND: &str = include_str!("tasks/claim_round.sql");
     pub static REQUEUE: LazyLock<String> = with_states!("tasks/requeue.sql");
     pub const START: &str = include_str!("tasks/start.sql");
     pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
@@ -155,7 +156,7 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 35]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 36]> = LazyLock::new(|| {
         [
             GROUPS_WAITING.as_str(),
             GROUPS_WAITING_BY_TASK_GROUP.as_str(),
@@ -181,6 +182,7 @@ pub mod sql {
             END_TASKS,
             CLAIMED_TASKS.as_str(),
             CLAIM,
+            CLAIM_ROUND,
             REQUEUE.as_str(),
             START,
             FINISH.as_str(),
@@ -194,6 +196,17 @@ pub mod sql {
             DELETE_APP_STATUS,
         ]
     });
+}
+
+/// What claiming one task of a round found (claim_round.sql).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// Claimed now; when it started too, at what time.
+    Claimed(Option<DateTime<Utc>>),
+    /// Canceled, finished or claimed elsewhere since it was read.
+    NotClaimable,
+    /// Another transaction holds its row: not tried.
+    RowLocked,
 }
 
 /// What putting a claim back found (requeue.sql).
@@ -989,6 +1002,41 @@ impl Tasks {
             .map(|row| row.try_get(0))
             .transpose()
             .map_err(Error::from)
+    }
+
+    /// [`Tasks::claim`] for a fetch round's tasks (task, core_appstatus row, start) in one
+    /// statement: one outcome per task, in order. A task whose row another transaction holds is
+    /// not tried ([`Claimed::RowLocked`]; [`Tasks::claim`] waits for it).
+    pub async fn claim_round(
+        &self,
+        claims: &[(TaskId, Uuid, bool)],
+    ) -> Result<Vec<Claimed>, Error> {
+        let tasks: Vec<TaskId> = claims.iter().map(|c| c.0).collect();
+        let rows_of: Vec<Uuid> = claims.iter().map(|c| c.1).collect();
+        let start: Vec<bool> = claims.iter().map(|c| c.2).collect();
+        let rows = self
+            .query(sql::CLAIM_ROUND, &[&tasks, &rows_of, &start])
+            .await?;
+        let mut found = std::collections::HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let task: TaskId = row.try_get(0)?;
+            let outcome = if row.try_get(1)? {
+                Claimed::RowLocked
+            } else if row.try_get(2)? {
+                Claimed::Claimed(row.try_get(3)?)
+            } else {
+                Claimed::NotClaimable
+            };
+            found.insert(task, outcome);
+        }
+        claims
+            .iter()
+            .map(|c| {
+                found.get(&c.0).copied().ok_or_else(|| {
+                    Error::Unexpected(format!("claim_round.sql returned no row for task {}", c.0))
+                })
+            })
+            .collect()
     }
 
     /// Puts a claimed task back in the queue; true when it went back. `started`: the grant

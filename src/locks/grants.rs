@@ -50,6 +50,15 @@ impl Admission {
     }
 }
 
+/// One task to lock: for whom, its resources, and what fairness checks of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Wanted<'a> {
+    pub lease_id: LeaseId,
+    pub task_id: TaskId,
+    pub resources: &'a Resources,
+    pub admission: Admission,
+}
+
 /// The outcome of a checked release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Release {
@@ -226,10 +235,23 @@ impl Locks {
         resources: &Resources,
         admission: Admission,
     ) -> Result<Acquire, Error> {
+        let mut outcomes = self
+            .acquire_all(&[Wanted {
+                lease_id,
+                task_id,
+                resources,
+                admission,
+            }])
+            .await?;
+        outcomes.pop().ok_or_else(|| protocol("acquire", &"no reply"))
+    }
+
+    /// [`Locks::acquire`] for several tasks in one call (a fetch round's): tried in order, each
+    /// seeing what the ones before it took. One outcome per task, in order.
+    pub async fn acquire_all(&self, wanted: &[Wanted<'_>]) -> Result<Vec<Acquire>, Error> {
         let epoch = self.epoch();
         let floor = self.known.max_token.load(Ordering::Relaxed);
-        self.acquire_in(&epoch, floor, lease_id, task_id, resources, admission)
-            .await
+        self.acquire_all_in(&epoch, floor, wanted).await
     }
 
     /// [`Locks::acquire`] in a given lock state (a rebuild passes its own).
@@ -242,47 +264,86 @@ impl Locks {
         resources: &Resources,
         admission: Admission,
     ) -> Result<Acquire, Error> {
+        let wanted = Wanted {
+            lease_id,
+            task_id,
+            resources,
+            admission,
+        };
+        let mut outcomes = self
+            .acquire_all_in(epoch, token_floor, &[wanted])
+            .await?;
+        outcomes.pop().ok_or_else(|| protocol("acquire", &"no reply"))
+    }
+
+    async fn acquire_all_in(
+        &self,
+        epoch: &str,
+        token_floor: u64,
+        wanted: &[Wanted<'_>],
+    ) -> Result<Vec<Acquire>, Error> {
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut invocation = self.scripts.acquire.prepare_invoke();
         invocation
             .key(self.keys.epoch())
             .key(self.keys.leases())
-            .key(self.keys.lease_tasks(lease_id))
-            .key(self.keys.task(task_id))
             .key(self.keys.fence())
             .key(self.keys.locked())
             .key(self.keys.running())
-            .key(self.keys.deferred());
-        for name in resources.exclusive.iter().chain(&resources.shared) {
-            invocation
-                .key(self.keys.exclusive(name))
-                .key(self.keys.shared(name));
-        }
-        invocation
+            .key(self.keys.deferred())
             .arg(epoch)
             .arg(token_floor)
-            .arg(lease_id)
-            .arg(task_id)
-            .arg(resources.exclusive.len())
-            .arg(resources.shared.len())
-            .arg(admission.group.to_string())
-            .arg(if admission.immediate { "1" } else { "0" })
-            .arg(admission.cap.map_or(-1, i64::from))
-            .arg(admission.reserve);
-        for name in resources.exclusive.iter().chain(&resources.shared) {
-            invocation.arg(name);
+            .arg(wanted.len());
+        for w in wanted {
+            let names = w.resources.exclusive.iter().chain(&w.resources.shared);
+            invocation
+                .key(self.keys.lease_tasks(w.lease_id))
+                .key(self.keys.task(w.task_id));
+            for name in names.clone() {
+                invocation
+                    .key(self.keys.exclusive(name))
+                    .key(self.keys.shared(name));
+            }
+            invocation
+                .arg(w.lease_id)
+                .arg(w.task_id)
+                .arg(w.resources.exclusive.len())
+                .arg(w.resources.shared.len())
+                .arg(w.admission.group.to_string())
+                .arg(if w.admission.immediate { "1" } else { "0" })
+                .arg(w.admission.cap.map_or(-1, i64::from))
+                .arg(w.admission.reserve);
+            for name in names {
+                invocation.arg(name);
+            }
         }
         let reply: Value = self.run_reading(&invocation).await?;
-        let outcome = parse_acquire(reply)?;
-        match &outcome {
-            Acquire::Granted { fencing_token } => {
+        let Value::Array(replies) = reply else {
+            return Err(protocol("acquire", &reply));
+        };
+        let outcomes = replies
+            .into_iter()
+            .map(parse_acquire)
+            .collect::<Result<Vec<_>, _>>()?;
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, Acquire::Blocked(names) if names.is_empty()))
+        {
+            return Err(self.state_lost());
+        }
+        if outcomes.len() != wanted.len() {
+            return Err(protocol("acquire", &outcomes));
+        }
+        for outcome in &outcomes {
+            if let Acquire::Granted { fencing_token } = outcome {
                 self.known
                     .max_token
                     .fetch_max(fencing_token.0, Ordering::Relaxed);
             }
-            Acquire::Blocked(names) if names.is_empty() => return Err(self.state_lost()),
-            _ => {}
         }
-        Ok(outcome)
+        Ok(outcomes)
     }
 
     /// Releases a task's locks if `lease_id` holds them under `fencing_token`. Also returns the
@@ -358,21 +419,40 @@ impl Locks {
         task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<std::result::Result<String, Release>, Error> {
-        let (code, app_status): (i64, String) = self
-            .run_reading(
-                self.scripts
-                    .holder
-                    .key(self.keys.leases())
-                    .key(self.keys.lease(lease_id))
-                    .key(self.keys.task(task_id))
-                    .arg(lease_id)
-                    .arg(fencing_token.to_string()),
-            )
+        let mut held = self
+            .holders(&[(lease_id, task_id, fencing_token)])
             .await?;
-        Ok(match release_code("holder", code)? {
-            Release::Released => Ok(app_status),
-            other => Err(other),
-        })
+        held.pop().ok_or_else(|| protocol("holder", &"no reply"))
+    }
+
+    /// [`Locks::holder`] for several (lease, task, token) in one call (a fetch round's grants).
+    pub async fn holders(
+        &self,
+        held: &[(LeaseId, TaskId, FencingToken)],
+    ) -> Result<Vec<std::result::Result<String, Release>>, Error> {
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut invocation = self.scripts.holder.key(self.keys.leases());
+        for (lease_id, task_id, fencing_token) in held {
+            invocation
+                .key(self.keys.lease(*lease_id))
+                .key(self.keys.task(*task_id))
+                .arg(lease_id)
+                .arg(fencing_token.to_string());
+        }
+        let flat: Vec<(i64, String)> = self.run_reading(&invocation).await?;
+        if flat.len() != held.len() {
+            return Err(protocol("holder", &flat));
+        }
+        flat.into_iter()
+            .map(|(code, app_status)| {
+                Ok(match release_code("holder", code)? {
+                    Release::Released => Ok(app_status),
+                    other => Err(other),
+                })
+            })
+            .collect()
     }
 
     /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own

@@ -1,0 +1,308 @@
+//! Locking and claiming: what turns a ready task into a grant. A round's tasks (`grant_round`)
+//! are locked in one call of `lua/acquire.lua`, claimed in one statement (`claim_round.sql`) and
+//! checked against their leases in one call of `lua/holder.lua`: three round trips for the
+//! round, not three per task. A single task (ClaimTask, a directed pass) is a round of one.
+//!
+//! Whatever fails after the locks were taken undoes what was done: locks taken for a task that
+//! was not claimed are released; a claim that may have committed is put back first, and its
+//! locks released only once it is back.
+
+use super::*;
+use crate::locks::Wanted;
+use crate::tasks::Claimed;
+
+/// One task of a round to lock and claim, and for whom.
+pub(super) struct Try<'a> {
+    pub lease_id: LeaseId,
+    pub lease: &'a LeaseRecord,
+    pub row: &'a TaskRow,
+    pub start: bool,
+}
+
+/// How a round's attempt at one task came out ([`Dispatch::lock_and_claim_round`]).
+pub(super) enum Tried {
+    /// Settled.
+    Done(Attempt),
+    /// Locked, but another transaction holds its row: to be claimed on its own
+    /// ([`Dispatch::claim_alone`]), which waits for the row.
+    Alone {
+        fencing_token: FencingToken,
+        app_status: Uuid,
+    },
+}
+
+impl Dispatch {
+    /// Locks and claims one task: a round of one.
+    pub(super) async fn lock_and_claim(
+        &self,
+        lease_id: LeaseId,
+        lease: &LeaseRecord,
+        row: &TaskRow,
+        start: bool,
+    ) -> Result<Attempt> {
+        let one = Try {
+            lease_id,
+            lease,
+            row,
+            start,
+        };
+        match self
+            .lock_and_claim_round(std::slice::from_ref(&one))
+            .await?
+            .pop()
+        {
+            Some(Tried::Done(attempt)) => Ok(attempt),
+            Some(Tried::Alone {
+                fencing_token,
+                app_status,
+            }) => self.claim_alone(&one, fencing_token, app_status).await,
+            None => Err(Error::Internal("a round of one settled nothing".into())),
+        }
+    }
+
+    /// Locks, claims and checks a round's tasks, three round trips in all; one outcome per
+    /// task, in order. `Err` when a step failed for the whole round (Redis or Postgres
+    /// unavailable): by then every lock it took is released or its claim put back.
+    pub(super) async fn lock_and_claim_round(&self, tries: &[Try<'_>]) -> Result<Vec<Tried>> {
+        let mut tried: Vec<Option<Tried>> = tries.iter().map(|_| None).collect();
+        let mut app_status = Vec::with_capacity(tries.len());
+        let mut wanted = Vec::with_capacity(tries.len());
+        let mut wanted_at = Vec::with_capacity(tries.len());
+        for (i, t) in tries.iter().enumerate() {
+            app_status.push(t.lease.app_status_id.parse::<Uuid>().map_err(|_| {
+                Error::Internal(format!(
+                    "lease {} names no valid core_appstatus row",
+                    t.lease_id
+                ))
+            })?);
+            let resources = &t.row.candidate.resources;
+            if resources
+                .exclusive
+                .iter()
+                .chain(&resources.shared)
+                .any(|r| r.contains('\n'))
+            {
+                tracing::error!(task_id = %t.row.id, "a resource name contains a newline; the task cannot be locked");
+                tried[i] = Some(Tried::Done(Attempt::NotGranted));
+                continue;
+            }
+            wanted.push(Wanted {
+                lease_id: t.lease_id,
+                task_id: t.row.id,
+                resources,
+                admission: self
+                    .fairness
+                    .admission(self.fairness.group_of_row(t.row), t.row.immediate),
+            });
+            wanted_at.push(i);
+        }
+
+        let acquired = match self.locks.acquire_all(&wanted).await {
+            Ok(acquired) => acquired,
+            Err(crate::locks::Error::StateLost) => {
+                return Err(crate::locks::Error::StateLost.into())
+            }
+            Err(e) => {
+                // The script may have run although the answer was lost: take back whatever
+                // these leases hold for the unclaimed tasks.
+                futures::future::join_all(wanted.iter().map(|w| async move {
+                    if let Err(abort) = self.locks.abort(w.lease_id, w.task_id).await {
+                        tracing::error!(task_id = %w.task_id, error = %abort, "could not take back locks of a failed acquire; they stay until the lease ends");
+                    }
+                }))
+                .await;
+                return Err(e.into());
+            }
+        };
+        let mut claims = Vec::new();
+        let mut claims_at = Vec::new();
+        for (k, outcome) in acquired.into_iter().enumerate() {
+            let i = wanted_at[k];
+            let t = &tries[i];
+            let attempt = match outcome {
+                Acquire::Granted { fencing_token } => {
+                    claims.push((t.row.id, app_status[i], t.start));
+                    claims_at.push((i, fencing_token));
+                    continue;
+                }
+                Acquire::LeaseGone => Attempt::LeaseGone,
+                Acquire::TaskHeld => Attempt::NotGranted,
+                Acquire::Blocked(names) => {
+                    tracing::debug!(task_id = %t.row.id, ?names, "resources held; not ready");
+                    Attempt::Blocked
+                }
+                Acquire::HeldBack(why) => {
+                    tracing::debug!(task_id = %t.row.id, %why, "ready, held back by fairness");
+                    self.stats.held_back(match why {
+                        crate::fair::HeldBack::Cap { .. } => "cap",
+                        crate::fair::HeldBack::Reserve { .. } => "reserve",
+                    });
+                    Attempt::HeldBack(why)
+                }
+            };
+            tried[i] = Some(Tried::Done(attempt));
+        }
+
+        if !claims.is_empty() {
+            let claimed = match self.tasks.claim_round(&claims).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    futures::future::join_all(claims_at.iter().map(|&(i, fencing_token)| {
+                        self.claim_failed(&tries[i], fencing_token, app_status[i], &e)
+                    }))
+                    .await;
+                    return Err(e.into());
+                }
+            };
+            let mut confirm = Vec::with_capacity(claims_at.len());
+            for (&(i, fencing_token), claimed) in claims_at.iter().zip(claimed) {
+                let t = &tries[i];
+                match claimed {
+                    Claimed::Claimed(started_at) => confirm.push((i, fencing_token, started_at)),
+                    Claimed::NotClaimable => {
+                        // Canceled, finished or claimed elsewhere since it was read.
+                        self.requeue
+                            .release_after_failure(t.lease_id, t.row.id, fencing_token)
+                            .await;
+                        tried[i] = Some(Tried::Done(Attempt::Lost));
+                    }
+                    Claimed::RowLocked => {
+                        tried[i] = Some(Tried::Alone {
+                            fencing_token,
+                            app_status: app_status[i],
+                        })
+                    }
+                }
+            }
+            let checks: Vec<_> = confirm
+                .iter()
+                .map(|&(i, fencing_token, _)| (tries[i].lease_id, tries[i].row.id, fencing_token))
+                .collect();
+            match self.locks.holders(&checks).await {
+                Ok(held) => {
+                    for (&(i, fencing_token, started_at), held) in confirm.iter().zip(held) {
+                        let attempt = self
+                            .confirmed(&tries[i], fencing_token, app_status[i], started_at, held)
+                            .await;
+                        tried[i] = Some(Tried::Done(attempt));
+                    }
+                }
+                Err(e) => {
+                    // A failed check (Redis slow or paused) is an error to retry, not a reason
+                    // for a worker to replace a lease that is alive.
+                    futures::future::join_all(confirm.iter().map(|&(i, fencing_token, _)| {
+                        let t = &tries[i];
+                        self.requeue.requeue(
+                            t.row.id,
+                            app_status[i],
+                            t.lease_id,
+                            fencing_token,
+                            t.start,
+                        )
+                    }))
+                    .await;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(tried
+            .into_iter()
+            .map(|t| t.unwrap_or(Tried::Done(Attempt::NotGranted)))
+            .collect())
+    }
+
+    /// Claims one locked task with claim.sql, which waits for a row another transaction holds,
+    /// then checks its lease still holds it.
+    pub(super) async fn claim_alone(
+        &self,
+        t: &Try<'_>,
+        fencing_token: FencingToken,
+        app_status: Uuid,
+    ) -> Result<Attempt> {
+        match self.tasks.claim(t.row.id, app_status, t.start).await {
+            Ok(Some(started_at)) => {
+                let held = self.locks.holder(t.lease_id, t.row.id, fencing_token).await;
+                match held {
+                    Ok(held) => Ok(self
+                        .confirmed(t, fencing_token, app_status, started_at, held)
+                        .await),
+                    Err(e) => {
+                        self.requeue
+                            .requeue(t.row.id, app_status, t.lease_id, fencing_token, t.start)
+                            .await;
+                        Err(e.into())
+                    }
+                }
+            }
+            Ok(None) => {
+                // Canceled, finished or claimed elsewhere since it was read.
+                self.requeue
+                    .release_after_failure(t.lease_id, t.row.id, fencing_token)
+                    .await;
+                Ok(Attempt::Lost)
+            }
+            Err(e) => {
+                self.claim_failed(t, fencing_token, app_status, &e).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Undoes a grant whose claim failed: its locks are released when the claim certainly did
+    /// not commit; otherwise the task is put back first, and released only once it is back.
+    async fn claim_failed(
+        &self,
+        t: &Try<'_>,
+        fencing_token: FencingToken,
+        app_status: Uuid,
+        e: &crate::tasks::Error,
+    ) {
+        if e.certainly_not_applied() {
+            self.requeue
+                .release_after_failure(t.lease_id, t.row.id, fencing_token)
+                .await;
+        } else {
+            self.requeue
+                .requeue(t.row.id, app_status, t.lease_id, fencing_token, t.start)
+                .await;
+        }
+    }
+
+    /// The grant of a claimed task, once the holder check `held` says its lease still holds it.
+    /// The lease may have been closed or swept between the lock and the claim; its clean-up
+    /// then missed this claim, which is put back. Only a lease Redis no longer knows is gone.
+    async fn confirmed(
+        &self,
+        t: &Try<'_>,
+        fencing_token: FencingToken,
+        app_status: Uuid,
+        started_at: Option<DateTime<Utc>>,
+        held: std::result::Result<String, Release>,
+    ) -> Attempt {
+        let row = t.row;
+        if let Err(why) = held {
+            self.requeue
+                .requeue(row.id, app_status, t.lease_id, fencing_token, t.start)
+                .await;
+            return match why {
+                Release::NotHeld => Attempt::LeaseGone,
+                _ => Attempt::Lost,
+            };
+        }
+        tracing::info!(task_id = %row.id, lease_id = %t.lease_id, %fencing_token, "task handed out");
+        let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
+        self.stats
+            .task_waited(self.fairness.label(self.fairness.group_of_row(row)), waited);
+        Attempt::Granted(Grant {
+            task_id: row.id,
+            name: row.name.clone(),
+            resources: row.candidate.resources.clone(),
+            fencing_token,
+            immediate: row.immediate,
+            created_at: row.created,
+            started_at,
+            lease_id: t.lease_id,
+            app_status_id: app_status,
+        })
+    }
+}
