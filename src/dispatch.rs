@@ -160,6 +160,9 @@ pub type Delivery = Result<Grant>;
 /// This replica's queue of waiting FetchTask calls.
 pub type Queue = Waiters<Offer, Delivery>;
 
+/// A lease this replica met, and when Redis last said it was alive.
+type KnownLease = (Arc<LeaseRecord>, Instant);
+
 /// Leases a replica keeps in memory (see `Dispatch::leases`); past this it forgets them all.
 const MAX_KNOWN_LEASES: usize = 65_536;
 
@@ -217,10 +220,12 @@ pub struct Dispatch {
     /// Fair dispatch: directed passes, caps and the reserve (`fairness`).
     fairness: Fairness,
     /// The leases this replica's fetches met (what a lease is never changes while it lives; a
-    /// lease id is never reused): a pass that trusts its hint takes the lease from here and
-    /// leaves the check that it is alive to the acquire script, or, when it hands its caller
-    /// nothing, to one look-up at its end.
-    leases: Arc<Mutex<HashMap<LeaseId, Arc<LeaseRecord>>>>,
+    /// lease id is never reused), with when Redis last said each was alive: a pass that trusts
+    /// its hint takes the lease from here and leaves the check that it is alive to the acquire
+    /// script, or, when it hands its caller nothing, to one look-up at its end; a call joining
+    /// the waiters takes it from here when Redis said it was alive lately
+    /// ([`Dispatch::lease_alive_lately`]).
+    leases: Arc<Mutex<HashMap<LeaseId, KnownLease>>>,
     /// The fetch passes running (see [`FetchPolicy::passes`]).
     slots: Arc<PassSlots>,
     /// Background walks that renew an old scan hint (`refresh`).
@@ -600,14 +605,15 @@ impl Dispatch {
         // polls costs no queries.
         let seen = self.waiters.generation();
         if !wait.is_zero() && call.skip.is_empty() && self.waiters.known_empty(seen) {
-            // The lease is still checked (one Redis call): an unknown lease gets NOT_FOUND now.
-            let lease = self.live_lease(lease_id).await?;
+            // The lease is still checked (one Redis call, unless Redis said it was alive
+            // lately): an unknown lease gets NOT_FOUND now.
+            let lease = self.joining_lease(lease_id).await?;
             place = Some(self.join_waiters(seen, call.offer(lease))?);
         } else if wait > self.policy.pass_stall && self.congested() {
             // Enough passes run already: one of them, or the next, serves this call with the
             // others waiting then (one scan for all) instead of this call reading the queue too.
             // With the waiter queue full it makes its own pass instead.
-            let lease = self.live_lease(lease_id).await?;
+            let lease = self.joining_lease(lease_id).await?;
             if let Ok(joined) = self.waiters.join(seen, call.offer(lease)) {
                 place = Some(joined);
                 self.defer_to_running();
@@ -1579,6 +1585,7 @@ impl Dispatch {
         let mut alone = futures::stream::FuturesUnordered::new();
         let mut settled_now: std::collections::VecDeque<(usize, Result<Attempt>)> =
             std::collections::VecDeque::new();
+        // Whether the recruits not trying a task were let go (the pass was held up).
         let mut let_go = stalled.is_cancelled();
         let mut settled: Vec<Option<Settled>> = steps.iter().map(|_| None).collect();
         let mut round = Round::default();
@@ -1624,8 +1631,8 @@ impl Dispatch {
                             continue;
                         }
                         Some(next) = futures::StreamExt::next(&mut alone), if !alone.is_empty() => next,
-                        () = stalled.cancelled(), if !let_go
-                            && !(futures::future::FusedFuture::is_terminated(&together) && alone.is_empty()) => {
+                        () = stalled.cancelled(), if !(let_go
+                            || futures::future::FusedFuture::is_terminated(&together) && alone.is_empty()) => {
                             // Held up: the recruits not trying a task wait elsewhere.
                             let_go = true;
                             claimants.let_go();
@@ -1922,21 +1929,55 @@ impl Dispatch {
                 // Ended leases are not told apart here: start again rather than grow.
                 known.clear();
             }
-            known.insert(lease_id, Arc::clone(&lease));
+            known.insert(lease_id, (Arc::clone(&lease), Instant::now()));
         }
         lease
     }
 
+    /// Notes that Redis just said a known lease is alive (a holder check or a grant under it).
+    fn lease_alive(&self, lease_id: LeaseId) {
+        if let Ok(mut known) = self.leases.lock() {
+            if let Some((_, alive_at)) = known.get_mut(&lease_id) {
+                *alive_at = Instant::now();
+            }
+        }
+    }
+
     /// Forgets a lease found ended; the error its caller gets.
     fn lease_gone(&self, lease_id: LeaseId) -> Error {
-        if let Ok(mut known) = self.leases.lock() {
-            known.remove(&lease_id);
-        }
+        self.forget_lease(lease_id);
         Error::LeaseNotFound(lease_id.to_string())
     }
 
+    /// Forgets a lease that ended (CloseLease through this replica).
+    pub fn forget_lease(&self, lease_id: LeaseId) {
+        if let Ok(mut known) = self.leases.lock() {
+            known.remove(&lease_id);
+        }
+    }
+
     fn known_lease(&self, lease_id: LeaseId) -> Option<Arc<LeaseRecord>> {
-        self.leases.lock().ok()?.get(&lease_id).cloned()
+        Some(Arc::clone(&self.leases.lock().ok()?.get(&lease_id)?.0))
+    }
+
+    /// A known lease Redis said was alive within two `--fetch-wake-poll` intervals (the worker's
+    /// FinishTask, a grant just made), as long as a pass trusts a scan hint: a call joining the
+    /// waiters then takes it without a Redis call. A lease that ended meanwhile through another
+    /// replica, or expired, is found by the acquire script if a pass recruits the call; until
+    /// then the call waits, as an idle worker would.
+    fn lease_alive_lately(&self, lease_id: LeaseId) -> Option<Arc<LeaseRecord>> {
+        let known = self.leases.lock().ok()?;
+        let (lease, alive_at) = known.get(&lease_id)?;
+        (alive_at.elapsed() <= self.policy.wake_poll.saturating_mul(2)).then(|| Arc::clone(lease))
+    }
+
+    /// The lease of a call about to join the waiters: from memory when Redis said it was alive
+    /// lately, else read (an unknown lease gets NOT_FOUND).
+    async fn joining_lease(&self, lease_id: LeaseId) -> Result<Arc<LeaseRecord>> {
+        match self.lease_alive_lately(lease_id) {
+            Some(lease) => Ok(lease),
+            None => self.live_lease(lease_id).await,
+        }
     }
 
     /// Whether a lock in `released` (names whose locks the changes a pass read released) may
@@ -1980,10 +2021,6 @@ impl Dispatch {
         )
     }
 
-    /// Locks a ready task's resources and claims it (and with `start`, starts it). Every exit after the locks were taken
-    /// either returns the grant or releases them, except one: when the claim's outcome is
-    /// unknown and the task cannot be put back, the locks stay with the claim, so the state
-    /// stays consistent until the lease ends.
     /// Fair dispatch's directed passes for one call, in the order `fairness` plans them: the
     /// first ready task of the immediate tasks or of a group goes to the caller. `None` when
     /// fairness is not engaged or no directed page held a ready task (the pass in queue order
@@ -2305,10 +2342,13 @@ impl Dispatch {
             .holder(lease_id, task_id, fencing_token)
             .await?
         {
-            Ok(app_status) => app_status
-                .parse()
-                .map_err(|_| Error::LeaseNotFound(lease_id.to_string())),
-            Err(Release::NotHeld) => Err(Error::LeaseNotFound(lease_id.to_string())),
+            Ok(app_status) => {
+                self.lease_alive(lease_id);
+                app_status
+                    .parse()
+                    .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))
+            }
+            Err(Release::NotHeld) => Err(self.lease_gone(lease_id)),
             Err(Release::StaleToken) => Err(Error::NotHolder(format!(
                 "fencing token {fencing_token} is stale for task {task_id}; the lock was granted again since"
             ))),

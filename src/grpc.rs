@@ -171,6 +171,7 @@ impl proto::broker_server::Broker for BrokerService {
         let span = rpc_span("CloseLease");
         span.record("lease_id", tracing::field::display(lease_id));
         let closed = self.leases.close(lease_id).instrument(span).await?;
+        self.dispatch.forget_lease(lease_id);
         self.dispatch.wake();
         Ok(Response::new(proto::CloseLeaseResponse {
             released_locks: closed.released_locks,

@@ -289,6 +289,7 @@ impl Dispatch {
                 _ => Attempt::Lost,
             };
         }
+        self.lease_alive(t.lease_id);
         tracing::info!(task_id = %row.id, lease_id = %t.lease_id, %fencing_token, "task handed out");
         let waited = (Utc::now() - row.created).num_milliseconds().max(0) as f64 / 1000.0;
         self.stats

@@ -243,7 +243,9 @@ impl Locks {
                 admission,
             }])
             .await?;
-        outcomes.pop().ok_or_else(|| protocol("acquire", &"no reply"))
+        outcomes
+            .pop()
+            .ok_or_else(|| protocol("acquire", &"no reply"))
     }
 
     /// [`Locks::acquire`] for several tasks in one call (a fetch round's): tried in order, each
@@ -270,10 +272,10 @@ impl Locks {
             resources,
             admission,
         };
-        let mut outcomes = self
-            .acquire_all_in(epoch, token_floor, &[wanted])
-            .await?;
-        outcomes.pop().ok_or_else(|| protocol("acquire", &"no reply"))
+        let mut outcomes = self.acquire_all_in(epoch, token_floor, &[wanted]).await?;
+        outcomes
+            .pop()
+            .ok_or_else(|| protocol("acquire", &"no reply"))
     }
 
     async fn acquire_all_in(
@@ -419,9 +421,7 @@ impl Locks {
         task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<std::result::Result<String, Release>, Error> {
-        let mut held = self
-            .holders(&[(lease_id, task_id, fencing_token)])
-            .await?;
+        let mut held = self.holders(&[(lease_id, task_id, fencing_token)]).await?;
         held.pop().ok_or_else(|| protocol("holder", &"no reply"))
     }
 

@@ -341,6 +341,45 @@ async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
     env.shutdown().await;
 }
 
+/// A worker that has just finished a task (Redis said its lease is alive) joins the idle queue
+/// with no Redis call; once its lease is closed through this replica it is told at once.
+#[tokio::test]
+async fn a_long_poll_right_after_a_finish_joins_with_no_redis_call() {
+    let mut env = no_polling().await;
+    let worker = env.open("worker").await;
+    env.task(&["a"]).await;
+    let task = env.fetch(&worker).await.expect("the task");
+    env.finish(&worker, &task, "completed").await;
+    // Another waiter's pass finds nothing: the queue is known to be empty.
+    let other = env.open("other").await;
+    let _other = spawn_wait(&env, &other);
+    waiting_reach(&env, 1).await;
+    let before = env.broker().stats.snapshot();
+    let waiting = spawn_wait(&env, &worker);
+    waiting_reach(&env, 2).await;
+    let after = env.broker().stats.snapshot();
+    assert_eq!(
+        after.redis_calls, before.redis_calls,
+        "the lease was alive a moment ago: no Redis call to join"
+    );
+    assert_eq!(after.fetch_passes, before.fetch_passes, "and no pass");
+    env.client
+        .clone()
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+            lease_id: worker.clone(),
+        })
+        .await
+        .expect("close the lease");
+    let status = env
+        .client
+        .fetch_task(wait_request(&worker, LONG))
+        .await
+        .expect_err("a closed lease");
+    assert_eq!(status.code(), Code::NotFound);
+    drop(waiting);
+    env.shutdown().await;
+}
+
 /// Inserts `n` waiting tasks `t1`..`tn` (resources `r1`..`rn`, `t1` oldest) in one statement:
 /// one notification.
 async fn insert_burst(env: &Env, n: usize) {

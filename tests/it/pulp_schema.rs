@@ -805,6 +805,8 @@ async fn fetch_statements_read_no_more_with_a_larger_backlog() {
 /// `blocked`: claimed_since.sql (claims without a lock) and finish_orphan_cancels.sql. They run
 /// every sweep; at 1,000,000 blocked their plans read a million index entries (a bitmap of Pulp's
 /// state index, of the app_lock_id index's NULLs) for 200 ms of a 2-core machine's CPU each.
+/// Also what a fetch round's claim (claim_round.sql, of two tasks of the backlog, rolled back)
+/// reads: it must find its rows by primary key whatever the statistics.
 /// `statistics`: "none" (never analyzed: the planner's default guesses), "before" (those of the
 /// database before the backlog arrived, as until autovacuum's next ANALYZE) or "fresh". The
 /// planner guessed a handful of rows in the first two.
@@ -857,13 +859,30 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
          SET max_parallel_workers_per_gather = 0; \
          PREPARE claimed_since(double precision) AS {}; \
          PREPARE finish_orphan_cancels AS {}; \
-         PREPARE held AS {} SELECT count(*) FROM held;",
+         PREPARE held AS {} SELECT count(*) FROM held; \
+         PREPARE claim_round(uuid[], uuid[], boolean[]) AS {};",
         dispatch_broker::tasks::sql::CLAIMED_SINCE.as_str(),
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
         dispatch_broker::states::in_sql(include_str!("../../src/tasks/held.sql")),
+        dispatch_broker::tasks::sql::CLAIM_ROUND,
     ))
     .await
     .unwrap();
+    let two: Vec<Uuid> = db
+        .query(
+            "SELECT pulp_id FROM core_task WHERE state = 'waiting' ORDER BY pulp_id DESC LIMIT 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let claim_round = format!(
+        "EXECUTE claim_round(ARRAY['{}', '{}']::uuid[], ARRAY['{worker}', '{worker}']::uuid[], \
+         ARRAY[false, true])",
+        two[0], two[1]
+    );
     let mut reads = Vec::new();
     for _ in 0..2 {
         reads = vec![
@@ -877,6 +896,9 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
             ),
             ("held.sql", buffers(&db, "EXECUTE held").await),
         ];
+        db.batch_execute("BEGIN").await.unwrap();
+        reads.push(("claim_round.sql", buffers(&db, &claim_round).await));
+        db.batch_execute("ROLLBACK").await.unwrap();
     }
     reads
 }
