@@ -33,6 +33,7 @@ use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::batch::Batcher;
 use crate::error::{Error, Result};
 use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::locks::{Acquire, Change, LeaseRecord, Locks, Release};
@@ -232,6 +233,90 @@ pub struct Dispatch {
     refreshes: Arc<refresh::Refreshes>,
     /// Where a pass without a scan hint starts (`queues`).
     queues: Arc<queues::Queues>,
+    /// FinishTask's round trips, batched with those of the calls that arrive together.
+    finishes: Finishes,
+}
+
+/// A lease, a task it holds and the fencing token it holds it under.
+type Held = (LeaseId, TaskId, FencingToken);
+
+/// FinishTask's three round trips (the holder check, the final state, the release), each
+/// shared by the FinishTask calls that arrive together (`crate::batch`): one call of
+/// `lua/holder.lua`, one finish.sql, one call of `lua/release.lua` for all of them.
+/// A batched call's answer, or the failure its whole batch shares.
+type Shared<T, E> = std::result::Result<T, Arc<E>>;
+
+#[derive(Clone)]
+struct Finishes {
+    holders: Batcher<Held, Shared<std::result::Result<String, Release>, crate::locks::Error>>,
+    finishes: Batcher<crate::tasks::Finishing, Shared<Option<Finished>, crate::tasks::Error>>,
+    releases: Batcher<Held, Shared<(Release, String), crate::locks::Error>>,
+}
+
+/// A task's state once finished, and how long it ran (finish.sql).
+type Finished = (String, Option<crate::tasks::Ran>);
+
+impl Finishes {
+    fn new(locks: &Locks, tasks: &Tasks) -> Self {
+        fn each<T, A>(n: usize, outcome: std::result::Result<Vec<T>, A>) -> Vec<Shared<T, A>> {
+            match outcome {
+                Ok(answers) => answers.into_iter().map(Ok).collect(),
+                Err(e) => {
+                    let e = Arc::new(e);
+                    (0..n).map(|_| Err(Arc::clone(&e))).collect()
+                }
+            }
+        }
+        let holder_locks = locks.clone();
+        let release_locks = locks.clone();
+        let tasks = tasks.clone();
+        Finishes {
+            holders: Batcher::new(
+                FINISH_BATCH,
+                FINISH_BATCHES_IN_FLIGHT,
+                move |held: Vec<Held>| {
+                    let locks = holder_locks.clone();
+                    async move { each(held.len(), locks.holders(&held).await) }
+                },
+            ),
+            finishes: Batcher::new(
+                FINISH_BATCH,
+                FINISH_BATCHES_IN_FLIGHT,
+                move |finishing: Vec<crate::tasks::Finishing>| {
+                    let tasks = tasks.clone();
+                    async move { each(finishing.len(), tasks.finish_all(&finishing).await) }
+                },
+            ),
+            releases: Batcher::new(
+                FINISH_BATCH,
+                FINISH_BATCHES_IN_FLIGHT,
+                move |held: Vec<Held>| {
+                    let locks = release_locks.clone();
+                    async move { each(held.len(), locks.release_all(&held).await) }
+                },
+            ),
+        }
+    }
+}
+
+/// At most this many FinishTask calls share a round trip.
+const FINISH_BATCH: usize = 64;
+/// Batches of one of FinishTask's round trips that run at once.
+const FINISH_BATCHES_IN_FLIGHT: usize = 4;
+
+/// The answer of a batched call: what no batch answered is a bug.
+fn batched<T, E>(
+    answer: Option<Shared<T, E>>,
+    shared: impl FnOnce(Arc<E>) -> E,
+) -> std::result::Result<T, Error>
+where
+    Error: From<E>,
+{
+    match answer {
+        Some(Ok(answer)) => Ok(answer),
+        Some(Err(e)) => Err(shared(e).into()),
+        None => Err(Error::Internal("a batched call got no answer".into())),
+    }
 }
 
 /// Fetch passes running now, and whether a call waits for them: it joined the waiters, or
@@ -563,7 +648,7 @@ impl Dispatch {
             }
         });
         Dispatch {
-            locks,
+            locks: locks.clone(),
             tasks: tasks.clone(),
             stats,
             shutdown,
@@ -577,6 +662,7 @@ impl Dispatch {
             slots: Arc::new(PassSlots::default()),
             refreshes: Arc::new(refresh::Refreshes::default()),
             queues: Arc::new(queues::Queues::new(tasks.clone())),
+            finishes: Finishes::new(&locks, &tasks),
             fairness,
             policy,
         }
@@ -2296,15 +2382,27 @@ impl Dispatch {
         fencing_token: FencingToken,
         finish: Finish,
     ) -> Result<(String, bool)> {
-        let app_status = self.holder(lease_id, task_id, fencing_token).await?;
-        let error = finish
-            .error
-            .map(|reason| serde_json::json!({ "reason": reason }));
-        let state = match self
-            .tasks
-            .finish(task_id, app_status, finish.state, error)
-            .await?
-        {
+        let held = batched(
+            self.finishes
+                .holders
+                .call((lease_id, task_id, fencing_token))
+                .await,
+            crate::locks::Error::Batch,
+        )?;
+        let app_status = self.holder_checked(lease_id, task_id, fencing_token, held)?;
+        let finished = batched(
+            self.finishes
+                .finishes
+                .call(crate::tasks::Finishing {
+                    task: task_id,
+                    app_status,
+                    state: finish.state,
+                    reason: finish.error,
+                })
+                .await,
+            crate::tasks::Error::Batch,
+        )?;
+        let state = match finished {
             Some((state, ran)) => {
                 if let Some(ran) = ran {
                     self.task_ran(ran);
@@ -2318,7 +2416,13 @@ impl Dispatch {
                 .map(|(state, _)| state)
                 .ok_or(Error::TaskNotFound(task_id))?,
         };
-        let (released, _) = self.locks.release(lease_id, task_id, fencing_token).await?;
+        let (released, _) = batched(
+            self.finishes
+                .releases
+                .call((lease_id, task_id, fencing_token))
+                .await,
+            crate::locks::Error::Batch,
+        )?;
         let released = released == Release::Released;
         if !released {
             // Final now, with no lock to release (and so none recorded): tasks behind it may be
@@ -2337,11 +2441,20 @@ impl Dispatch {
         task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<Uuid> {
-        match self
-            .locks
-            .holder(lease_id, task_id, fencing_token)
-            .await?
-        {
+        let held = self.locks.holder(lease_id, task_id, fencing_token).await?;
+        self.holder_checked(lease_id, task_id, fencing_token, held)
+    }
+
+    /// What a holder check `held` means for a call of the holder: its lease's core_appstatus row,
+    /// or why it may not act on the task.
+    fn holder_checked(
+        &self,
+        lease_id: LeaseId,
+        task_id: TaskId,
+        fencing_token: FencingToken,
+        held: std::result::Result<String, Release>,
+    ) -> Result<Uuid> {
+        match held {
             Ok(app_status) => {
                 self.lease_alive(lease_id);
                 app_status

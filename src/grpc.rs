@@ -17,7 +17,6 @@ use crate::error::Error;
 use crate::ids::{LeaseId, TaskId};
 use crate::leases::Leases;
 use crate::proto;
-use crate::{locks, tasks};
 use convert::{duration_or_zero, parse_id, to_timestamp};
 
 /// Implements `dispatch.v1.Broker`.
@@ -57,21 +56,10 @@ impl From<Error> for Status {
             Error::NoSuchDomain(_) => not_found(message, NOT_FOUND_DOMAIN),
             Error::NotHolder(_) | Error::Refused(_) => Status::failed_precondition(message),
             Error::ResourceExhausted(_) => Status::resource_exhausted(message),
-            Error::Redis(e) => match e {
-                locks::Error::Pool(_)
-                | locks::Error::Command(_)
-                | locks::Error::Timeout(_)
-                | locks::Error::StateLost => Status::unavailable(message),
-                locks::Error::Protocol { .. } => Status::internal(message),
-            },
-            Error::Postgres(e) => match e {
-                tasks::Error::Pool(_) | tasks::Error::Db(_) | tasks::Error::Timeout(_) => {
-                    Status::unavailable(message)
-                }
-                tasks::Error::Schema(_) | tasks::Error::Config(_) | tasks::Error::Unexpected(_) => {
-                    Status::internal(message)
-                }
-            },
+            Error::Redis(e) if e.is_protocol() => Status::internal(message),
+            Error::Redis(_) => Status::unavailable(message),
+            Error::Postgres(e) if e.is_broker_fault() => Status::internal(message),
+            Error::Postgres(_) => Status::unavailable(message),
             Error::Internal(_) => Status::internal(message),
         }
     }

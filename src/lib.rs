@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod batch;
 pub mod cli;
 pub mod config;
 pub mod dispatch;

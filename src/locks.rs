@@ -87,6 +87,20 @@ pub enum Error {
         /// The reply, for the log.
         reply: String,
     },
+    /// The failure of a batched call, which every call in the batch shares (`crate::batch`).
+    #[error(transparent)]
+    Batch(Arc<Error>),
+}
+
+impl Error {
+    /// True when the broker misread Redis (a bug), not when Redis failed.
+    pub fn is_protocol(&self) -> bool {
+        match self {
+            Error::Protocol { .. } => true,
+            Error::Batch(e) => e.is_protocol(),
+            _ => false,
+        }
+    }
 }
 
 /// What this replica knows of the lock state, to notice when Redis lost it.

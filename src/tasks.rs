@@ -198,6 +198,17 @@ pub mod sql {
     });
 }
 
+/// A final state to record for a task its holder finished (finish.sql).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finishing {
+    pub task: TaskId,
+    /// The core_appstatus row that claimed it.
+    pub app_status: Uuid,
+    pub state: TaskState,
+    /// Why it failed, if it did.
+    pub reason: Option<String>,
+}
+
 /// What claiming one task of a round found (claim_round.sql).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claimed {
@@ -272,6 +283,10 @@ pub enum Error {
     /// A statement's answer lacks what it always holds (a bug in the broker's SQL).
     #[error("postgres answered unexpectedly: {0}")]
     Unexpected(String),
+    /// The failure of a batched statement, which every call in the batch shares
+    /// (`crate::batch`).
+    #[error(transparent)]
+    Batch(std::sync::Arc<Error>),
 }
 
 impl Error {
@@ -283,6 +298,17 @@ impl Error {
             Error::Db(e) => e.as_db_error().is_some(),
             Error::Pool(_) | Error::Schema(_) | Error::Config(_) | Error::Unexpected(_) => true,
             Error::Timeout(_) => false,
+            Error::Batch(e) => e.certainly_not_applied(),
+        }
+    }
+
+    /// True when the fault is the broker's or its configuration's (a schema it cannot use, SQL
+    /// that answered unexpectedly), not Postgres being unavailable.
+    pub fn is_broker_fault(&self) -> bool {
+        match self {
+            Error::Schema(_) | Error::Config(_) | Error::Unexpected(_) => true,
+            Error::Pool(_) | Error::Db(_) | Error::Timeout(_) => false,
+            Error::Batch(e) => e.is_broker_fault(),
         }
     }
 }
@@ -1101,14 +1127,38 @@ impl Tasks {
         task: TaskId,
         app_status: Uuid,
         state: TaskState,
-        error: Option<serde_json::Value>,
+        reason: Option<String>,
     ) -> Result<Option<(String, Option<Ran>)>, Error> {
-        let rows = self
-            .query(&sql::FINISH, &[&task, &app_status, &state.as_str(), &error])
+        let mut finished = self
+            .finish_all(&[Finishing {
+                task,
+                app_status,
+                state,
+                reason,
+            }])
             .await?;
-        rows.first()
-            .map(|r| Ok((r.try_get(0)?, ran(r, 1)?)))
-            .transpose()
+        Ok(finished.pop().flatten())
+    }
+
+    /// [`Tasks::finish`] for several tasks in one statement: one outcome per task, in order
+    /// (`None`: not its holder's incomplete task, or named twice and finished by the first).
+    pub async fn finish_all(
+        &self,
+        finishing: &[Finishing],
+    ) -> Result<Vec<Option<(String, Option<Ran>)>>, Error> {
+        let tasks: Vec<TaskId> = finishing.iter().map(|f| f.task).collect();
+        let rows_of: Vec<Uuid> = finishing.iter().map(|f| f.app_status).collect();
+        let states: Vec<&str> = finishing.iter().map(|f| f.state.as_str()).collect();
+        let reasons: Vec<Option<&str>> = finishing.iter().map(|f| f.reason.as_deref()).collect();
+        let rows = self
+            .query(&sql::FINISH, &[&tasks, &rows_of, &states, &reasons])
+            .await?;
+        let mut found = std::collections::HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let task: TaskId = r.try_get(0)?;
+            found.insert(task, (r.try_get(1)?, ran(r, 2)?));
+        }
+        Ok(tasks.iter().map(|t| found.remove(t)).collect())
     }
 
     /// A task's state and claim, without locking; `None` when unknown.

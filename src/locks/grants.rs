@@ -356,18 +356,38 @@ impl Locks {
         task_id: TaskId,
         fencing_token: FencingToken,
     ) -> Result<(Release, String), Error> {
-        let (code, app_status): (i64, String) = self
-            .run(
-                self.scripts
-                    .release
-                    .key(self.keys.task(task_id))
-                    .arg(self.keys.tag())
-                    .arg(task_id)
-                    .arg(lease_id)
-                    .arg(fencing_token.to_string()),
-            )
+        let mut released = self
+            .release_all(&[(lease_id, task_id, fencing_token)])
             .await?;
-        Ok((release_code("release", code)?, app_status))
+        released
+            .pop()
+            .ok_or_else(|| protocol("release", &"no reply"))
+    }
+
+    /// [`Locks::release`] for several (lease, task, token) in one call.
+    pub async fn release_all(
+        &self,
+        held: &[(LeaseId, TaskId, FencingToken)],
+    ) -> Result<Vec<(Release, String)>, Error> {
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut invocation = self.scripts.release.prepare_invoke();
+        invocation.arg(self.keys.tag());
+        for (lease_id, task_id, fencing_token) in held {
+            invocation
+                .key(self.keys.task(*task_id))
+                .arg(task_id)
+                .arg(lease_id)
+                .arg(fencing_token.to_string());
+        }
+        let flat: Vec<(i64, String)> = self.run(&invocation).await?;
+        if flat.len() != held.len() {
+            return Err(protocol("release", &flat));
+        }
+        flat.into_iter()
+            .map(|(code, app_status)| Ok((release_code("release", code)?, app_status)))
+            .collect()
     }
 
     /// [`Locks::release`], tried three times with a short backoff (50, then 100 ms) while it

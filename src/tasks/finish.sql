@@ -1,17 +1,22 @@
--- finish.sql: records a task's final state, as Pulp's set_completed / set_failed / set_canceled do,
--- and gives up the claim (app_lock_id = NULL, as Pulp does after handling a task).
+-- finish.sql: records tasks' final states, as Pulp's set_completed / set_failed / set_canceled do,
+-- and gives up their claims (app_lock_id = NULL, as Pulp does after handling a task). One
+-- statement for the FinishTask calls that arrive together (src/batch.rs).
 --
--- $1 uuid   the task;  $2 uuid  the core_appstatus row that claimed it
--- $3 text   the final state;  $4 jsonb  the error ({"reason": ...}) or NULL
--- Returns: the new state, the task's domain and task group, and how long it ran (seconds from started_at to
--- finished_at; NULL when it never started); no row when the task is not this holder's incomplete
--- task.
+-- $1 uuid[]  the tasks;  $2 uuid[]  the core_appstatus rows that claimed them
+-- $3 text[]  the final states;  $4 text[]  the errors' reasons (NULL: none), recorded as
+--            {"reason": ...}
+-- Returns, for each task finished now: the task, its new state, its domain and task group, and
+-- how long it ran (seconds from started_at to finished_at; NULL when it never started). No row
+-- for a task that is not its holder's incomplete task.
 -- The state is tested as `state || ''` so that only the primary key serves the look-up (see
 -- claim.sql).
-UPDATE core_task
-SET state = $3, finished_at = now(), error = coalesce($4, error), app_lock_id = NULL,
+UPDATE core_task t
+SET state = f.state, finished_at = now(),
+    error = CASE WHEN f.reason IS NULL THEN t.error ELSE jsonb_build_object('reason', f.reason) END,
+    app_lock_id = NULL,
     pulp_last_updated = now()
-WHERE pulp_id = $1 AND app_lock_id = $2
-  AND state || '' IN ($incomplete_states)
-RETURNING state, pulp_domain_id, task_group_id,
-          extract(epoch FROM finished_at - started_at)::float8
+FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS f(task, app_status, state, reason)
+WHERE t.pulp_id = f.task AND t.app_lock_id = f.app_status
+  AND t.state || '' IN ($incomplete_states)
+RETURNING t.pulp_id, t.state, t.pulp_domain_id, t.task_group_id,
+          extract(epoch FROM t.finished_at - t.started_at)::float8

@@ -92,6 +92,7 @@ fn not_permitted(e: &Error) -> bool {
         | Error::Schema(_)
         | Error::Config(_)
         | Error::Unexpected(_) => false,
+        Error::Batch(e) => not_permitted(e),
     }
 }
 
