@@ -13,7 +13,8 @@
 //!
 //! Run: `cargo bench --bench load` (both), or `-- incident [SIZES...]`, `-- throughput [TASKS]`;
 //! `page=N`, `share=N` and `passes=N` set the broker's `--fetch-page`, `--fetch-share` and
-//! `--fetch-passes` (e.g. `-- throughput share=0` to compare without shared scans); broker
+//! `--fetch-passes` (e.g. `-- throughput share=0` to compare without shared scans), `workers=N`
+//! the throughput scenario's fleet size (32 by default); broker
 //! workers fetch with `start` (the grant starts the task, as the baseline's claim does), and
 //! `start=0` has them call StartTask after the fetch instead. Prints Markdown tables.
 
@@ -159,6 +160,15 @@ struct Tweaks {
     passes: Option<u64>,
     /// `start=0`: broker workers fetch, then call StartTask (by default the fetch starts it).
     start: Option<bool>,
+    /// `workers=N`: the throughput scenario's fleets (by default [`THROUGHPUT_WORKERS`]).
+    workers: Option<usize>,
+}
+
+fn throughput_workers() -> usize {
+    TWEAKS
+        .get()
+        .and_then(|t| t.workers)
+        .unwrap_or(THROUGHPUT_WORKERS)
 }
 
 fn start_on_fetch() -> bool {
@@ -479,7 +489,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     let started = Instant::now();
     let fleet = broker_fleet(
         &endpoint,
-        THROUGHPUT_WORKERS,
+        throughput_workers(),
         Duration::ZERO,
         start_on_fetch(),
         tx,
@@ -508,7 +518,7 @@ async fn throughput_baseline(setup: &Setup, tasks: usize) -> Throughput {
     let fleet = baseline_fleet(
         &url,
         &setup.redis.url(),
-        THROUGHPUT_WORKERS,
+        throughput_workers(),
         Duration::ZERO,
         tx,
     )
@@ -530,7 +540,10 @@ async fn throughput(setup: &Setup, tasks: usize) {
     let broker = throughput_broker(setup, tasks).await;
     eprintln!("throughput: {tasks} tasks, baseline ...");
     let baseline = throughput_baseline(setup, tasks).await;
-    println!("\n### Throughput: {tasks} zero-length tasks over 2,000 repositories, {THROUGHPUT_WORKERS} workers\n");
+    println!(
+        "\n### Throughput: {tasks} zero-length tasks over 2,000 repositories, {} workers\n",
+        throughput_workers()
+    );
     println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | passes / task | handed out by a shared pass |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (label, t) in [("broker", &broker), ("baseline", &baseline)] {
@@ -572,6 +585,7 @@ async fn main() {
             Some(("share", n)) => tweaks.share = n.parse().ok(),
             Some(("passes", n)) => tweaks.passes = n.parse().ok(),
             Some(("start", n)) => tweaks.start = Some(n != "0"),
+            Some(("workers", n)) => tweaks.workers = n.parse().ok(),
             _ => {}
         }
     }

@@ -301,3 +301,78 @@ async fn wrong_lease_or_stale_token_is_a_failed_precondition_and_releases_nothin
     env.assert_locks(&[]).await;
     env.shutdown().await;
 }
+
+/// FinishTask calls that arrive together share their round trips (`src/batch.rs`), but each keeps
+/// its own answer: a stale token or another lease's call is refused and changes nothing, while
+/// the calls around it in the same batch finish their tasks and release their locks.
+#[tokio::test]
+async fn finishes_arriving_together_each_keep_their_own_answer() {
+    let mut env = Env::new().await;
+    let mut held = Vec::new();
+    for n in 0..8 {
+        env.task(&[&format!("r{n}"), "shared:d"]).await;
+        let lease = env.open(&format!("w{n}")).await;
+        let task = env.fetch(&lease).await.expect("a task for each lease");
+        held.push((lease, task));
+    }
+    let calls = held.iter().enumerate().map(|(n, (lease, task))| {
+        let mut c = env.client.clone();
+        let request = FinishTaskRequest {
+            // The second names the first's lease, the third a stale token; the rest are right.
+            lease_id: if n == 1 {
+                held[0].0.clone()
+            } else {
+                lease.clone()
+            },
+            task_id: task.task_id.clone(),
+            fencing_token: task.fencing_token + u64::from(n == 2) * 100,
+            state: if n % 2 == 0 { "completed" } else { "failed" }.into(),
+            error: if n % 2 == 0 {
+                String::new()
+            } else {
+                format!("error {n}")
+            },
+        };
+        async move { c.finish_task(request).await }
+    });
+    let answers = futures::future::join_all(calls).await;
+    for (n, answer) in answers.into_iter().enumerate() {
+        match n {
+            1 => expect_code(answer, Code::FailedPrecondition, "does not hold"),
+            2 => expect_code(answer, Code::FailedPrecondition, "stale"),
+            _ => {
+                let answer = answer.expect("finished").into_inner();
+                let state = if n % 2 == 0 { "completed" } else { "failed" };
+                assert_eq!(answer.state, state, "task {n}");
+                assert!(answer.released, "task {n}");
+            }
+        }
+    }
+    // Only the two refused calls' tasks stay claimed and locked.
+    env.assert_locks(&[&held[1].1, &held[2].1]).await;
+    for (n, (_, task)) in held.iter().enumerate() {
+        let (state, error): (String, Option<serde_json::Value>) = {
+            let row = env
+                .db
+                .query_one(
+                    "SELECT state, error FROM core_task WHERE pulp_id = $1",
+                    &[&support::id(task)],
+                )
+                .await
+                .unwrap();
+            (row.get(0), row.get(1))
+        };
+        match n {
+            1 | 2 => assert_eq!(state, "waiting", "task {n} is untouched"),
+            _ if n % 2 == 0 => assert_eq!((state.as_str(), error), ("completed", None)),
+            _ => assert_eq!(
+                (state.as_str(), error),
+                (
+                    "failed",
+                    Some(serde_json::json!({ "reason": format!("error {n}") }))
+                )
+            ),
+        }
+    }
+    env.shutdown().await;
+}
