@@ -249,12 +249,9 @@ type Shared<T, E> = std::result::Result<T, Arc<E>>;
 #[derive(Clone)]
 struct Finishes {
     holders: Batcher<Held, Shared<std::result::Result<String, Release>, crate::locks::Error>>,
-    finishes: Batcher<crate::tasks::Finishing, Shared<Option<Finished>, crate::tasks::Error>>,
+    finishes: Batcher<crate::tasks::Finishing, Shared<crate::tasks::Ended, crate::tasks::Error>>,
     releases: Batcher<Held, Shared<(Release, String), crate::locks::Error>>,
 }
-
-/// A task's state once finished, and how long it ran (finish.sql).
-type Finished = (String, Option<crate::tasks::Ran>);
 
 impl Finishes {
     fn new(locks: &Locks, tasks: &Tasks) -> Self {
@@ -284,7 +281,7 @@ impl Finishes {
                 FINISH_BATCHES_IN_FLIGHT,
                 move |finishing: Vec<crate::tasks::Finishing>| {
                     let tasks = tasks.clone();
-                    async move { each(finishing.len(), tasks.finish_all(&finishing).await) }
+                    async move { each(finishing.len(), tasks.finish_all(&finishing, false).await) }
                 },
             ),
             releases: Batcher::new(
@@ -301,8 +298,10 @@ impl Finishes {
 
 /// At most this many FinishTask calls share a round trip.
 const FINISH_BATCH: usize = 64;
-/// Batches of one of FinishTask's round trips that run at once.
-const FINISH_BATCHES_IN_FLIGHT: usize = 4;
+/// Batches of one of FinishTask's round trips that run at once: one, so calls arriving while
+/// it runs share the next (no batch waits on a row another transaction holds: finish.sql skips
+/// those rows, and their calls finish them on their own).
+const FINISH_BATCHES_IN_FLIGHT: usize = 1;
 
 /// The answer of a batched call: what no batch answered is a bug.
 fn batched<T, E>(
@@ -2390,26 +2389,29 @@ impl Dispatch {
             crate::locks::Error::Batch,
         )?;
         let app_status = self.holder_checked(lease_id, task_id, fencing_token, held)?;
-        let finished = batched(
-            self.finishes
-                .finishes
-                .call(crate::tasks::Finishing {
-                    task: task_id,
-                    app_status,
-                    state: finish.state,
-                    reason: finish.error,
-                })
-                .await,
+        let finishing = crate::tasks::Finishing {
+            task: task_id,
+            app_status,
+            state: finish.state,
+            reason: finish.error,
+        };
+        let mut ended = batched(
+            self.finishes.finishes.call(finishing.clone()).await,
             crate::tasks::Error::Batch,
         )?;
-        let state = match finished {
-            Some((state, ran)) => {
+        if ended == crate::tasks::Ended::RowLocked {
+            // Another transaction holds the row (Pulp canceling the task, say): finished on its
+            // own, waiting for the row, so the batch waits for nobody.
+            ended = self.tasks.finish(finishing).await?;
+        }
+        let state = match ended {
+            crate::tasks::Ended::Finished { state, ran } => {
                 if let Some(ran) = ran {
                     self.task_ran(ran);
                 }
                 state
             }
-            None => self
+            _ => self
                 .tasks
                 .state(task_id)
                 .await?

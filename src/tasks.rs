@@ -90,6 +90,9 @@ pub mod sql {
     pub static REQUEUE: LazyLock<String> = with_states!("tasks/requeue.sql");
     pub const START: &str = include_str!("tasks/start.sql");
     pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
+    /// finish.sql waiting for rows another transaction holds, for a task the batch skipped.
+    pub static FINISH_WAITING: LazyLock<String> =
+        LazyLock::new(|| FINISH.replace("FOR UPDATE OF t SKIP LOCKED", "FOR UPDATE OF t"));
     pub const TASK_STATE: &str = include_str!("tasks/task_state.sql");
     pub const CANCEL: &str = include_str!("tasks/cancel.sql");
     pub const INSERT_APP_STATUS: &str = include_str!("tasks/insert_app_status.sql");
@@ -156,7 +159,7 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 36]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 37]> = LazyLock::new(|| {
         [
             GROUPS_WAITING.as_str(),
             GROUPS_WAITING_BY_TASK_GROUP.as_str(),
@@ -186,6 +189,7 @@ pub mod sql {
             REQUEUE.as_str(),
             START,
             FINISH.as_str(),
+            FINISH_WAITING.as_str(),
             TASK_STATE,
             CANCEL,
             INSERT_APP_STATUS,
@@ -207,6 +211,17 @@ pub struct Finishing {
     pub state: TaskState,
     /// Why it failed, if it did.
     pub reason: Option<String>,
+}
+
+/// What finishing one task found (finish.sql).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ended {
+    /// Finished now: its state, and how long it ran.
+    Finished { state: String, ran: Option<Ran> },
+    /// Not its holder's incomplete task (or named twice, and finished for the first).
+    NotFinished,
+    /// Another transaction holds its row: not tried.
+    RowLocked,
 }
 
 /// What claiming one task of a round found (claim_round.sql).
@@ -1120,45 +1135,51 @@ impl Tasks {
             .map_err(Error::from)
     }
 
-    /// Records a final state: the state and how long the task ran; `None` when the task is not
-    /// this holder's incomplete task.
-    pub async fn finish(
-        &self,
-        task: TaskId,
-        app_status: Uuid,
-        state: TaskState,
-        reason: Option<String>,
-    ) -> Result<Option<(String, Option<Ran>)>, Error> {
-        let mut finished = self
-            .finish_all(&[Finishing {
-                task,
-                app_status,
-                state,
-                reason,
-            }])
-            .await?;
-        Ok(finished.pop().flatten())
+    /// Records a final state (waiting for the task's row if another transaction holds it).
+    pub async fn finish(&self, finishing: Finishing) -> Result<Ended, Error> {
+        let mut ended = self.finish_all(&[finishing], true).await?;
+        Ok(ended.pop().unwrap_or(Ended::NotFinished))
     }
 
-    /// [`Tasks::finish`] for several tasks in one statement: one outcome per task, in order
-    /// (`None`: not its holder's incomplete task, or named twice and finished by the first).
+    /// [`Tasks::finish`] for several tasks in one statement: one outcome per task, in order (a
+    /// task named twice is finished for the first). Without `wait`, a task whose row another
+    /// transaction holds is not tried ([`Ended::RowLocked`]).
     pub async fn finish_all(
         &self,
         finishing: &[Finishing],
-    ) -> Result<Vec<Option<(String, Option<Ran>)>>, Error> {
+        wait: bool,
+    ) -> Result<Vec<Ended>, Error> {
         let tasks: Vec<TaskId> = finishing.iter().map(|f| f.task).collect();
         let rows_of: Vec<Uuid> = finishing.iter().map(|f| f.app_status).collect();
         let states: Vec<&str> = finishing.iter().map(|f| f.state.as_str()).collect();
         let reasons: Vec<Option<&str>> = finishing.iter().map(|f| f.reason.as_deref()).collect();
+        let statement = if wait {
+            &sql::FINISH_WAITING
+        } else {
+            &sql::FINISH
+        };
         let rows = self
-            .query(&sql::FINISH, &[&tasks, &rows_of, &states, &reasons])
+            .query(statement, &[&tasks, &rows_of, &states, &reasons])
             .await?;
         let mut found = std::collections::HashMap::with_capacity(rows.len());
         for r in &rows {
             let task: TaskId = r.try_get(0)?;
-            found.insert(task, (r.try_get(1)?, ran(r, 2)?));
+            let ended = if r.try_get(1)? {
+                Ended::RowLocked
+            } else if r.try_get(2)? {
+                Ended::Finished {
+                    state: r.try_get(3)?,
+                    ran: ran(r, 4)?,
+                }
+            } else {
+                Ended::NotFinished
+            };
+            found.insert(task, ended);
         }
-        Ok(tasks.iter().map(|t| found.remove(t)).collect())
+        Ok(tasks
+            .iter()
+            .map(|t| found.remove(t).unwrap_or(Ended::NotFinished))
+            .collect())
     }
 
     /// A task's state and claim, without locking; `None` when unknown.

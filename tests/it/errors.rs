@@ -376,3 +376,56 @@ async fn finishes_arriving_together_each_keep_their_own_answer() {
     }
     env.shutdown().await;
 }
+
+/// A FinishTask whose task row another transaction holds (Pulp canceling it, say) waits for the
+/// row on its own: the FinishTask calls after it are not held up behind it.
+#[tokio::test]
+async fn a_finish_waiting_on_a_row_lock_holds_up_no_other_finish() {
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    env.task(&["b"]).await;
+    let first = env.open("first").await;
+    let second = env.open("second").await;
+    let a = env.fetch(&first).await.expect("a");
+    let b = env.fetch(&second).await.expect("b");
+    let blocker = support::RowLock::take(&env.db_url, support::id(&a)).await;
+    let waiting = {
+        let mut c = env.client.clone();
+        let request = FinishTaskRequest {
+            lease_id: first.clone(),
+            task_id: a.task_id.clone(),
+            fencing_token: a.fencing_token,
+            state: "completed".into(),
+            error: String::new(),
+        };
+        tokio::spawn(async move { c.finish_task(request).await })
+    };
+    crate::support::eventually(Duration::from_secs(20), || async {
+        let row = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) >= 1
+    })
+    .await
+    .expect("the first finish waits on the row lock");
+    let done = tokio::time::timeout(
+        Duration::from_secs(20),
+        env.finish(&second, &b, "completed"),
+    )
+    .await
+    .expect("the second finish is not held up");
+    assert_eq!(done.state, "completed");
+    assert!(!waiting.is_finished(), "the first still waits for its row");
+    blocker.commit().await;
+    let first_done = waiting.await.unwrap().expect("finished").into_inner();
+    assert_eq!(first_done.state, "completed");
+    assert!(first_done.released);
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}

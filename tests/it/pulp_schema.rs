@@ -806,7 +806,8 @@ async fn fetch_statements_read_no_more_with_a_larger_backlog() {
 /// every sweep; at 1,000,000 blocked their plans read a million index entries (a bitmap of Pulp's
 /// state index, of the app_lock_id index's NULLs) for 200 ms of a 2-core machine's CPU each.
 /// Also what a fetch round's claim (claim_round.sql, of two tasks of the backlog, rolled back)
-/// reads: it must find its rows by primary key whatever the statistics.
+/// and a batch of FinishTask calls (finish.sql) read: they must find their rows by primary key
+/// whatever the statistics.
 /// `statistics`: "none" (never analyzed: the planner's default guesses), "before" (those of the
 /// database before the backlog arrived, as until autovacuum's next ANALYZE) or "fresh". The
 /// planner guessed a handful of rows in the first two.
@@ -860,11 +861,13 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
          PREPARE claimed_since(double precision) AS {}; \
          PREPARE finish_orphan_cancels AS {}; \
          PREPARE held AS {} SELECT count(*) FROM held; \
-         PREPARE claim_round(uuid[], uuid[], boolean[]) AS {};",
+         PREPARE claim_round(uuid[], uuid[], boolean[]) AS {}; \
+         PREPARE finish(uuid[], uuid[], text[], text[]) AS {};",
         dispatch_broker::tasks::sql::CLAIMED_SINCE.as_str(),
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
         dispatch_broker::states::in_sql(include_str!("../../src/tasks/held.sql")),
         dispatch_broker::tasks::sql::CLAIM_ROUND,
+        dispatch_broker::tasks::sql::FINISH.as_str(),
     ))
     .await
     .unwrap();
@@ -898,6 +901,12 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
         ];
         db.batch_execute("BEGIN").await.unwrap();
         reads.push(("claim_round.sql", buffers(&db, &claim_round).await));
+        let finish = format!(
+            "EXECUTE finish(ARRAY['{}', '{}']::uuid[], ARRAY['{worker}', '{worker}']::uuid[], \
+             ARRAY['completed', 'failed'], ARRAY[NULL, 'why'])",
+            two[0], two[1]
+        );
+        reads.push(("finish.sql", buffers(&db, &finish).await));
         db.batch_execute("ROLLBACK").await.unwrap();
     }
     reads
