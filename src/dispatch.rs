@@ -298,10 +298,12 @@ impl Finishes {
 
 /// At most this many FinishTask calls share a round trip.
 const FINISH_BATCH: usize = 64;
-/// Batches of one of FinishTask's round trips that run at once: one, so calls arriving while
-/// it runs share the next (no batch waits on a row another transaction holds: finish.sql skips
-/// those rows, and their calls finish them on their own).
-const FINISH_BATCHES_IN_FLIGHT: usize = 1;
+/// Batches of one of FinishTask's round trips that run at once: two, so Postgres's two cores (or
+/// Redis and the network) both have work while calls gather for the next. No batch waits on a
+/// row another transaction holds: finish.sql skips those rows, and their calls finish them on
+/// their own. (`cargo bench --bench load -- throughput` measured one, two and four at 32 and
+/// 256 workers; two was within the runs' spread of the best at both.)
+const FINISH_BATCHES_IN_FLIGHT: usize = 2;
 
 /// The answer of a batched call: what no batch answered is a bug.
 fn batched<T, E>(
