@@ -281,7 +281,26 @@ impl Finishes {
                 FINISH_BATCHES_IN_FLIGHT,
                 move |finishing: Vec<crate::tasks::Finishing>| {
                     let tasks = tasks.clone();
-                    async move { each(finishing.len(), tasks.finish_all(&finishing, false).await) }
+                    async move {
+                        match tasks.finish_all(&finishing, false).await {
+                            Err(e) if finishing.len() > 1 && e.certainly_not_applied() => {
+                                // Postgres refused the batch's statement: each call is tried on
+                                // its own, so one call's trouble fails only that call.
+                                futures::future::join_all(finishing.iter().map(|f| {
+                                    let tasks = tasks.clone();
+                                    async move {
+                                        let mut ended = tasks
+                                            .finish_all(std::slice::from_ref(f), false)
+                                            .await
+                                            .map_err(Arc::new)?;
+                                        Ok(ended.pop().unwrap_or(crate::tasks::Ended::NotFinished))
+                                    }
+                                }))
+                                .await
+                            }
+                            outcome => each(finishing.len(), outcome),
+                        }
+                    }
                 },
             ),
             releases: Batcher::new(
@@ -2048,7 +2067,7 @@ impl Dispatch {
     }
 
     /// A known lease Redis said was alive within two `--fetch-wake-poll` intervals (the worker's
-    /// FinishTask, a grant just made), as long as a pass trusts a scan hint: a call joining the
+    /// FinishTask, a grant just made; the longest a pass trusts a scan hint): a call joining the
     /// waiters then takes it without a Redis call. A lease that ended meanwhile through another
     /// replica, or expired, is found by the acquire script if a pass recruits the call; until
     /// then the call waits, as an idle worker would.
@@ -2376,7 +2395,25 @@ impl Dispatch {
 
     /// FinishTask: records the final state and releases the locks, for the holder only. A task
     /// that reached a final state meanwhile (canceled) keeps that state; its locks are released.
+    /// Runs in its own tokio task, so a caller that goes away between the final state and the
+    /// release does not leave a finished task's locks behind.
     pub async fn finish(
+        &self,
+        lease_id: LeaseId,
+        task_id: TaskId,
+        fencing_token: FencingToken,
+        finish: Finish,
+    ) -> Result<(String, bool)> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.finish_once(lease_id, task_id, fencing_token, finish)
+                .await
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("finish: {e}")))?
+    }
+
+    async fn finish_once(
         &self,
         lease_id: LeaseId,
         task_id: TaskId,

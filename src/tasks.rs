@@ -91,8 +91,12 @@ pub mod sql {
     pub const START: &str = include_str!("tasks/start.sql");
     pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
     /// finish.sql waiting for rows another transaction holds, for a task the batch skipped.
-    pub static FINISH_WAITING: LazyLock<String> =
-        LazyLock::new(|| FINISH.replace("FOR UPDATE OF t SKIP LOCKED", "FOR UPDATE OF t"));
+    pub static FINISH_WAITING: LazyLock<String> = LazyLock::new(|| {
+        FINISH.replace(
+            "FOR NO KEY UPDATE OF t SKIP LOCKED",
+            "FOR NO KEY UPDATE OF t",
+        )
+    });
     pub const TASK_STATE: &str = include_str!("tasks/task_state.sql");
     pub const CANCEL: &str = include_str!("tasks/cancel.sql");
     pub const INSERT_APP_STATUS: &str = include_str!("tasks/insert_app_status.sql");
@@ -1845,6 +1849,16 @@ pub fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finish_waiting_for_its_row_is_the_batch_statement_without_skip_locked() {
+        assert!(sql::FINISH.contains("SKIP LOCKED"));
+        assert!(!sql::FINISH_WAITING.contains("SKIP LOCKED"));
+        assert_eq!(
+            sql::FINISH_WAITING.as_str(),
+            sql::FINISH.replace(" SKIP LOCKED", "")
+        );
+    }
 
     #[test]
     fn the_walk_knows_the_page_size_of_lanes_page_sql() {

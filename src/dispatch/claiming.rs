@@ -23,8 +23,8 @@ pub(super) struct Try<'a> {
 pub(super) enum Tried {
     /// Settled.
     Done(Attempt),
-    /// Locked, but another transaction holds its row: to be claimed on its own
-    /// ([`Dispatch::claim_alone`]), which waits for the row.
+    /// Locked, but another transaction holds its row (or Postgres refused the round's claim):
+    /// to be claimed on its own ([`Dispatch::claim_alone`]), which waits for the row.
     Alone {
         fencing_token: FencingToken,
         app_status: Uuid,
@@ -62,19 +62,21 @@ impl Dispatch {
 
     /// Locks, claims and checks a round's tasks, three round trips in all; one outcome per
     /// task, in order. `Err` when a step failed for the whole round (Redis or Postgres
-    /// unavailable): by then every lock it took is released or its claim put back.
+    /// unavailable): by then every lock it took is released or its claim put back. A claim
+    /// statement Postgres refused is retried task by task ([`Tried::Alone`]).
     pub(super) async fn lock_and_claim_round(&self, tries: &[Try<'_>]) -> Result<Vec<Tried>> {
         let mut tried: Vec<Option<Tried>> = tries.iter().map(|_| None).collect();
         let mut app_status = Vec::with_capacity(tries.len());
         let mut wanted = Vec::with_capacity(tries.len());
         let mut wanted_at = Vec::with_capacity(tries.len());
         for (i, t) in tries.iter().enumerate() {
-            app_status.push(t.lease.app_status_id.parse::<Uuid>().map_err(|_| {
-                Error::Internal(format!(
-                    "lease {} names no valid core_appstatus row",
-                    t.lease_id
-                ))
-            })?);
+            let Ok(row_of) = t.lease.app_status_id.parse::<Uuid>() else {
+                tracing::error!(lease_id = %t.lease_id, "the lease names no valid core_appstatus row; it is given nothing");
+                app_status.push(Uuid::nil());
+                tried[i] = Some(Tried::Done(Attempt::NotGranted));
+                continue;
+            };
+            app_status.push(row_of);
             let resources = &t.row.candidate.resources;
             if resources
                 .exclusive
@@ -146,6 +148,13 @@ impl Dispatch {
         if !claims.is_empty() {
             let claimed = match self.tasks.claim_round(&claims).await {
                 Ok(claimed) => claimed,
+                Err(e) if e.certainly_not_applied() && claims.len() > 1 => {
+                    // Postgres refused the round's statement (a lease ended meanwhile and its
+                    // core_appstatus row went with it, say): each task is claimed on its own, so
+                    // one task's trouble fails only its own grant.
+                    tracing::warn!(error = %e, "a round's claim failed; its tasks are claimed one by one");
+                    claims.iter().map(|_| Claimed::RowLocked).collect()
+                }
                 Err(e) => {
                     futures::future::join_all(claims_at.iter().map(|&(i, fencing_token)| {
                         self.claim_failed(&tries[i], fencing_token, app_status[i], &e)
@@ -155,15 +164,13 @@ impl Dispatch {
                 }
             };
             let mut confirm = Vec::with_capacity(claims_at.len());
+            let mut lost = Vec::new();
             for (&(i, fencing_token), claimed) in claims_at.iter().zip(claimed) {
-                let t = &tries[i];
                 match claimed {
                     Claimed::Claimed(started_at) => confirm.push((i, fencing_token, started_at)),
                     Claimed::NotClaimable => {
                         // Canceled, finished or claimed elsewhere since it was read.
-                        self.requeue
-                            .release_after_failure(t.lease_id, t.row.id, fencing_token)
-                            .await;
+                        lost.push((i, fencing_token));
                         tried[i] = Some(Tried::Done(Attempt::Lost));
                     }
                     Claimed::RowLocked => {
@@ -174,32 +181,62 @@ impl Dispatch {
                     }
                 }
             }
+            futures::future::join_all(lost.iter().map(|&(i, fencing_token)| {
+                let t = &tries[i];
+                self.requeue
+                    .release_after_failure(t.lease_id, t.row.id, fencing_token)
+            }))
+            .await;
             let checks: Vec<_> = confirm
                 .iter()
                 .map(|&(i, fencing_token, _)| (tries[i].lease_id, tries[i].row.id, fencing_token))
                 .collect();
             match self.locks.holders(&checks).await {
                 Ok(held) => {
-                    for (&(i, fencing_token, started_at), held) in confirm.iter().zip(held) {
-                        let attempt = self
-                            .confirmed(&tries[i], fencing_token, app_status[i], started_at, held)
-                            .await;
+                    let attempts = futures::future::join_all(confirm.iter().zip(held).map(
+                        |(&(i, fencing_token, started_at), held)| {
+                            self.confirmed(
+                                &tries[i],
+                                fencing_token,
+                                app_status[i],
+                                started_at,
+                                held,
+                            )
+                        },
+                    ))
+                    .await;
+                    for (&(i, _, _), attempt) in confirm.iter().zip(attempts) {
                         tried[i] = Some(Tried::Done(attempt));
                     }
                 }
                 Err(e) => {
                     // A failed check (Redis slow or paused) is an error to retry, not a reason
-                    // for a worker to replace a lease that is alive.
-                    futures::future::join_all(confirm.iter().map(|&(i, fencing_token, _)| {
-                        let t = &tries[i];
-                        self.requeue.requeue(
-                            t.row.id,
-                            app_status[i],
-                            t.lease_id,
-                            fencing_token,
-                            t.start,
-                        )
-                    }))
+                    // for a worker to replace a lease that is alive. The claimed tasks go back
+                    // before their locks are released; those left to be claimed on their own
+                    // are released now.
+                    let alone = tried
+                        .iter()
+                        .zip(tries)
+                        .filter_map(|(tried, t)| match tried {
+                            Some(Tried::Alone { fencing_token, .. }) => Some((t, *fencing_token)),
+                            _ => None,
+                        });
+                    futures::future::join(
+                        futures::future::join_all(confirm.iter().map(|&(i, fencing_token, _)| {
+                            let t = &tries[i];
+                            self.requeue.requeue(
+                                t.row.id,
+                                app_status[i],
+                                t.lease_id,
+                                fencing_token,
+                                t.start,
+                            )
+                        })),
+                        futures::future::join_all(alone.map(|(t, fencing_token)| {
+                            self.requeue
+                                .release_after_failure(t.lease_id, t.row.id, fencing_token)
+                        })),
+                    )
                     .await;
                     return Err(e.into());
                 }

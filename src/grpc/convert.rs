@@ -179,6 +179,11 @@ pub fn finish(state: String, error: String, limits: &LimitArgs) -> Result<Finish
             limits.error_bytes
         )));
     }
+    if error.contains('\0') {
+        return Err(Status::invalid_argument(
+            "error contains a NUL character, which Postgres cannot store; remove or escape it",
+        ));
+    }
     let Some(state) = TaskState::parse(&state).filter(|s| s.is_final()) else {
         return Err(Status::invalid_argument(format!(
             "state {} is not a final state; use one of {}",

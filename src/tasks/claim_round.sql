@@ -8,14 +8,16 @@
 -- which waits for the row, so that one busy row holds up no other grant of the round; claimed;
 -- started_at (null unless started).
 -- Never claims a task that is not `waiting`, or that another row claimed (as claim.sql). The
--- rows are found by primary key only (`state || ''`: see claim.sql), and locked in key order.
+-- rows are found by primary key only (`state || ''`: see claim.sql), and locked in key order
+-- with the lock the UPDATE takes anyway (NO KEY UPDATE: foreign-key checks of other rows that
+-- point at a task do not make it look busy).
 WITH wanted AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::boolean[]) AS w(task, app_status, start)
 ), free AS (
     SELECT t.pulp_id
     FROM wanted w JOIN core_task t ON t.pulp_id = w.task
     ORDER BY t.pulp_id
-    FOR UPDATE OF t SKIP LOCKED
+    FOR NO KEY UPDATE OF t SKIP LOCKED
 ), claimed AS (
     UPDATE core_task t
     SET app_lock_id = w.app_status,

@@ -20,7 +20,7 @@ WITH wanted AS (
     SELECT t.pulp_id
     FROM wanted f JOIN core_task t ON t.pulp_id = f.task
     ORDER BY t.pulp_id
-    FOR UPDATE OF t SKIP LOCKED
+    FOR NO KEY UPDATE OF t SKIP LOCKED
 ), finished AS (
     UPDATE core_task t
     SET state = f.state, finished_at = now(),

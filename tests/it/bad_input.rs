@@ -557,6 +557,13 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
     );
     case!(
         "FinishTask",
+        "error with a NUL character",
+        Code::InvalidArgument,
+        "NUL",
+        c.finish_task(finish(&lease, token, "failed", "bad\0byte".into()))
+    );
+    case!(
+        "FinishTask",
         "another lease with the holder's token",
         Code::FailedPrecondition,
         "does not hold",

@@ -380,6 +380,34 @@ async fn a_long_poll_right_after_a_finish_joins_with_no_redis_call() {
     env.shutdown().await;
 }
 
+/// When Postgres refuses a round's claim statement for one of its tasks (here: a waiter's
+/// core_appstatus row is gone, so its claim breaks the foreign key), the round's tasks are
+/// claimed one by one: the other waiter still gets its task, and the refused one is left
+/// unlocked and waiting.
+#[tokio::test]
+async fn a_round_whose_claim_postgres_refuses_is_claimed_task_by_task() {
+    let mut env = no_polling().await;
+    let waiters = queue_of_waiters(&mut env, 2).await;
+    env.db
+        .execute("DELETE FROM core_appstatus WHERE name = 'w1'", &[])
+        .await
+        .unwrap();
+    insert_burst(&env, 2).await;
+    let mut waiters = waiters.into_iter();
+    let first = waiters.next().unwrap();
+    let granted = got(first).await.expect("the longest waiter was served");
+    assert_eq!(granted.name, "t1");
+    let t2: uuid::Uuid = env
+        .db
+        .query_one("SELECT pulp_id FROM core_task WHERE name = 't2'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(env.state(t2).await, "waiting");
+    env.assert_locks(&[&granted]).await;
+    env.shutdown().await;
+}
+
 /// Inserts `n` waiting tasks `t1`..`tn` (resources `r1`..`rn`, `t1` oldest) in one statement:
 /// one notification.
 async fn insert_burst(env: &Env, n: usize) {
