@@ -403,6 +403,16 @@ async fn a_round_whose_claim_postgres_refuses_is_claimed_task_by_task() {
         .await
         .unwrap()
         .get(0);
+    // The other waiter's lease cannot claim anything (each pass tries t2 for it and puts it
+    // back); once it stops waiting, t2 is left waiting and unlocked.
+    let second = waiters.next().unwrap();
+    second.abort();
+    let _ = second.await;
+    eventually(LONG, || async {
+        env.broker().waiters.is_empty() && env.locked_tasks().await.len() == 1
+    })
+    .await
+    .expect("only t1 stays locked");
     assert_eq!(env.state(t2).await, "waiting");
     env.assert_locks(&[&granted]).await;
     env.shutdown().await;
