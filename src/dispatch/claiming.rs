@@ -146,7 +146,7 @@ impl Dispatch {
         }
 
         if !claims.is_empty() {
-            let claimed = match self.tasks.claim_round(&claims).await {
+            let claimed = match self.claim_all(&claims).await {
                 Ok(claimed) => claimed,
                 Err(e) if e.certainly_not_applied() && claims.len() > 1 => {
                     // Postgres refused the round's statement (a lease ended meanwhile and its
@@ -246,6 +246,25 @@ impl Dispatch {
             .into_iter()
             .map(|t| t.unwrap_or(Tried::Done(Attempt::NotGranted)))
             .collect())
+    }
+
+    /// Claims a round's locked tasks: several with claim_round.sql; one with claim.sql, the
+    /// simpler statement, which waits for its row as the task would be claimed on its own anyway.
+    async fn claim_all(
+        &self,
+        claims: &[(TaskId, Uuid, bool)],
+    ) -> std::result::Result<Vec<Claimed>, crate::tasks::Error> {
+        match claims {
+            [(task, app_status, start)] => {
+                Ok(vec![
+                    match self.tasks.claim(*task, *app_status, *start).await? {
+                        Some(started_at) => Claimed::Claimed(started_at),
+                        None => Claimed::NotClaimable,
+                    },
+                ])
+            }
+            _ => self.tasks.claim_round(claims).await,
+        }
     }
 
     /// Claims one locked task with claim.sql, which waits for a row another transaction holds,
