@@ -2395,6 +2395,8 @@ impl Dispatch {
 
     /// FinishTask: records the final state and releases the locks, for the holder only. A task
     /// that reached a final state meanwhile (canceled) keeps that state; its locks are released.
+    /// A task that is final and whose lock is gone (a retry of a FinishTask that did finish it)
+    /// is answered with its state, changing nothing.
     /// Runs in its own tokio task, so a caller that goes away between the final state and the
     /// release does not leave a finished task's locks behind.
     pub async fn finish(
@@ -2427,7 +2429,20 @@ impl Dispatch {
                 .await,
             crate::locks::Error::Batch,
         )?;
-        let app_status = self.holder_checked(lease_id, task_id, fencing_token, held)?;
+        let app_status = match self.holder_checked(lease_id, task_id, fencing_token, held) {
+            Ok(app_status) => app_status,
+            Err(Error::NotHolder(why)) => {
+                // The lease is alive but holds no lock for the task under this token. A task
+                // that is final already changes no more: its state is the answer (a retried
+                // FinishTask whose first try finished and released it, its answer lost with a
+                // replica or a connection).
+                return match self.final_state(task_id).await? {
+                    Some(state) => Ok((state, false)),
+                    None => Err(Error::NotHolder(why)),
+                };
+            }
+            Err(e) => return Err(e),
+        };
         let finishing = crate::tasks::Finishing {
             task: task_id,
             app_status,
@@ -2474,6 +2489,16 @@ impl Dispatch {
             self.stats.locks_released("finish", 1);
         }
         Ok((state, released))
+    }
+
+    /// The task's state when it is final.
+    async fn final_state(&self, task_id: TaskId) -> Result<Option<String>> {
+        Ok(self
+            .tasks
+            .state(task_id)
+            .await?
+            .map(|(state, _)| state)
+            .filter(|state| TaskState::parse(state).is_some_and(|s| s.is_final())))
     }
 
     async fn holder(

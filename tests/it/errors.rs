@@ -429,3 +429,57 @@ async fn a_finish_waiting_on_a_row_lock_holds_up_no_other_finish() {
     env.assert_locks(&[]).await;
     env.shutdown().await;
 }
+
+/// A FinishTask retried after it finished the task (its answer lost with a replica or a
+/// connection) is answered with the task's state and changes nothing; so is one for a task that
+/// is final, from whoever. A task still held stays refused to anyone but its holder.
+#[tokio::test]
+async fn a_finish_of_a_final_task_answers_its_state_and_changes_nothing() {
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    let holder = env.open("holder").await;
+    let other = env.open("other").await;
+    let task = env.fetch(&holder).await.expect("a task");
+    let first = env.finish(&holder, &task, "completed").await;
+    assert_eq!((first.state.as_str(), first.released), ("completed", true));
+    let finish = |lease: &str, state: &str, token: u64| FinishTaskRequest {
+        lease_id: lease.into(),
+        task_id: task.task_id.clone(),
+        fencing_token: token,
+        state: state.into(),
+        error: "late".into(),
+    };
+    let mut c = env.client.clone();
+    for (lease, state, token) in [
+        (&holder, "completed", task.fencing_token),
+        (&holder, "failed", task.fencing_token),
+        (&other, "failed", task.fencing_token),
+        (&holder, "failed", task.fencing_token + 100),
+    ] {
+        let again = c
+            .finish_task(finish(lease, state, token))
+            .await
+            .expect("answered")
+            .into_inner();
+        assert_eq!((again.state.as_str(), again.released), ("completed", false));
+    }
+    let row = env
+        .db
+        .query_one(
+            "SELECT state, error FROM core_task WHERE pulp_id = $1",
+            &[&support::id(&task)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "completed");
+    assert_eq!(row.get::<_, Option<serde_json::Value>>(1), None);
+    // An unknown lease is still told so.
+    expect_code(
+        c.finish_task(finish(&uuid::Uuid::new_v4().to_string(), "failed", 1))
+            .await,
+        Code::NotFound,
+        "open a new lease",
+    );
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
