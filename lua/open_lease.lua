@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  PREFIX:epoch           the lock state's identity
 -- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (Redis server time, ms)
--- KEYS[3]  PREFIX:lease:<id>      hash {worker, app_status, ttl_ms, owned, versions}
+-- KEYS[3]  PREFIX:lease:<id>      hash {worker, app_status, ttl_ms, owned, versions}; release.lua
+--          adds "finished" (the last task a FinishTask released)
 -- ARGV     epoch, lease_id, ttl_ms, worker_name, app_status_id, owned ("1"/"0"), versions (JSON)
 -- Returns  the lease's expiry in ms since the epoch (server time); -1 when the id is taken;
 --          -2 when the lock state is not the expected one (lost or being rebuilt).

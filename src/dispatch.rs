@@ -283,7 +283,7 @@ impl Finishes {
                     let tasks = tasks.clone();
                     async move {
                         match tasks.finish_all(&finishing, false).await {
-                            Err(e) if finishing.len() > 1 && e.certainly_not_applied() => {
+                            Err(e) if finishing.len() > 1 && e.is_refused() => {
                                 // Postgres refused the batch's statement: each call is tried on
                                 // its own, so one call's trouble fails only that call.
                                 futures::future::join_all(finishing.iter().map(|f| {
@@ -308,7 +308,7 @@ impl Finishes {
                 FINISH_BATCHES_IN_FLIGHT,
                 move |held: Vec<Held>| {
                     let locks = release_locks.clone();
-                    async move { each(held.len(), locks.release_all(&held).await) }
+                    async move { each(held.len(), locks.release_all(&held, true).await) }
                 },
             ),
         }
@@ -2395,8 +2395,8 @@ impl Dispatch {
 
     /// FinishTask: records the final state and releases the locks, for the holder only. A task
     /// that reached a final state meanwhile (canceled) keeps that state; its locks are released.
-    /// A task that is final and whose lock is gone (a retry of a FinishTask that did finish it)
-    /// is answered with its state, changing nothing.
+    /// A retry of a FinishTask that did finish the task and release its lock (its answer lost) is
+    /// answered with the task's state, changing nothing.
     /// Runs in its own tokio task, so a caller that goes away between the final state and the
     /// release does not leave a finished task's locks behind.
     pub async fn finish(
@@ -2407,10 +2407,13 @@ impl Dispatch {
         finish: Finish,
     ) -> Result<(String, bool)> {
         let this = self.clone();
-        tokio::spawn(async move {
+        // Counted with the passes, so shutdown waits for it within its grace.
+        let running = self.passes.enter();
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
+            let _running = running;
             this.finish_once(lease_id, task_id, fencing_token, finish)
                 .await
-        })
+        }))
         .await
         .map_err(|e| Error::Internal(format!("finish: {e}")))?
     }
@@ -2432,13 +2435,19 @@ impl Dispatch {
         let app_status = match self.holder_checked(lease_id, task_id, fencing_token, held) {
             Ok(app_status) => app_status,
             Err(Error::NotHolder(why)) => {
-                // The lease is alive but holds no lock for the task under this token. A task
-                // that is final already changes no more: its state is the answer (a retried
-                // FinishTask whose first try finished and released it, its answer lost with a
-                // replica or a connection).
-                return match self.final_state(task_id).await? {
-                    Some(state) => Ok((state, false)),
-                    None => Err(Error::NotHolder(why)),
+                // The lease is alive but holds no lock for the task under this token. When the
+                // lease's last FinishTask released this very task under this token, this is a
+                // retry of it (its answer lost with a replica or a connection): the task's state
+                // is the answer, and nothing changes. Anyone else (a stale token, another lease)
+                // is refused as before.
+                let retried = self.locks.last_finished(lease_id).await?
+                    == Some(format!("{task_id}:{fencing_token}"));
+                return match retried {
+                    true => match self.final_state(task_id).await? {
+                        Some(state) => Ok((state, false)),
+                        None => Err(Error::NotHolder(why)),
+                    },
+                    false => Err(Error::NotHolder(why)),
                 };
             }
             Err(e) => return Err(e),

@@ -321,6 +321,16 @@ impl Error {
         }
     }
 
+    /// True when the server refused the statement (it answered with an error, so nothing
+    /// committed): not when Postgres could not be reached or did not answer.
+    pub fn is_refused(&self) -> bool {
+        match self {
+            Error::Db(e) => e.as_db_error().is_some(),
+            Error::Batch(e) => e.is_refused(),
+            _ => false,
+        }
+    }
+
     /// True when the fault is the broker's or its configuration's (a schema it cannot use, SQL
     /// that answered unexpectedly), not Postgres being unavailable.
     pub fn is_broker_fault(&self) -> bool {

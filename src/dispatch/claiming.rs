@@ -148,7 +148,7 @@ impl Dispatch {
         if !claims.is_empty() {
             let claimed = match self.claim_all(&claims).await {
                 Ok(claimed) => claimed,
-                Err(e) if e.certainly_not_applied() && claims.len() > 1 => {
+                Err(e) if e.is_refused() && claims.len() > 1 => {
                     // Postgres refused the round's statement (a lease ended meanwhile and its
                     // core_appstatus row went with it, say): each task is claimed on its own, so
                     // one task's trouble fails only its own grant.

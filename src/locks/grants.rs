@@ -357,17 +357,20 @@ impl Locks {
         fencing_token: FencingToken,
     ) -> Result<(Release, String), Error> {
         let mut released = self
-            .release_all(&[(lease_id, task_id, fencing_token)])
+            .release_all(&[(lease_id, task_id, fencing_token)], false)
             .await?;
         released
             .pop()
             .ok_or_else(|| protocol("release", &"no reply"))
     }
 
-    /// [`Locks::release`] for several (lease, task, token) in one call.
+    /// [`Locks::release`] for several (lease, task, token) in one call. `finished`: the releases
+    /// end FinishTask calls; each lease notes the task as its last finished one
+    /// ([`Locks::last_finished`]).
     pub async fn release_all(
         &self,
         held: &[(LeaseId, TaskId, FencingToken)],
+        finished: bool,
     ) -> Result<Vec<(Release, String)>, Error> {
         if held.is_empty() {
             return Ok(Vec::new());
@@ -379,7 +382,8 @@ impl Locks {
                 .key(self.keys.task(*task_id))
                 .arg(task_id)
                 .arg(lease_id)
-                .arg(fencing_token.to_string());
+                .arg(fencing_token.to_string())
+                .arg(if finished { "1" } else { "0" });
         }
         let flat: Vec<(i64, String)> = self.run(&invocation).await?;
         if flat.len() != held.len() {
@@ -473,6 +477,16 @@ impl Locks {
                 })
             })
             .collect()
+    }
+
+    /// The task a FinishTask of this lease last released, as `task_id:fencing_token`, if any.
+    pub async fn last_finished(&self, lease_id: LeaseId) -> Result<Option<String>, Error> {
+        self.command(
+            redis::cmd("HGET")
+                .arg(self.keys.lease(lease_id))
+                .arg("finished"),
+        )
+        .await
     }
 
     /// Releases a task's locks if `lease_id` holds them (no token: only for the broker's own

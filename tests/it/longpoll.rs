@@ -408,11 +408,9 @@ async fn a_round_whose_claim_postgres_refuses_is_claimed_task_by_task() {
     let second = waiters.next().unwrap();
     second.abort();
     let _ = second.await;
-    eventually(LONG, || async {
-        env.broker().waiters.is_empty() && env.locked_tasks().await.len() == 1
-    })
-    .await
-    .expect("only t1 stays locked");
+    waiting_reach_zero(&env).await;
+    env.broker().passes.idle().await;
+    assert_eq!(env.locked_tasks().await.len(), 1, "only t1 stays locked");
     assert_eq!(env.state(t2).await, "waiting");
     env.assert_locks(&[&granted]).await;
     env.shutdown().await;
@@ -541,6 +539,13 @@ async fn a_shared_pass_keeps_each_waiters_versions_and_skips() {
     let plain = env.task(&["z"]).await;
     assert_eq!(id(&got(skipping).await.expect("served")), plain);
     env.shutdown().await;
+}
+
+/// Waits until no fetch of this replica waits.
+async fn waiting_reach_zero(env: &Env) {
+    eventually(LONG, || async { env.broker().waiters.is_empty() })
+        .await
+        .expect("no fetch waits");
 }
 
 /// Waits until a broker session of this test's database waits on a row lock.

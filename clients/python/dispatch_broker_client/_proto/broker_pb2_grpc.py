@@ -132,9 +132,9 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FinishTask(self, request, context):
-        """Records a task's final state and releases its locks in one call. A task that is final
-        already and holds no lock under the token (a retried FinishTask that did finish it) is
-        answered with its state, changing nothing.
+        """Records a task's final state and releases its locks in one call. A retry of a FinishTask
+        that did finish the task and release its lock is answered with the task's state, changing
+        nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
