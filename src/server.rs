@@ -45,8 +45,9 @@ pub struct Running {
     pub sweeper: Arc<Sweeper>,
     /// This replica's waiting FetchTask calls.
     pub waiters: Arc<crate::dispatch::Queue>,
-    /// This replica's fetch passes running in their own tasks (a pass answers its caller
-    /// before it has settled everything; tests wait for them before reading counters).
+    /// This replica's fetch passes and FinishTask calls running in their own tasks (a pass
+    /// answers its caller before it has settled everything; tests wait for them before reading
+    /// counters, and shutdown waits for them within its grace).
     pub passes: Arc<crate::dispatch::Passes>,
     /// This replica's resource queues (tests wait for them to catch up).
     pub resource_queues: Arc<crate::dispatch::queues::Queues>,
