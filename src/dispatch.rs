@@ -579,8 +579,9 @@ impl Drop for Awaiting {
     }
 }
 
-/// Passes and granting steps running in their own tasks, so shutdown can wait for them (a
-/// grant they make for a caller that is gone is requeued before the process ends).
+/// Passes, granting steps and FinishTask calls running in their own tasks, so shutdown can wait
+/// for them (a grant they make for a caller that is gone is requeued, and a finished task's locks
+/// are released, before the process ends).
 #[derive(Debug, Default)]
 pub struct Passes {
     running: std::sync::atomic::AtomicUsize,
