@@ -2075,7 +2075,7 @@ impl Dispatch {
     fn lease_alive_lately(&self, lease_id: LeaseId) -> Option<Arc<LeaseRecord>> {
         let known = self.leases.lock().ok()?;
         let (lease, alive_at) = known.get(&lease_id)?;
-        (alive_at.elapsed() <= self.policy.wake_poll.saturating_mul(2)).then(|| Arc::clone(lease))
+        (alive_at.elapsed() <= self.trust_window()).then(|| Arc::clone(lease))
     }
 
     /// The lease of a call about to join the waiters: from memory when Redis said it was alive
@@ -2123,9 +2123,15 @@ impl Dispatch {
             &self.locks.epoch(),
             made,
             self.locks.seq_read(),
-            self.policy.wake_poll.saturating_mul(2),
+            self.trust_window(),
             Instant::now(),
         )
+    }
+
+    /// Two `--fetch-wake-poll` intervals: the longest a pass uses a scan hint without reading the
+    /// change log, and a call joining the waiters trusts that its lease is alive.
+    fn trust_window(&self) -> Duration {
+        self.policy.wake_poll.saturating_mul(2)
     }
 
     /// Fair dispatch's directed passes for one call, in the order `fairness` plans them: the
@@ -2443,13 +2449,11 @@ impl Dispatch {
                 // is refused as before.
                 let retried = self.locks.last_finished(lease_id).await?
                     == Some(format!("{task_id}:{fencing_token}"));
-                return match retried {
-                    true => match self.final_state(task_id).await? {
-                        Some(state) => Ok((state, false)),
-                        None => Err(Error::NotHolder(why)),
-                    },
-                    false => Err(Error::NotHolder(why)),
+                let state = match retried {
+                    true => self.final_state(task_id).await?,
+                    false => None,
                 };
+                return state.map(|s| (s, false)).ok_or(Error::NotHolder(why));
             }
             Err(e) => return Err(e),
         };

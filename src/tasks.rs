@@ -217,6 +217,29 @@ pub struct Finishing {
     pub reason: Option<String>,
 }
 
+/// The outcome of each of `tasks`, in order, from `rows` keyed by their first column (a task id),
+/// each made by `outcome`. A task with no row, or named again after its row went to its first
+/// place, gets `missing`.
+fn per_task<T>(
+    tasks: &[TaskId],
+    rows: &[Row],
+    missing: impl Fn(TaskId) -> Result<T, Error>,
+    outcome: impl Fn(&Row) -> Result<T, Error>,
+) -> Result<Vec<T>, Error> {
+    let mut found = std::collections::HashMap::with_capacity(rows.len());
+    for row in rows {
+        let task: TaskId = row.try_get(0)?;
+        found.insert(task, row);
+    }
+    tasks
+        .iter()
+        .map(|task| match found.remove(task) {
+            Some(row) => outcome(row),
+            None => missing(*task),
+        })
+        .collect()
+}
+
 /// What finishing one task found (finish.sql).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ended {
@@ -1072,26 +1095,24 @@ impl Tasks {
         let rows = self
             .query(sql::CLAIM_ROUND, &[&tasks, &rows_of, &start])
             .await?;
-        let mut found = std::collections::HashMap::with_capacity(rows.len());
-        for row in &rows {
-            let task: TaskId = row.try_get(0)?;
-            let outcome = if row.try_get(1)? {
-                Claimed::RowLocked
-            } else if row.try_get(2)? {
-                Claimed::Claimed(row.try_get(3)?)
-            } else {
-                Claimed::NotClaimable
-            };
-            found.insert(task, outcome);
-        }
-        claims
-            .iter()
-            .map(|c| {
-                found.get(&c.0).copied().ok_or_else(|| {
-                    Error::Unexpected(format!("claim_round.sql returned no row for task {}", c.0))
+        per_task(
+            &tasks,
+            &rows,
+            |task| {
+                Err(Error::Unexpected(format!(
+                    "claim_round.sql returned no row for task {task}"
+                )))
+            },
+            |row| {
+                Ok(if row.try_get(1)? {
+                    Claimed::RowLocked
+                } else if row.try_get(2)? {
+                    Claimed::Claimed(row.try_get(3)?)
+                } else {
+                    Claimed::NotClaimable
                 })
-            })
-            .collect()
+            },
+        )
     }
 
     /// Puts a claimed task back in the queue; true when it went back. `started`: the grant
@@ -1175,25 +1196,23 @@ impl Tasks {
         let rows = self
             .query(statement, &[&tasks, &rows_of, &states, &reasons])
             .await?;
-        let mut found = std::collections::HashMap::with_capacity(rows.len());
-        for r in &rows {
-            let task: TaskId = r.try_get(0)?;
-            let ended = if r.try_get(1)? {
-                Ended::RowLocked
-            } else if r.try_get(2)? {
-                Ended::Finished {
-                    state: r.try_get(3)?,
-                    ran: ran(r, 4)?,
-                }
-            } else {
-                Ended::NotFinished
-            };
-            found.insert(task, ended);
-        }
-        Ok(tasks
-            .iter()
-            .map(|t| found.remove(t).unwrap_or(Ended::NotFinished))
-            .collect())
+        per_task(
+            &tasks,
+            &rows,
+            |_| Ok(Ended::NotFinished),
+            |r| {
+                Ok(if r.try_get(1)? {
+                    Ended::RowLocked
+                } else if r.try_get(2)? {
+                    Ended::Finished {
+                        state: r.try_get(3)?,
+                        ran: ran(r, 4)?,
+                    }
+                } else {
+                    Ended::NotFinished
+                })
+            },
+        )
     }
 
     /// A task's state and claim, without locking; `None` when unknown.

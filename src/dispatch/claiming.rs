@@ -181,11 +181,10 @@ impl Dispatch {
                     }
                 }
             }
-            futures::future::join_all(lost.iter().map(|&(i, fencing_token)| {
-                let t = &tries[i];
-                self.requeue
-                    .release_after_failure(t.lease_id, t.row.id, fencing_token)
-            }))
+            futures::future::join_all(
+                lost.iter()
+                    .map(|&(i, fencing_token)| self.let_go(&tries[i], fencing_token)),
+            )
             .await;
             let checks: Vec<_> = confirm
                 .iter()
@@ -223,19 +222,11 @@ impl Dispatch {
                         });
                     futures::future::join(
                         futures::future::join_all(confirm.iter().map(|&(i, fencing_token, _)| {
-                            let t = &tries[i];
-                            self.requeue.requeue(
-                                t.row.id,
-                                app_status[i],
-                                t.lease_id,
-                                fencing_token,
-                                t.start,
-                            )
+                            self.put_back(&tries[i], fencing_token, app_status[i])
                         })),
-                        futures::future::join_all(alone.map(|(t, fencing_token)| {
-                            self.requeue
-                                .release_after_failure(t.lease_id, t.row.id, fencing_token)
-                        })),
+                        futures::future::join_all(
+                            alone.map(|(t, fencing_token)| self.let_go(t, fencing_token)),
+                        ),
                     )
                     .await;
                     return Err(e.into());
@@ -283,18 +274,14 @@ impl Dispatch {
                         .confirmed(t, fencing_token, app_status, started_at, held)
                         .await),
                     Err(e) => {
-                        self.requeue
-                            .requeue(t.row.id, app_status, t.lease_id, fencing_token, t.start)
-                            .await;
+                        self.put_back(t, fencing_token, app_status).await;
                         Err(e.into())
                     }
                 }
             }
             Ok(None) => {
                 // Canceled, finished or claimed elsewhere since it was read.
-                self.requeue
-                    .release_after_failure(t.lease_id, t.row.id, fencing_token)
-                    .await;
+                self.let_go(t, fencing_token).await;
                 Ok(Attempt::Lost)
             }
             Err(e) => {
@@ -302,6 +289,20 @@ impl Dispatch {
                 Err(e.into())
             }
         }
+    }
+
+    /// Releases the locks of a task of the round that was not claimed.
+    async fn let_go(&self, t: &Try<'_>, fencing_token: FencingToken) {
+        self.requeue
+            .release_after_failure(t.lease_id, t.row.id, fencing_token)
+            .await
+    }
+
+    /// Puts a task of the round that may be claimed back in the queue, then releases its locks.
+    async fn put_back(&self, t: &Try<'_>, fencing_token: FencingToken, app_status: Uuid) {
+        self.requeue
+            .requeue(t.row.id, app_status, t.lease_id, fencing_token, t.start)
+            .await
     }
 
     /// Undoes a grant whose claim failed: its locks are released when the claim certainly did
@@ -314,13 +315,9 @@ impl Dispatch {
         e: &crate::tasks::Error,
     ) {
         if e.certainly_not_applied() {
-            self.requeue
-                .release_after_failure(t.lease_id, t.row.id, fencing_token)
-                .await;
+            self.let_go(t, fencing_token).await;
         } else {
-            self.requeue
-                .requeue(t.row.id, app_status, t.lease_id, fencing_token, t.start)
-                .await;
+            self.put_back(t, fencing_token, app_status).await;
         }
     }
 
@@ -337,9 +334,7 @@ impl Dispatch {
     ) -> Attempt {
         let row = t.row;
         if let Err(why) = held {
-            self.requeue
-                .requeue(row.id, app_status, t.lease_id, fencing_token, t.start)
-                .await;
+            self.put_back(t, fencing_token, app_status).await;
             return match why {
                 Release::NotHeld => Attempt::LeaseGone,
                 _ => Attempt::Lost,

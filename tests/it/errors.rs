@@ -400,20 +400,8 @@ async fn a_finish_waiting_on_a_row_lock_holds_up_no_other_finish() {
         };
         tokio::spawn(async move { c.finish_task(request).await })
     };
-    crate::support::eventually(Duration::from_secs(20), || async {
-        let row = env
-            .db
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) >= 1
-    })
-    .await
-    .expect("the first finish waits on the row lock");
+    // The first finish waits on the row lock.
+    support::sessions_wait_on_locks(&env, 1).await;
     let done = tokio::time::timeout(
         Duration::from_secs(20),
         env.finish(&second, &b, "completed"),

@@ -9,7 +9,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use crate::support::{eventually, id, Env};
+use crate::support::{eventually, id, sessions_wait_on_locks, Env};
 use dispatch_broker::proto::{FetchTaskRequest, Task};
 use tonic::Code;
 
@@ -551,24 +551,6 @@ async fn waiting_reach_zero(env: &Env) {
 /// Waits until a broker session of this test's database waits on a row lock.
 async fn a_claim_waits_on_a_row_lock(env: &Env) {
     sessions_wait_on_locks(env, 1).await;
-}
-
-/// Waits until `n` sessions of this test's database wait on a lock.
-async fn sessions_wait_on_locks(env: &Env, n: i64) {
-    eventually(LONG, || async {
-        let row = env
-            .db
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        row.get::<_, i64>(0) >= n
-    })
-    .await
-    .expect("sessions wait on the row lock");
 }
 
 /// A broker whose waiting fetches wake only on Pulp's channel (the insert trigger is gone), so

@@ -590,6 +590,24 @@ impl Env {
     }
 }
 
+/// Waits until `n` sessions of this test's database wait on a lock.
+pub async fn sessions_wait_on_locks(env: &Env, n: i64) {
+    eventually(Duration::from_secs(20), || async {
+        let row = env
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) >= n
+    })
+    .await
+    .expect("sessions wait on the row lock");
+}
+
 /// Polls `check` until it holds, for at most `limit`; returns whether it did and how long it took.
 pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> Option<Duration>
 where
