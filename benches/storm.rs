@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dispatch_broker::config::ServeArgs;
-use dispatch_testkit::{Postgres, Redis};
+use dispatch_testkit::{Postgres, Redis, Replica};
 use dispatch_worker::{FinalState, Worker, WorkerConfig};
 use fleets::{
     baseline_finish, baseline_fleet_counted, baseline_locks, baseline_poll, broker_fleet,
@@ -706,76 +706,6 @@ async fn baseline_storm(setup: &Setup) -> Storm {
     storm.into_storm("baseline", left(&db).await)
 }
 
-/// A broker replica run as the real binary, so it can be killed (SIGKILL).
-struct Replica {
-    port: u16,
-    args: Vec<String>,
-    log: std::path::PathBuf,
-    child: Option<tokio::process::Child>,
-}
-
-impl Replica {
-    fn start(pg_url: &str, redis_url: &str, log_dir: &Path) -> Replica {
-        let port = dispatch_testkit::free_port().unwrap();
-        let args = [
-            "serve",
-            "--postgres-url",
-            pg_url,
-            "--redis-url",
-            redis_url,
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ]
-        .map(String::from)
-        .to_vec();
-        let mut replica = Replica {
-            port,
-            args,
-            log: log_dir.join(format!("replica-{port}.log")),
-            child: None,
-        };
-        replica.boot();
-        replica
-    }
-
-    fn boot(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        self.child = Some(
-            tokio::process::Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
-                .args(&self.args)
-                .env("RUST_LOG", "warn")
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .kill_on_drop(true)
-                .spawn()
-                .expect("start dispatch-broker"),
-        );
-    }
-
-    async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().await.unwrap();
-        }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Lines of its log that contain `what`.
-    fn logged(&self, what: &str) -> usize {
-        std::fs::read_to_string(&self.log)
-            .map(|log| log.lines().filter(|l| l.contains(what)).count())
-            .unwrap_or(0)
-    }
-}
-
 /// What the storm with faults showed.
 struct Faults {
     backlog_done: Duration,
@@ -797,8 +727,18 @@ async fn faults_storm(setup: &Setup) -> Faults {
     let (url, db, head) = setup.database("storm_faults").await;
     let logs = tempfile::tempdir().unwrap();
     let redis_url = setup.redis.url();
-    let a = Replica::start(&url, &redis_url, logs.path());
-    let mut b = Replica::start(&url, &redis_url, logs.path());
+    let replica = |name: &str| {
+        Replica::start(
+            env!("CARGO_BIN_EXE_dispatch-broker"),
+            &url,
+            &redis_url,
+            &[],
+            logs.path().join(format!("replica-{name}.log")),
+        )
+        .unwrap()
+    };
+    let a = replica("a");
+    let mut b = replica("b");
     let holder = Worker::connect(a.endpoint(), WorkerConfig::new("head-holder"))
         .await
         .unwrap();
@@ -827,10 +767,10 @@ async fn faults_storm(setup: &Setup) -> Faults {
         timeline.push(line);
     };
     tokio::time::sleep_until((started + JOIN_AT + Duration::from_secs(2)).into()).await;
-    b.kill().await;
+    b.kill();
     note("replica B killed (SIGKILL)");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    b.boot();
+    b.boot().unwrap();
     note("replica B started again");
     tokio::time::sleep(Duration::from_secs(4)).await;
     setup.redis.pause();
@@ -867,12 +807,8 @@ async fn faults_storm(setup: &Setup) -> Faults {
             row.get::<_, Option<String>>(2),
             row.get::<_, bool>(3),
         );
-        for r in [&a, &b] {
-            if let Ok(log) = std::fs::read_to_string(&r.log) {
-                for line in log.lines().filter(|l| l.contains(&id)) {
-                    eprintln!("    {line}");
-                }
-            }
+        for line in [&a, &b].iter().flat_map(|r| r.logged(&id)) {
+            eprintln!("    {line}");
         }
     }
     let errors = fleets
@@ -887,7 +823,7 @@ async fn faults_storm(setup: &Setup) -> Faults {
     holder.close().await.unwrap();
     let handed_back = [&a, &b]
         .iter()
-        .map(|r| r.logged("the worker never received this grant"))
+        .map(|r| r.logged("the worker never received this grant").len())
         .sum();
     Faults {
         backlog_done,

@@ -25,14 +25,14 @@
 //! is printed with the seed and the timeline needed to reproduce it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dispatch_broker::proto::broker_client::BrokerClient;
 use dispatch_broker::proto::*;
 use dispatch_broker::states::TaskState;
-use dispatch_testkit::{free_port, Postgres, Redis};
+use dispatch_testkit::{Postgres, Redis, Replica};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
@@ -152,79 +152,29 @@ fn count(record: &Shared, what: &str) {
         .or_default() += 1;
 }
 
-/// A broker replica: the real binary, so it can be killed with SIGKILL.
-struct Replica {
-    port: u16,
-    args: Vec<String>,
-    child: Option<Child>,
-}
-
-impl Replica {
-    fn start(pg_url: &str, redis_url: &str) -> Replica {
-        let port = free_port().unwrap();
-        let args = vec![
-            "serve".to_string(),
-            "--postgres-url".into(),
-            pg_url.into(),
-            "--redis-url".into(),
-            redis_url.into(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-            "--metrics-listen".into(),
-            "127.0.0.1:0".into(),
-            "--lease-min-ttl".into(),
-            "200ms".into(),
-            "--sweep-interval".into(),
-            "200ms".into(),
-            "--fetch-recheck".into(),
-            "200ms".into(),
-            "--fetch-wake-poll".into(),
-            "50ms".into(),
-            "--backend-timeout".into(),
-            "500ms".into(),
-        ];
-        let mut replica = Replica {
-            port,
-            args,
-            child: None,
-        };
-        replica.boot();
-        replica
-    }
-
-    fn boot(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(std::env::temp_dir().join(format!("dispatch-chaos-{}.log", self.port)))
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_dispatch-broker"))
-            .args(&self.args)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start dispatch-broker");
-        self.child = Some(child);
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// A replica of the real binary with the chaos run's short intervals; its log goes to the temporary
+/// directory.
+fn chaos_replica(pg_url: &str, redis_url: &str) -> Replica {
+    let log = std::env::temp_dir().join(format!("dispatch-chaos-{}.log", Uuid::new_v4()));
+    Replica::start(
+        env!("CARGO_BIN_EXE_dispatch-broker"),
+        pg_url,
+        redis_url,
+        &[
+            "--lease-min-ttl",
+            "200ms",
+            "--sweep-interval",
+            "200ms",
+            "--fetch-recheck",
+            "200ms",
+            "--fetch-wake-poll",
+            "50ms",
+            "--backend-timeout",
+            "500ms",
+        ],
+        log,
+    )
+    .unwrap()
 }
 
 async fn wait_serving(endpoint: &str) {
@@ -977,8 +927,8 @@ async fn main() {
     pg.psql("chaos", dispatch_broker::tasks::sql::MIGRATE.as_str())
         .unwrap();
     let mut replicas = vec![
-        Replica::start(&url, &redis.url()),
-        Replica::start(&url, &redis.url()),
+        chaos_replica(&url, &redis.url()),
+        chaos_replica(&url, &redis.url()),
     ];
     for r in &replicas {
         wait_serving(&r.endpoint()).await;
@@ -1029,7 +979,7 @@ async fn main() {
                 fault(&record, format!("replica {which} killed (SIGKILL)"));
                 replicas[which].kill();
                 tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
-                replicas[which].boot();
+                replicas[which].boot().unwrap();
                 wait_serving(&replicas[which].endpoint()).await;
                 fault(&record, format!("replica {which} restarted"));
             }

@@ -434,6 +434,104 @@ fn ping(port: u16) -> bool {
         && &reply == b"+PONG\r\n"
 }
 
+/// A broker replica run as a process of the real binary (`binary`: the test's
+/// `env!("CARGO_BIN_EXE_dispatch-broker")`), so a test can kill it with SIGKILL and start it
+/// again. It serves on a free port of 127.0.0.1 with its metrics on another, and appends its
+/// output to `log`; it is killed when dropped.
+pub struct Replica {
+    port: u16,
+    binary: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Replica {
+    /// Starts `binary serve` on `postgres_url` and `redis_url`, with `extra` options after them.
+    pub fn start(
+        binary: &str,
+        postgres_url: &str,
+        redis_url: &str,
+        extra: &[&str],
+        log: PathBuf,
+    ) -> Result<Replica> {
+        let port = free_port()?;
+        let mut args: Vec<String> = [
+            "serve",
+            "--postgres-url",
+            postgres_url,
+            "--redis-url",
+            redis_url,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let mut replica = Replica {
+            port,
+            binary: PathBuf::from(binary),
+            args,
+            log,
+            child: None,
+        };
+        replica.boot()?;
+        Ok(replica)
+    }
+
+    /// Starts the process (again, after [`Replica::kill`]) with the same options and port.
+    pub fn boot(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("open {}", self.log.display()))?;
+        let child = Command::new(&self.binary)
+            .args(&self.args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("start {}", self.binary.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Its gRPC endpoint.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The lines of its log that contain `what`.
+    pub fn logged(&self, what: &str) -> Vec<String> {
+        std::fs::read_to_string(&self.log)
+            .map(|log| {
+                log.lines()
+                    .filter(|l| l.contains(what))
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::reference;
