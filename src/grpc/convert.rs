@@ -130,15 +130,25 @@ pub fn open_lease(
     })
 }
 
-/// Validates FetchTask's `skip_task_ids`.
-pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<TaskId>, Status> {
-    if ids.len() > limits.skip_ids {
+/// Refuses a list `field` of `n` `what` over `--max-skip-ids`.
+fn within_max_skip_ids(
+    field: &str,
+    what: &str,
+    n: usize,
+    limits: &LimitArgs,
+) -> Result<(), Status> {
+    if n > limits.skip_ids {
         return Err(Status::invalid_argument(format!(
-            "skip_task_ids has {} ids; at most {} are accepted (--max-skip-ids)",
-            ids.len(),
+            "{field} has {n} {what}; at most {} are accepted (--max-skip-ids)",
             limits.skip_ids
         )));
     }
+    Ok(())
+}
+
+/// Validates FetchTask's `skip_task_ids`.
+pub fn skip_ids(ids: &[String], limits: &LimitArgs) -> Result<HashSet<TaskId>, Status> {
+    within_max_skip_ids("skip_task_ids", "ids", ids.len(), limits)?;
     ids.iter()
         .map(|id| parse_id("skip_task_ids", id).map(TaskId))
         .collect()
@@ -150,13 +160,7 @@ pub fn undelivered(
     held: &[proto::HeldTask],
     limits: &LimitArgs,
 ) -> Result<Vec<(TaskId, FencingToken)>, Status> {
-    if held.len() > limits.skip_ids {
-        return Err(Status::invalid_argument(format!(
-            "undelivered has {} tasks; at most {} are accepted (--max-skip-ids)",
-            held.len(),
-            limits.skip_ids
-        )));
-    }
+    within_max_skip_ids("undelivered", "tasks", held.len(), limits)?;
     held.iter()
         .map(|h| {
             let task = parse_id("undelivered.task_id", &h.task_id).map(TaskId)?;
