@@ -917,9 +917,8 @@ impl Dispatch {
         if undelivered.is_empty() {
             return;
         }
-        let (dispatch, running) = (self.clone(), self.passes.enter());
-        tokio::spawn(async move {
-            let _running = running;
+        let dispatch = self.clone();
+        self.spawn_counted(async move {
             for (task_id, token) in undelivered {
                 if let Err(e) = dispatch
                     .return_one(lease_id, app_status, task_id, token)
@@ -930,6 +929,20 @@ impl Dispatch {
             }
             dispatch.wake();
         });
+    }
+
+    /// Runs `work` in its own tokio task (in the caller's span), counted with the passes, so
+    /// that a caller that goes away cannot interrupt it and shutdown waits for it within its
+    /// grace.
+    fn spawn_counted<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        let running = self.passes.enter();
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
+            let _running = running;
+            work.await
+        }))
     }
 
     async fn return_one(
@@ -2414,13 +2427,10 @@ impl Dispatch {
         finish: Finish,
     ) -> Result<(String, bool)> {
         let this = self.clone();
-        // Counted with the passes, so shutdown waits for it within its grace.
-        let running = self.passes.enter();
-        tokio::spawn(tracing::Instrument::in_current_span(async move {
-            let _running = running;
+        self.spawn_counted(async move {
             this.finish_once(lease_id, task_id, fencing_token, finish)
                 .await
-        }))
+        })
         .await
         .map_err(|e| Error::Internal(format!("finish: {e}")))?
     }

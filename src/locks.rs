@@ -98,7 +98,7 @@ impl Error {
         match self {
             Error::Protocol { .. } => true,
             Error::Batch(e) => e.is_protocol(),
-            _ => false,
+            Error::Pool(_) | Error::Command(_) | Error::Timeout(_) | Error::StateLost => false,
         }
     }
 }

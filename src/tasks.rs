@@ -350,7 +350,11 @@ impl Error {
         match self {
             Error::Db(e) => e.as_db_error().is_some(),
             Error::Batch(e) => e.is_refused(),
-            _ => false,
+            Error::Pool(_)
+            | Error::Timeout(_)
+            | Error::Schema(_)
+            | Error::Config(_)
+            | Error::Unexpected(_) => false,
         }
     }
 
