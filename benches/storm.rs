@@ -18,6 +18,14 @@
 //! the database. Backends publish their statistics about once a second, so the database's
 //! figures lag the others by up to a second at a phase's edge.
 //!
+//! Rows read are also broken down by table and index (`pg_stat_all_tables`,
+//! `pg_stat_all_indexes`), per task done while the first 25 work and from the join to the
+//! backlog's end.
+//!
+//! The broker runs on a runtime of its own (two threads, this machine's cores) and the probe on
+//! a thread of its own, as separate processes would run them; the fleet's clients share the
+//! bench's runtime, as the issue's one client process did.
+//!
 //! At the end every ready task must be completed exactly once (none left, none run twice).
 //!
 //! Then the storm once more with faults (broker only): two replicas, run as the real binary,
@@ -125,6 +133,7 @@ struct Storm {
     twice: usize,
     /// Ready tasks the database still has incomplete at the end.
     left: i64,
+    by_relation: ByRelation,
 }
 
 impl Storm {
@@ -288,6 +297,26 @@ impl Setup {
     }
 }
 
+/// Runs `make`'s future on a thread and runtime of its own, as a separate process would run it:
+/// the probe's calls then wait for the machine, not behind the fleet's 500 clients on the
+/// bench's runtime.
+fn on_own_thread<F, Fut, T>(make: F) -> tokio::sync::oneshot::Receiver<T>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+    T: Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _ = tx.send(runtime.block_on(make()));
+    });
+    rx
+}
+
 /// Samples the counters every second until `stop`.
 fn sampler(
     url: String,
@@ -392,10 +421,12 @@ struct Course {
     done: Arc<AtomicU64>,
     /// Stops the probe and the sampler.
     stop: Arc<AtomicBool>,
-    probe: tokio::task::JoinHandle<Vec<Probe>>,
+    probe: tokio::sync::oneshot::Receiver<Vec<Probe>>,
     probe_stats: Arc<FleetStats>,
     samples: tokio::task::JoinHandle<Vec<Sample>>,
     tally: tokio::task::JoinHandle<(usize, usize)>,
+    /// The database, for the rows read by relation.
+    url: String,
 }
 
 /// What a storm measured, but its label and what the database has left.
@@ -408,6 +439,64 @@ struct Measured {
     errors: u64,
     done: usize,
     twice: usize,
+    by_relation: ByRelation,
+}
+
+/// Rows read by relation (`pg_stat_all_tables` and `pg_stat_all_indexes`, every session) per
+/// task done: while the first 25 work, from the join to the backlog's end, and over both; most
+/// first.
+#[derive(Default)]
+struct ByRelation(Vec<(String, [f64; 3])>);
+
+impl ByRelation {
+    /// The counts now: for each table, rows read by sequential scans and live rows fetched
+    /// through its indexes; for each index, entries read.
+    async fn counts(url: &str) -> Vec<(String, f64)> {
+        let db = connect(url, "storm-relations").await;
+        db.query(
+            "SELECT 'table ' || relname || ' (sequential)', seq_tup_read::float8 \
+             FROM pg_stat_all_tables WHERE seq_tup_read > 0 \
+             UNION ALL \
+             SELECT 'table ' || relname || ' (fetched through indexes)', idx_tup_fetch::float8 \
+             FROM pg_stat_all_tables WHERE idx_tup_fetch > 0 \
+             UNION ALL \
+             SELECT 'index ' || indexrelname, idx_tup_read::float8 \
+             FROM pg_stat_all_indexes WHERE idx_tup_read > 0",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+    }
+
+    /// Rows per task done from the first count to the second (25 workers), the second to the
+    /// third (475 joining and the 500), and over both.
+    fn between(counts: [&[(String, f64)]; 3], done: [u64; 3]) -> Self {
+        let [start, join, end] = counts;
+        let count =
+            |at: &[(String, f64)], name: &str| at.iter().find(|b| b.0 == name).map_or(0.0, |b| b.1);
+        let per_task = |from: &[(String, f64)], to: &[(String, f64)], name: &str, tasks: u64| {
+            (count(to, name) - count(from, name)) / (tasks.max(1) as f64)
+        };
+        let mut out: Vec<(String, [f64; 3])> = end
+            .iter()
+            .map(|(name, _)| {
+                (
+                    name.clone(),
+                    [
+                        per_task(start, join, name, done[1] - done[0]),
+                        per_task(join, end, name, done[2] - done[1]),
+                        per_task(start, end, name, done[2] - done[0]),
+                    ],
+                )
+            })
+            .filter(|(_, n)| n[2] >= 0.1)
+            .collect();
+        out.sort_by(|a, b| b.1[2].total_cmp(&a.1[2]));
+        Self(out)
+    }
 }
 
 impl Course {
@@ -421,7 +510,15 @@ impl Course {
         tx: mpsc::UnboundedSender<Receipt>,
     ) -> Measured {
         let started = self.started;
+        let (counts_before, done_before) = (
+            ByRelation::counts(&self.url).await,
+            self.done.load(Ordering::Relaxed),
+        );
         tokio::time::sleep_until((started + JOIN_AT).into()).await;
+        let (counts_joining, done_joining) = (
+            ByRelation::counts(&self.url).await,
+            self.done.load(Ordering::Relaxed),
+        );
         let joining = Instant::now();
         let second = join.await;
         let joined_in = joining.elapsed();
@@ -429,6 +526,14 @@ impl Course {
         drop(tx);
         let backlog_done = backlog_done(&self.done, started).await;
         eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
+        // (Busy backends publish their counts at most a second late.)
+        tokio::time::sleep(SAMPLE_EVERY).await;
+        let counts_after = ByRelation::counts(&self.url).await;
+        let done_after = self.done.load(Ordering::Relaxed);
+        let by_relation = ByRelation::between(
+            [&counts_before, &counts_joining, &counts_after],
+            [done_before, done_joining, done_after],
+        );
         let idle_from = started.elapsed() + IDLE_SETTLE;
         tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
         self.stop.store(true, Ordering::SeqCst);
@@ -450,6 +555,7 @@ impl Course {
             errors,
             done,
             twice,
+            by_relation,
         }
     }
 }
@@ -467,6 +573,7 @@ impl Measured {
             done: self.done,
             twice: self.twice,
             left,
+            by_relation: self.by_relation,
         }
     }
 }
@@ -474,7 +581,20 @@ impl Measured {
 async fn broker_storm(setup: &Setup) -> Storm {
     let (url, db, head) = setup.database("storm_broker").await;
     let args = ServeArgs::with_urls(&url, &setup.redis.url());
-    let broker = dispatch_broker::server::start(&args).await.unwrap();
+    // The broker on a runtime of its own, two threads as on this machine's two cores, as its
+    // own process would run it: its tasks then do not queue behind the fleet's 500 clients on
+    // the bench's runtime.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("broker")
+        .enable_all()
+        .build()
+        .unwrap();
+    let broker = runtime
+        .spawn(async move { dispatch_broker::server::start(&args).await })
+        .await
+        .unwrap()
+        .unwrap();
     let endpoint = format!("http://{}", broker.addr);
     let holder = Worker::connect(&endpoint, WorkerConfig::new("head-holder"))
         .await
@@ -513,11 +633,12 @@ async fn broker_storm(setup: &Setup) -> Storm {
     // The probe.
     let probe_stats = Arc::new(FleetStats::default());
     let probe = {
-        let worker = Worker::connect(&endpoint, WorkerConfig::new("probe"))
-            .await
-            .unwrap();
         let (stop, tx, stats) = (Arc::clone(&stop), tx.clone(), Arc::clone(&probe_stats));
-        tokio::spawn(async move {
+        let endpoint = endpoint.clone();
+        on_own_thread(move || async move {
+            let worker = Worker::connect(&endpoint, WorkerConfig::new("probe"))
+                .await
+                .unwrap();
             let mut out = Vec::new();
             let mut tick = tokio::time::interval(PROBE_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -563,11 +684,13 @@ async fn broker_storm(setup: &Setup) -> Storm {
         probe_stats,
         samples,
         tally,
+        url: url.clone(),
     };
     let storm = course.run(first, join, tx).await;
     head_task.finish(FinalState::Completed, None).await.unwrap();
     holder.close().await.unwrap();
-    broker.shutdown().await.unwrap();
+    runtime.spawn(broker.shutdown()).await.unwrap().unwrap();
+    runtime.shutdown_background();
     storm.into_storm("broker", left(&db).await)
 }
 
@@ -635,14 +758,22 @@ async fn baseline_storm(setup: &Setup) -> Storm {
     );
     let probe = {
         let (stop, tx, stats) = (Arc::clone(&stop), tx.clone(), Arc::clone(&probe_stats));
-        // (A connection of its own, where the baseline's workers share 20 per fleet.)
-        let probe_db = BaselineDb::connect(&url).await;
-        let mut redis = redis_pool.get().await.unwrap();
-        let app_status = Uuid::new_v4();
-        probe_db
-            .register(app_status, &format!("baseline-probe-{app_status}"))
-            .await;
-        tokio::spawn(async move {
+        let (url, redis_url) = (url.clone(), setup.redis.url());
+        on_own_thread(move || async move {
+            // (A connection of its own, where the baseline's workers share 20 per fleet.)
+            let probe_db = BaselineDb::connect(&url).await;
+            let redis_pool = deadpool_redis::Config::from_url(redis_url)
+                .builder()
+                .unwrap()
+                .max_size(1)
+                .runtime(deadpool_redis::Runtime::Tokio1)
+                .build()
+                .unwrap();
+            let mut redis = redis_pool.get().await.unwrap();
+            let app_status = Uuid::new_v4();
+            probe_db
+                .register(app_status, &format!("baseline-probe-{app_status}"))
+                .await;
             let mut out = Vec::new();
             let mut tick = tokio::time::interval(PROBE_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -701,6 +832,7 @@ async fn baseline_storm(setup: &Setup) -> Storm {
         probe_stats,
         samples,
         tally,
+        url: url.clone(),
     };
     let storm = course.run(first, join, tx).await;
     storm.into_storm("baseline", left(&db).await)
@@ -920,6 +1052,24 @@ fn report(storms: &[Storm]) {
     }
 }
 
+/// Where each fleet's rows read go (relations of at least a tenth of a row per task).
+fn report_relations(storms: &[Storm]) {
+    for storm in storms {
+        println!(
+            "\n{}: rows read per task done, by relation (every session)\n",
+            storm.label
+        );
+        println!(
+            "| relation | {FIRST} workers | {JOINING} joining, then {} | both |",
+            FIRST + JOINING
+        );
+        println!("|---|---:|---:|---:|");
+        for (name, [small, large, both]) in &storm.by_relation.0 {
+            println!("| {name} | {small:.1} | {large:.1} | {both:.1} |");
+        }
+    }
+}
+
 /// Tasks/s and Postgres statements/s over the storm, one line per fleet.
 fn plot(storms: &[Storm], path: &Path) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -1013,6 +1163,7 @@ async fn main() {
     };
     if !storms.is_empty() {
         report(&storms);
+        report_relations(&storms);
         plot(
             &storms,
             Path::new(concat!(

@@ -142,6 +142,9 @@ struct Call {
     lease_id: LeaseId,
     skip: Arc<HashSet<TaskId>>,
     start: bool,
+    /// The caller asked for an answer now (`wait` 0): a pass it makes serves it alone, so that
+    /// its answer does not wait for a round of other waiters' grants.
+    now: bool,
 }
 
 impl Call {
@@ -704,6 +707,7 @@ impl Dispatch {
             lease_id,
             skip: Arc::new(skip),
             start,
+            now: wait.is_zero(),
         };
         // Joined after the first pass found nothing (and `wait` is not over).
         let mut place: Option<Place<Offer, Delivery>> = None;
@@ -1093,8 +1097,11 @@ impl Dispatch {
             .len()
             .saturating_sub(usize::from(own_place.is_some()));
         // While fair dispatch makes directed passes, a pass in queue order serves its own caller
-        // only: a waiter's own fetch asks the fair order first.
-        let may_recruit = if others == 0 || self.fairness.engaged() {
+        // only: a waiter's own fetch asks the fair order first. So does the pass of a call that
+        // will not wait: its answer would otherwise wait for a round of the others' grants (its
+        // lock, claim and check grow with the round), and the waiters it leaves are served by
+        // their own passes (it wakes them when it passed over a ready task).
+        let may_recruit = if others == 0 || self.fairness.engaged() || call.now {
             0
         } else {
             self.policy.share
@@ -1274,9 +1281,13 @@ impl Dispatch {
             // ready, so the turn moves on and nothing is known to be empty.
             passed_over.store(true, Ordering::SeqCst);
         }
-        if own_served && own_place.is_none() && passed_over.load(Ordering::SeqCst) {
+        if own_served
+            && own_place.is_none()
+            && (passed_over.load(Ordering::SeqCst) || (call.now && others > 0))
+        {
             // Its caller, not a waiter, was answered already and hands no turn on: the waiters
-            // get one, for what this pass left.
+            // get one, for what this pass left (a pass that would not wait served none of them,
+            // whatever was ready for them).
             self.waiters.wake();
         }
         if !lease_checked && !own_served {

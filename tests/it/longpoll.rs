@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::support::{eventually, id, sessions_wait_on_locks, Env};
 use dispatch_broker::proto::{FetchTaskRequest, Task};
 use tonic::Code;
+use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(20);
 const NEVER: Duration = Duration::from_secs(60);
@@ -709,6 +710,34 @@ async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass(
     env.shutdown().await;
 }
 
+#[tokio::test]
+async fn a_fetch_that_will_not_wait_is_served_alone_and_wakes_the_waiters() {
+    let mut env = woken_by_hand().await;
+    let waiter = env.open("waiter").await;
+    let waiting = spawn_wait(&env, &waiter);
+    waiting_reach(&env, 1).await;
+    // Both ready, nothing wakes the waiter: the fetch below is the first to look.
+    let first = env.task(&["a"]).await;
+    let second = env.task(&["b"]).await;
+    let now = env.open("now").await;
+    let before = env.settled_stats().await;
+    let got_now = env.fetch(&now).await.expect("the oldest ready task");
+    assert_eq!(id(&got_now), first);
+    // The waiter was woken and served by its own pass: the fetch that would not wait handed
+    // it nothing (a round of two would have held its answer up).
+    let granted = got(waiting)
+        .await
+        .expect("woken after the fetch that would not wait");
+    assert_eq!(id(&granted), second);
+    assert_eq!(
+        env.settled_stats().await.shared - before.shared,
+        0,
+        "a fetch with no wait recruits nobody"
+    );
+    env.assert_locks(&[&got_now, &granted]).await;
+    env.shutdown().await;
+}
+
 /// A broker for the combining tests: at most `passes` fetch passes at once, a running pass
 /// holding waiting calls up for at most `stall`; waiting calls wake only by hand (no insert
 /// trigger, no safety re-check), so what serves them is the end of a pass or its stall.
@@ -972,9 +1001,15 @@ async fn waiters_behind_a_stalled_pass(plain: bool, n: usize) {
     let (blocker, held_up) = if plain {
         let first = env.task(&["x"]).await;
         let blocker = support::RowLock::take(&env.db_url, first).await;
-        let lease = env.open("no-wait").await;
+        // A call that waits makes a pass that recruits (a call that will not wait serves
+        // itself alone): skipping a task it does not know of keeps it off the known-empty
+        // queue.
+        let lease = env.open("skipping").await;
         let mut client = env.client.clone();
-        let request = support::fetch_request(&lease);
+        let request = FetchTaskRequest {
+            skip_task_ids: vec![Uuid::new_v4().to_string()],
+            ..wait_request(&lease, LONG)
+        };
         let held_up = tokio::spawn(async move { client.fetch_task(request).await });
         a_claim_waits_on_a_row_lock(&env).await;
         (blocker, held_up)
