@@ -34,8 +34,13 @@
 //! task must still be done exactly once: grants lost with B are handed back by the workers'
 //! heartbeats (undelivered grants).
 //!
-//! Run: `cargo bench --bench storm` (both fleets, then the faults), `-- broker` (the broker's
-//! storm only) or `-- faults`. Prints Markdown tables and writes `benches/results/storm.svg`
+//! Fleet size alone: a control run of the broker's storm in which the first 25 work the whole
+//! backlog down (nobody joins), set against the storm from the join to the backlog's end: the
+//! same depth of the backlog (a readiness look-up reads a repository's tasks, done ones
+//! included until vacuumed, so later tasks cost more rows whatever the fleet).
+//!
+//! Run: `cargo bench --bench storm` (both fleets, the control run, then the faults), `-- broker`
+//! (the broker's storm and the control run) or `-- faults`. Prints Markdown tables and writes `benches/results/storm.svg`
 //! (tasks/s and Postgres statements/s over the storm).
 
 #[path = "support/fleets.rs"]
@@ -427,6 +432,8 @@ struct Course {
     tally: tokio::task::JoinHandle<(usize, usize)>,
     /// The database, for the rows read by relation.
     url: String,
+    /// Whether the fleet idles after the backlog (the control run does not).
+    idles: bool,
 }
 
 /// What a storm measured, but its label and what the database has left.
@@ -522,7 +529,10 @@ impl Course {
         let joining = Instant::now();
         let second = join.await;
         let joined_in = joining.elapsed();
-        eprintln!("  475 workers joined in {:.2} s", joined_in.as_secs_f64());
+        eprintln!(
+            "  the joining workers connected in {:.2} s",
+            joined_in.as_secs_f64()
+        );
         drop(tx);
         let backlog_done = backlog_done(&self.done, started).await;
         eprintln!("  backlog done at {:.1} s", backlog_done.as_secs_f64());
@@ -535,7 +545,9 @@ impl Course {
             [done_before, done_joining, done_after],
         );
         let idle_from = started.elapsed() + IDLE_SETTLE;
-        tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
+        if self.idles {
+            tokio::time::sleep(IDLE_SETTLE + IDLE_WINDOW + SAMPLE_EVERY).await;
+        }
         self.stop.store(true, Ordering::SeqCst);
         let probes = self.probe.await.unwrap();
         let samples = self.samples.await.unwrap();
@@ -578,8 +590,17 @@ impl Measured {
     }
 }
 
-async fn broker_storm(setup: &Setup) -> Storm {
-    let (url, db, head) = setup.database("storm_broker").await;
+/// The broker's storm, or with `joining` 0 the control run: the first 25 work the whole
+/// backlog down alone (no idle window), so that what the 500 cost per task after the join can be
+/// set against what 25 cost at the same depth of the backlog.
+async fn broker_storm(setup: &Setup, joining: usize) -> Storm {
+    let (url, db, head) = setup
+        .database(if joining > 0 {
+            "storm_broker"
+        } else {
+            "storm_control"
+        })
+        .await;
     let args = ServeArgs::with_urls(&url, &setup.redis.url());
     // The broker on a runtime of its own, two threads as on this machine's two cores, as its
     // own process would run it: its tasks then do not queue behind the fleet's 500 clients on
@@ -675,7 +696,7 @@ async fn broker_storm(setup: &Setup) -> Storm {
         })
     };
     let first = broker_fleet(&endpoint, FIRST, Duration::ZERO, true, tx.clone()).await;
-    let join = broker_fleet(&endpoint, JOINING, Duration::ZERO, true, tx.clone());
+    let join = broker_fleet(&endpoint, joining, Duration::ZERO, true, tx.clone());
     let course = Course {
         started,
         done,
@@ -685,13 +706,19 @@ async fn broker_storm(setup: &Setup) -> Storm {
         samples,
         tally,
         url: url.clone(),
+        idles: joining > 0,
     };
     let storm = course.run(first, join, tx).await;
     head_task.finish(FinalState::Completed, None).await.unwrap();
     holder.close().await.unwrap();
     runtime.spawn(broker.shutdown()).await.unwrap().unwrap();
     runtime.shutdown_background();
-    storm.into_storm("broker", left(&db).await)
+    let label = if joining > 0 {
+        "broker"
+    } else {
+        "broker, 25 throughout"
+    };
+    storm.into_storm(label, left(&db).await)
 }
 
 async fn baseline_storm(setup: &Setup) -> Storm {
@@ -833,6 +860,7 @@ async fn baseline_storm(setup: &Setup) -> Storm {
         samples,
         tally,
         url: url.clone(),
+        idles: true,
     };
     let storm = course.run(first, join, tx).await;
     storm.into_storm("baseline", left(&db).await)
@@ -1053,7 +1081,7 @@ fn report(storms: &[Storm]) {
 }
 
 /// Where each fleet's rows read go (relations of at least a tenth of a row per task).
-fn report_relations(storms: &[Storm]) {
+fn report_relations(storms: &[Storm], control: Option<&Storm>) {
     for storm in storms {
         println!(
             "\n{}: rows read per task done, by relation (every session)\n",
@@ -1067,6 +1095,58 @@ fn report_relations(storms: &[Storm]) {
         for (name, [small, large, both]) in &storm.by_relation.0 {
             println!("| {name} | {small:.1} | {large:.1} | {both:.1} |");
         }
+    }
+    let (Some(control), Some(broker)) = (control, storms.iter().find(|s| s.label == "broker"))
+    else {
+        return;
+    };
+    // The same depth of the backlog: from the join (6 s, the same tasks done in both runs by
+    // then) to its end.
+    let after_join = |s: &Storm| {
+        s.phase(
+            JOIN_AT,
+            s.backlog_done.saturating_sub(Duration::from_secs(1)),
+        )
+    };
+    println!(
+        "\nFleet size alone: after the join at {} s, to the backlog's end, the broker's storm against the control run (its first {FIRST} work the backlog down alone)\n",
+        JOIN_AT.as_secs()
+    );
+    println!("| run | workers after the join | tasks/s | statements / task | Redis calls / task | rows read / task | rows read / task, by relation (sum) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let mut per_task = Vec::new();
+    for (storm, workers) in [(broker, FIRST + JOINING), (control, FIRST)] {
+        let Some(p) = after_join(storm) else { continue };
+        let by_relation: f64 = storm.by_relation.0.iter().map(|(_, n)| n[1]).sum();
+        let tasks = p.tasks.max(1.0);
+        println!(
+            "| {} | {workers} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} |",
+            storm.label,
+            p.tasks,
+            p.statements / tasks,
+            p.redis / tasks,
+            p.rows / tasks,
+            by_relation
+        );
+        per_task.push((p.statements / tasks, p.rows / tasks, by_relation));
+    }
+    if let [(s500, r500, b500), (s25, r25, b25)] = per_task[..] {
+        println!(
+            "\n500 workers against 25 at the same depth: statements per task {:.2}x, rows read per task {:.2}x ({:.2}x by relation).",
+            s500 / s25,
+            r500 / r25,
+            b500 / b25
+        );
+    }
+    println!();
+    println!(
+        "\n{}: rows read per task done, by relation (every session)\n",
+        control.label
+    );
+    println!("| relation | first {} s | after |", JOIN_AT.as_secs());
+    println!("|---|---:|---:|");
+    for (name, [small, large, _]) in &control.by_relation.0 {
+        println!("| {name} | {small:.1} | {large:.1} |");
     }
 }
 
@@ -1147,9 +1227,12 @@ async fn main() {
             .unwrap();
     let setup = Setup { pg, redis };
     let mut storms = Vec::new();
+    let mut control = None;
     if which.as_deref() != Some("faults") {
         eprintln!("storm: broker ...");
-        storms.push(broker_storm(&setup).await);
+        storms.push(broker_storm(&setup, JOINING).await);
+        eprintln!("storm: broker, the control run ({FIRST} workers throughout) ...");
+        control = Some(broker_storm(&setup, 0).await);
     }
     if which.is_none() {
         eprintln!("storm: baseline ...");
@@ -1163,7 +1246,7 @@ async fn main() {
     };
     if !storms.is_empty() {
         report(&storms);
-        report_relations(&storms);
+        report_relations(&storms, control.as_ref());
         plot(
             &storms,
             Path::new(concat!(
@@ -1199,7 +1282,7 @@ async fn main() {
             f.left
         );
     }
-    for storm in &storms {
+    for storm in storms.iter().chain(&control) {
         assert!(
             storm.done == READY && storm.twice == 0 && storm.left == 0,
             "{}: every ready task must be done exactly once ({} done, {} twice, {} left)",
