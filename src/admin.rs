@@ -40,6 +40,7 @@ pub struct Admin {
     stats: Arc<Stats>,
     queues: Arc<crate::dispatch::queues::Queues>,
     fairness: crate::dispatch::Fairness,
+    known_leases: crate::dispatch::KnownLeases,
 }
 
 /// Who holds a lock (or has a task).
@@ -307,6 +308,7 @@ impl Admin {
         let queues = dispatch.resource_queues();
         Admin {
             fairness: dispatch.fairness(),
+            known_leases: dispatch.known_leases(),
             tasks,
             locks,
             leases,
@@ -740,6 +742,7 @@ impl Admin {
                 .revoke(lease_id, &reason, "revoke")
                 .await?
                 .ok_or_else(|| Error::NoSuchLease(lease_id.to_string()))?;
+            this.known_leases.forget(lease_id);
             this.waiters.wake();
             let released = Released {
                 locks: closed.released_locks,

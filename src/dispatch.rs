@@ -167,6 +167,21 @@ pub type Queue = Waiters<Offer, Delivery>;
 /// A lease this replica met, and when Redis last said it was alive.
 type KnownLease = (Arc<LeaseRecord>, Instant);
 
+/// The leases a replica knows, with when Redis last said each was alive (the lease-alive
+/// window): a lease ended through this replica (CloseLease, RevokeLease) is forgotten at once,
+/// so a call under it is told `NOT_FOUND` rather than joining the waiters.
+#[derive(Clone)]
+pub struct KnownLeases(Arc<Mutex<HashMap<LeaseId, KnownLease>>>);
+
+impl KnownLeases {
+    /// Forgets a lease that ended.
+    pub fn forget(&self, lease_id: LeaseId) {
+        if let Ok(mut known) = self.0.lock() {
+            known.remove(&lease_id);
+        }
+    }
+}
+
 /// Leases a replica keeps in memory (see `Dispatch::leases`); past this it forgets them all.
 const MAX_KNOWN_LEASES: usize = 65_536;
 
@@ -2082,9 +2097,12 @@ impl Dispatch {
 
     /// Forgets a lease that ended (CloseLease through this replica).
     pub fn forget_lease(&self, lease_id: LeaseId) {
-        if let Ok(mut known) = self.leases.lock() {
-            known.remove(&lease_id);
-        }
+        self.known_leases().forget(lease_id);
+    }
+
+    /// The leases this replica knows, for the admin API to forget one it revoked.
+    pub fn known_leases(&self) -> KnownLeases {
+        KnownLeases(Arc::clone(&self.leases))
     }
 
     fn known_lease(&self, lease_id: LeaseId) -> Option<Arc<LeaseRecord>> {

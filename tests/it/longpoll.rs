@@ -346,6 +346,16 @@ async fn long_polls_arriving_at_an_idle_queue_join_it_without_a_pass() {
 /// with no Redis call; once its lease is closed through this replica it is told at once.
 #[tokio::test]
 async fn a_long_poll_right_after_a_finish_joins_with_no_redis_call() {
+    long_poll_right_after_a_finish(false).await;
+}
+
+/// As above, the lease revoked through the admin API of this replica.
+#[tokio::test]
+async fn a_lease_revoked_through_this_replica_is_told_at_once() {
+    long_poll_right_after_a_finish(true).await;
+}
+
+async fn long_poll_right_after_a_finish(revoke: bool) {
     let mut env = no_polling().await;
     let worker = env.open("worker").await;
     env.task(&["a"]).await;
@@ -364,18 +374,33 @@ async fn a_long_poll_right_after_a_finish_joins_with_no_redis_call() {
         "the lease was alive a moment ago: no Redis call to join"
     );
     assert_eq!(after.fetch_passes, before.fetch_passes, "and no pass");
-    env.client
-        .clone()
-        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+    if revoke {
+        dispatch_broker::proto::admin_client::AdminClient::connect(format!(
+            "http://{}",
+            env.broker().addr
+        ))
+        .await
+        .expect("the admin API")
+        .revoke_lease(dispatch_broker::proto::RevokeLeaseRequest {
             lease_id: worker.clone(),
+            reason: "test".into(),
         })
         .await
-        .expect("close the lease");
+        .expect("revoke the lease");
+    } else {
+        env.client
+            .clone()
+            .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+                lease_id: worker.clone(),
+            })
+            .await
+            .expect("close the lease");
+    }
     let status = env
         .client
         .fetch_task(wait_request(&worker, LONG))
         .await
-        .expect_err("a closed lease");
+        .expect_err("an ended lease");
     assert_eq!(status.code(), Code::NotFound);
     drop(waiting);
     env.shutdown().await;
