@@ -737,12 +737,10 @@ impl Admin {
         let (actor, reason) = (actor.to_owned(), reason.to_owned());
         detached(async move {
             intent("revoke_lease", &actor, &lease_id.to_string(), &reason);
-            let closed = this
-                .leases
-                .revoke(lease_id, &reason, "revoke")
-                .await?
-                .ok_or_else(|| Error::NoSuchLease(lease_id.to_string()))?;
+            let revoked = this.leases.revoke(lease_id, &reason, "revoke").await;
+            // Forgotten whatever the outcome: at worst the next call under it reads it again.
             this.known_leases.forget(lease_id);
+            let closed = revoked?.ok_or_else(|| Error::NoSuchLease(lease_id.to_string()))?;
             this.waiters.wake();
             let released = Released {
                 locks: closed.released_locks,

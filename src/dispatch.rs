@@ -373,10 +373,14 @@ struct PassSlots {
 struct PassSlot {
     slots: Arc<PassSlots>,
     waiters: Arc<Queue>,
+    counted: bool,
 }
 
 impl Drop for PassSlot {
     fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
         self.slots.running.fetch_sub(1, Ordering::SeqCst);
         if self.slots.owed.swap(false, Ordering::SeqCst) {
             self.waiters.wake();
@@ -805,7 +809,7 @@ impl Dispatch {
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
             let lease_seen: Arc<Mutex<Option<Arc<LeaseRecord>>>> = Arc::new(Mutex::new(None));
-            let slot = self.pass_slot();
+            let slot = self.pass_slot(!call.now);
             let outcome = self
                 .run_pass(
                     call.clone(),
@@ -816,6 +820,15 @@ impl Dispatch {
                 )
                 .await;
             self.stats.fetch_pass();
+            if call.now
+                && !self.waiters.is_empty()
+                && (!matches!(outcome, Ok(None)) || passed_over.load(Ordering::SeqCst))
+            {
+                // A call that will not wait served no waiter: whatever its pass got, failed at
+                // or passed over, the waiters get a turn for what it left, as after a waiter's
+                // own pass.
+                self.waiters.wake();
+            }
             let grant = match outcome {
                 Ok(grant) => grant,
                 Err(e) => {
@@ -875,12 +888,16 @@ impl Dispatch {
         }
     }
 
-    /// Counts a fetch pass in until the slot is dropped.
-    fn pass_slot(&self) -> PassSlot {
-        self.slots.running.fetch_add(1, Ordering::SeqCst);
+    /// Counts a fetch pass in until the slot is dropped; not the pass of a call that will not
+    /// wait (`counted` false): it serves no waiter, so no waiter waits for it to end.
+    fn pass_slot(&self, counted: bool) -> PassSlot {
+        if counted {
+            self.slots.running.fetch_add(1, Ordering::SeqCst);
+        }
         PassSlot {
             slots: Arc::clone(&self.slots),
             waiters: Arc::clone(&self.waiters),
+            counted,
         }
     }
 
@@ -1115,7 +1132,7 @@ impl Dispatch {
         // only: a waiter's own fetch asks the fair order first. So does the pass of a call that
         // will not wait: its answer would otherwise wait for a round of the others' grants (its
         // lock, claim and check grow with the round), and the waiters it leaves are served by
-        // their own passes (it wakes them when it passed over a ready task).
+        // their own passes (the call gives them a turn once its pass answered: `fetch`).
         let may_recruit = if others == 0 || self.fairness.engaged() || call.now {
             0
         } else {
@@ -1296,13 +1313,10 @@ impl Dispatch {
             // ready, so the turn moves on and nothing is known to be empty.
             passed_over.store(true, Ordering::SeqCst);
         }
-        if own_served
-            && own_place.is_none()
-            && (passed_over.load(Ordering::SeqCst) || (call.now && others > 0))
-        {
+        if own_served && own_place.is_none() && !call.now && passed_over.load(Ordering::SeqCst) {
             // Its caller, not a waiter, was answered already and hands no turn on: the waiters
-            // get one, for what this pass left (a pass that would not wait served none of them,
-            // whatever was ready for them).
+            // get one, for what this pass left. (After the pass of a call that will not wait,
+            // the call gives them one: `fetch`.)
             self.waiters.wake();
         }
         if !lease_checked && !own_served {

@@ -763,6 +763,23 @@ async fn a_fetch_that_will_not_wait_is_served_alone_and_wakes_the_waiters() {
     env.shutdown().await;
 }
 
+#[tokio::test]
+async fn a_fetch_that_will_not_wait_wakes_the_waiters_for_a_task_it_cannot_take() {
+    let mut env = woken_by_hand().await;
+    let new = env.open_with("new", &[("core", "3.200")], None).await;
+    let waiting = spawn_wait(&env, &new);
+    waiting_reach(&env, 1).await;
+    // Ready, but too new for the caller below; nothing wakes the waiter.
+    let task = env.task_with(&["a"], "t", &[("core", "3.150")]).await;
+    let old = env.open_with("old", &[("core", "3.100")], None).await;
+    assert!(env.fetch(&old).await.is_none(), "not compatible");
+    let granted = got(waiting)
+        .await
+        .expect("woken by the pass that passed over it");
+    assert_eq!(id(&granted), task);
+    env.shutdown().await;
+}
+
 /// A broker for the combining tests: at most `passes` fetch passes at once, a running pass
 /// holding waiting calls up for at most `stall`; waiting calls wake only by hand (no insert
 /// trigger, no safety re-check), so what serves them is the end of a pass or its stall.
@@ -787,9 +804,11 @@ async fn combining(
     env
 }
 
-/// A call with no `wait` whose pass is held up: its claim of a task waits on a row lock until
-/// the returned lock ends. The task needs a plugin only that call's worker has, so no waiter
-/// is given it. Returns the lock, the call and the task.
+/// A waiting call whose own pass is held up: its claim of a task waits on a row lock until the
+/// returned lock ends. The task needs a plugin only that call's worker has, so no waiter is
+/// given it. (Skipping a task it does not know of keeps the call off the known-empty queue, and
+/// with a `wait` its pass counts among the running passes and recruits waiters, as a pass with
+/// no `wait` would not.) Returns the lock, the call and the task.
 async fn held_up_pass(
     env: &mut Env,
 ) -> (
@@ -802,7 +821,10 @@ async fn held_up_pass(
     let blocker = support::RowLock::take(&env.db_url, first).await;
     let lease = env.open_with("held-up", &versions, None).await;
     let mut client = env.client.clone();
-    let request = support::fetch_request(&lease);
+    let request = FetchTaskRequest {
+        skip_task_ids: vec![Uuid::new_v4().to_string()],
+        ..wait_request(&lease, LONG)
+    };
     let held_up = tokio::spawn(async move {
         client
             .fetch_task(request)
