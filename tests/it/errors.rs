@@ -377,6 +377,73 @@ async fn finishes_arriving_together_each_keep_their_own_answer() {
     env.shutdown().await;
 }
 
+/// When Postgres refuses a batch's final-state statement because of one call's task (here a
+/// trigger of the test's refuses it), the batch is retried call by call: that call fails and
+/// keeps its task and locks, every other call of the batch finishes and releases.
+#[tokio::test]
+async fn a_finish_batch_postgres_refuses_is_retried_call_by_call() {
+    let mut env = Env::new().await;
+    let mut held = Vec::new();
+    for n in 0..8 {
+        env.task(&[&format!("r{n}")]).await;
+        let lease = env.open(&format!("w{n}")).await;
+        let task = env.fetch(&lease).await.expect("a task for each lease");
+        held.push((lease, task));
+    }
+    let refused = support::id(&held[5].1);
+    env.db
+        .batch_execute(&format!(
+            "CREATE FUNCTION refuse_finish() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF NEW.pulp_id = '{refused}' AND NEW.state <> OLD.state THEN \
+               RAISE EXCEPTION 'refused by the test'; END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_finish BEFORE UPDATE ON core_task \
+             FOR EACH ROW EXECUTE FUNCTION refuse_finish();"
+        ))
+        .await
+        .unwrap();
+    let finish = |n: usize| {
+        let mut c = env.client.clone();
+        let (lease, task) = &held[n];
+        let request = FinishTaskRequest {
+            lease_id: lease.clone(),
+            task_id: task.task_id.clone(),
+            fencing_token: task.fencing_token,
+            state: "completed".into(),
+            error: String::new(),
+        };
+        tokio::spawn(async move { c.finish_task(request).await })
+    };
+    // With Redis paused the first two calls' batches stay in flight (their holder checks wait),
+    // so the other six gather into one batch, the refused call among them.
+    env.redis.pause();
+    let mut calls = vec![finish(0), finish(1)];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    calls.extend((2..8).map(finish));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    env.redis.resume();
+    for (n, call) in calls.into_iter().enumerate() {
+        let answer = call.await.unwrap();
+        if n == 5 {
+            let status = answer.expect_err("the refused call fails");
+            assert!(
+                status.message().contains("refused by the test"),
+                "{status:?}"
+            );
+        } else {
+            let answer = answer.expect("finished").into_inner();
+            assert_eq!(answer.state, "completed", "task {n}");
+            assert!(answer.released, "task {n}");
+        }
+    }
+    assert_eq!(
+        env.state(refused).await,
+        "waiting",
+        "the refused task is untouched"
+    );
+    env.assert_locks(&[&held[5].1]).await;
+    env.shutdown().await;
+}
+
 /// A FinishTask whose task row another transaction holds (Pulp canceling it, say) waits for the
 /// row on its own: the FinishTask calls after it are not held up behind it.
 #[tokio::test]
