@@ -854,22 +854,36 @@ impl ServeArgs {
 
     /// Options for a broker on the given URLs with every default (tests, demo).
     pub fn with_urls(postgres_url: &str, redis_url: &str) -> Self {
-        let cli = Cli::parse_from([
-            "dispatch-broker",
+        let cli = Cli::parse_from(
+            std::iter::once("dispatch-broker".to_owned()).chain(Self::command_line(
+                postgres_url,
+                redis_url,
+                "127.0.0.1:0",
+            )),
+        );
+        match cli.command {
+            Command::Serve(args) => *args,
+            _ => unreachable!("parsed a serve command line"),
+        }
+    }
+
+    /// The arguments of `serve` on the given URLs, listening on `listen` (metrics on a free
+    /// loopback port), every other option at its default: for [`ServeArgs::with_urls`] and for
+    /// the broker run as a process by the test kit.
+    pub fn command_line(postgres_url: &str, redis_url: &str, listen: &str) -> Vec<String> {
+        [
             "serve",
             "--postgres-url",
             postgres_url,
             "--redis-url",
             redis_url,
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--metrics-listen",
             "127.0.0.1:0",
-        ]);
-        match cli.command {
-            Command::Serve(args) => *args,
-            _ => unreachable!("parsed a serve command line"),
-        }
+        ]
+        .map(String::from)
+        .to_vec()
     }
 }
 

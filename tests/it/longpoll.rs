@@ -696,12 +696,21 @@ async fn leaving_while_a_shared_pass_claims(start: bool, cancel: bool) {
     env.shutdown().await;
 }
 
+/// [`woken_by_hand`] with one fetch waiting, its worker's core at 3.200.
+async fn woken_by_hand_with_a_new_waiter() -> (
+    Env,
+    tokio::task::JoinHandle<Result<Option<Task>, tonic::Status>>,
+) {
+    let mut env = woken_by_hand().await;
+    let new = env.open_with("new", &[("core", "3.200")], None).await;
+    let waiting = spawn_wait(&env, &new);
+    waiting_reach(&env, 1).await;
+    (env, waiting)
+}
+
 #[tokio::test]
 async fn a_waiter_whose_attempt_fails_gets_the_next_ready_task_in_the_same_pass() {
-    let mut env = woken_by_hand().await;
-    let w = env.open_with("new", &[("core", "3.200")], None).await;
-    let waiting = spawn_wait(&env, &w);
-    waiting_reach(&env, 1).await;
+    let (mut env, waiting) = woken_by_hand_with_a_new_waiter().await;
     // Another waiter, which can take neither task: the pass recruits it, and must not give up
     // on `second` while `first`'s attempt is under way.
     let old = env.open_with("old", &[("core", "3.100")], None).await;
@@ -765,10 +774,7 @@ async fn a_fetch_that_will_not_wait_is_served_alone_and_wakes_the_waiters() {
 
 #[tokio::test]
 async fn a_fetch_that_will_not_wait_wakes_the_waiters_for_a_task_it_cannot_take() {
-    let mut env = woken_by_hand().await;
-    let new = env.open_with("new", &[("core", "3.200")], None).await;
-    let waiting = spawn_wait(&env, &new);
-    waiting_reach(&env, 1).await;
+    let (mut env, waiting) = woken_by_hand_with_a_new_waiter().await;
     // Ready, but too new for the caller below; nothing wakes the waiter.
     let task = env.task_with(&["a"], "t", &[("core", "3.150")]).await;
     let old = env.open_with("old", &[("core", "3.100")], None).await;

@@ -456,19 +456,11 @@ impl Replica {
         log: PathBuf,
     ) -> Result<Replica> {
         let port = free_port()?;
-        let mut args: Vec<String> = [
-            "serve",
-            "--postgres-url",
+        let mut args = dispatch_broker::config::ServeArgs::command_line(
             postgres_url,
-            "--redis-url",
             redis_url,
-            "--listen",
             &format!("127.0.0.1:{port}"),
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ]
-        .map(String::from)
-        .to_vec();
+        );
         args.extend(extra.iter().map(|a| a.to_string()));
         let mut replica = Replica {
             port,
