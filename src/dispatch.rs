@@ -167,9 +167,10 @@ pub type Queue = Waiters<Offer, Delivery>;
 /// A lease this replica met, and when Redis last said it was alive.
 type KnownLease = (Arc<LeaseRecord>, Instant);
 
-/// The leases a replica knows, with when Redis last said each was alive (the lease-alive
-/// window): a lease ended through this replica (CloseLease, RevokeLease) is forgotten at once,
-/// so a call under it is told `NOT_FOUND` rather than joining the waiters.
+/// The leases a replica knows, with when Redis last said each was alive (a call joining the
+/// waiters takes its lease from here for a short while: `Dispatch::joining_lease`): a lease
+/// ended through this replica (CloseLease, RevokeLease) is forgotten at once, so a call under it
+/// is told `NOT_FOUND` rather than joining the waiters.
 #[derive(Clone)]
 pub struct KnownLeases(Arc<Mutex<HashMap<LeaseId, KnownLease>>>);
 
