@@ -224,7 +224,7 @@ impl Leases {
             .map_err(|_| Error::LeaseNotFound(lease_id.to_string()))?;
         // Its row is written with others' in one statement (`beats`), by the lease's own TTL (not
         // its expiry against this replica's clock).
-        self.beats.beat(app_status, beaten.ttl);
+        self.beats.beat(app_status, lease_id, beaten.ttl);
         let cancel_task_ids = self.canceling_for(app_status).await?;
         Ok(Beat {
             expires_at: from_ms(beaten.expires_ms),

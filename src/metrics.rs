@@ -31,7 +31,7 @@ pub const FETCH_POSTGRES_STATEMENTS: &str = "dispatch_fetch_postgres_statements"
 /// Redis calls per fetch pass.
 pub const FETCH_REDIS_CALLS: &str = "dispatch_fetch_redis_calls";
 /// Locks released, by path (`release`, `finish`, `cancel`, `close`, `sweep`, `revoke`,
-/// `force_release`, `fetch_failure`).
+/// `force_release`, `fetch_failure`, `app_status_gone`).
 pub const LOCKS_RELEASED_TOTAL: &str = "dispatch_locks_released_total";
 /// Expired leases swept.
 pub const LEASES_SWEPT_TOTAL: &str = "dispatch_leases_swept_total";

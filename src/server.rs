@@ -296,7 +296,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
         shutdown.clone(),
     ));
     // The workers' last_heartbeat, written for all leases that beat in one statement.
-    tokio::spawn(beats.run(sweeper.tasks.clone(), shutdown.clone()));
+    tokio::spawn(beats.run(sweeper.leases.clone(), shutdown.clone()));
     let gin_inserted = Arc::new(tokio::sync::Notify::new());
     tokio::spawn(crate::tasks::gin::keep_pending_lists_short(
         sweeper.tasks.clone(),

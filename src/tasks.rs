@@ -10,7 +10,7 @@ mod lanes;
 pub use lanes::{LaneReads, Survey};
 pub mod migrate;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -1287,10 +1287,11 @@ impl Tasks {
             .is_empty())
     }
 
-    /// Refreshes the `last_heartbeat` of the workers' rows `app_status`, in one statement.
-    pub async fn heartbeat(&self, app_status: &[Uuid]) -> Result<(), Error> {
-        self.query(sql::HEARTBEAT, &[&app_status]).await?;
-        Ok(())
+    /// Refreshes the `last_heartbeat` of the workers' rows `app_status`, in one statement;
+    /// returns the rows it found (one missing from the answer was deleted).
+    pub async fn heartbeat(&self, app_status: &[Uuid]) -> Result<HashSet<Uuid>, Error> {
+        let rows = self.query(sql::HEARTBEAT, &[&app_status]).await?;
+        rows.iter().map(|r| Ok(r.try_get(0)?)).collect()
     }
 
     /// Every claimed task asked to cancel, with the row that claimed it.

@@ -3,6 +3,11 @@
 //! heartbeat. A lease's own liveness is its expiry in Redis; the row is what Pulp (and its
 //! status API) reads, and it is written within a quarter of the lease's TTL after a beat, a
 //! second at most.
+//!
+//! A row the write does not find was deleted outside the broker (Pulp's clean-up of missing
+//! workers, an operator): Pulp no longer knows that worker, and no task can be claimed for it.
+//! Its leases are ended as the sweeper ends an expired one ("Worker has gone missing."), so the
+//! worker's next heartbeat answers NOT_FOUND and it opens a new lease, with a new row.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,8 +16,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use uuid::Uuid;
 
+use crate::ids::LeaseId;
+use crate::leases::{Leases, WORKER_MISSING};
 use crate::shutdown::Shutdown;
-use crate::tasks::Tasks;
 
 /// The longest a beat waits for its row to be written.
 pub const MAX_DELAY: Duration = Duration::from_secs(1);
@@ -20,12 +26,20 @@ pub const MAX_DELAY: Duration = Duration::from_secs(1);
 /// After a write failed, the next try.
 const RETRY: Duration = Duration::from_secs(1);
 
+/// A row waiting for its write.
+#[derive(Debug)]
+struct Beating {
+    /// When its lease expires unless it beats again (a row whose lease expired before its write
+    /// is not written: its worker may be gone).
+    expires: Instant,
+    /// The leases that beat with it (one, unless a worker reopened under its own row).
+    leases: Vec<LeaseId>,
+}
+
 #[derive(Debug, Default)]
 struct Pending {
-    /// The rows of the leases that beat since the last write, each with when its lease expires
-    /// unless it beats again (a row whose lease expired before its write is not written: its
-    /// worker may be gone).
-    rows: HashMap<Uuid, Instant>,
+    /// The rows of the leases that beat since the last write.
+    rows: HashMap<Uuid, Beating>,
     /// When they must be written (the earliest of their beats' deadlines).
     due: Option<Instant>,
 }
@@ -38,14 +52,20 @@ pub struct Beats {
 }
 
 impl Beats {
-    /// A lease with row `row` and time to live `ttl` beat now: its row is written within a
-    /// quarter of the TTL ([`MAX_DELAY`] at most).
-    pub fn beat(&self, row: Uuid, ttl: Duration) {
+    /// Lease `lease` with row `row` and time to live `ttl` beat now: its row is written within
+    /// a quarter of the TTL ([`MAX_DELAY`] at most).
+    pub fn beat(&self, row: Uuid, lease: LeaseId, ttl: Duration) {
         let now = Instant::now();
         let due = now + (ttl / 4).min(MAX_DELAY);
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let expires = pending.rows.entry(row).or_insert(now);
-        *expires = (*expires).max(now + ttl);
+        let beating = pending.rows.entry(row).or_insert_with(|| Beating {
+            expires: now,
+            leases: Vec::new(),
+        });
+        beating.expires = beating.expires.max(now + ttl);
+        if !beating.leases.contains(&lease) {
+            beating.leases.push(lease);
+        }
         if pending.due.is_none_or(|d| due < d) {
             pending.due = Some(due);
             self.sooner.notify_one();
@@ -55,8 +75,9 @@ impl Beats {
     /// Writes the rows when they are due, in one statement each time, until shutdown; then
     /// writes those still pending (once: a beat answered after it is not written by this
     /// replica, the worker's next beat reaches another). A write that fails is tried again a
-    /// second later with the rows that beat meanwhile, but for those whose lease expired.
-    pub async fn run(self, tasks: Tasks, shutdown: Shutdown) {
+    /// second later with the rows that beat meanwhile, but for those whose lease expired. The
+    /// leases of rows a write did not find are ended through `leases`.
+    pub async fn run(self, leases: Leases, shutdown: Shutdown) {
         loop {
             let due = self.pending.lock().unwrap_or_else(|e| e.into_inner()).due;
             tokio::select! {
@@ -68,42 +89,88 @@ impl Beats {
                 } => {}
                 () = self.sooner.notified() => continue,
                 () = shutdown.fired() => {
-                    self.write(&tasks).await;
+                    self.write(&leases).await;
                     return;
                 }
             }
-            self.write(&tasks).await;
+            self.write(&leases).await;
         }
     }
 
-    /// Writes every pending row now (one statement); on failure they stay pending.
-    async fn write(&self, tasks: &Tasks) {
+    /// Writes every pending row now (one statement); on failure they stay pending. Then ends
+    /// the leases of the rows the write did not find.
+    async fn write(&self, leases: &Leases) {
         let now = Instant::now();
-        let rows: HashMap<Uuid, Instant> = {
+        let rows: HashMap<Uuid, Beating> = {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             pending.due = None;
             pending
                 .rows
                 .drain()
-                .filter(|(_, expires)| *expires > now)
+                .filter(|(_, beating)| beating.expires > now)
                 .collect()
         };
         if rows.is_empty() {
             return;
         }
         let ids: Vec<Uuid> = rows.keys().copied().collect();
-        if let Err(e) = tasks.heartbeat(&ids).await {
-            crate::metrics::heartbeat_write_error();
-            tracing::warn!(error = %e, rows = ids.len(), "writing the workers' last_heartbeat failed; tried again in a second (rows whose lease expires meanwhile are dropped)");
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            for (row, expires) in rows {
-                let kept = pending.rows.entry(row).or_insert(expires);
-                *kept = (*kept).max(expires);
+        match leases.tasks.heartbeat(&ids).await {
+            Ok(written) => {
+                for (row, beating) in rows {
+                    if !written.contains(&row) {
+                        for lease in beating.leases {
+                            end_without_row(leases, lease, row).await;
+                        }
+                    }
+                }
             }
-            let retry = Instant::now() + RETRY;
-            if pending.due.is_none_or(|d| retry < d) {
-                pending.due = Some(retry);
+            Err(e) => {
+                crate::metrics::heartbeat_write_error();
+                tracing::warn!(error = %e, rows = ids.len(), "writing the workers' last_heartbeat failed; tried again in a second (rows whose lease expires meanwhile are dropped)");
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                for (row, beating) in rows {
+                    let kept = pending.rows.entry(row).or_insert_with(|| Beating {
+                        expires: beating.expires,
+                        leases: Vec::new(),
+                    });
+                    kept.expires = kept.expires.max(beating.expires);
+                    for lease in beating.leases {
+                        if !kept.leases.contains(&lease) {
+                            kept.leases.push(lease);
+                        }
+                    }
+                }
+                let retry = Instant::now() + RETRY;
+                if pending.due.is_none_or(|d| retry < d) {
+                    pending.due = Some(retry);
+                }
             }
         }
+    }
+}
+
+/// Ends `lease`, whose row `row` is gone, as the sweeper ends an expired lease. A lease that
+/// already ended (closed, swept: its row went with it) is left alone; one that could not be
+/// ended now is met again at its worker's next beat, or swept once it expires.
+async fn end_without_row(leases: &Leases, lease: LeaseId, row: Uuid) {
+    match leases
+        .end(lease, WORKER_MISSING, None, "app_status_gone")
+        .await
+    {
+        Ok(Some(ended)) => tracing::warn!(
+            lease_id = %lease,
+            app_status_id = %row,
+            released = ended.released_locks,
+            requeued = ended.requeued_tasks,
+            failed = ended.failed_tasks,
+            "lease ended: its core_appstatus row was deleted outside the broker (Pulp's clean-up of missing workers, say); its worker opens a new one"
+        ),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(
+            lease_id = %lease,
+            app_status_id = %row,
+            error = %e,
+            "a lease whose core_appstatus row was deleted could not be ended now; tried again at its next beat"
+        ),
     }
 }

@@ -414,3 +414,74 @@ async fn a_grant_handed_back_as_undelivered_goes_back_to_the_queue() {
     assert_eq!(listed[0].task_id, tb.task_id);
     env.shutdown().await;
 }
+
+/// A lease whose `core_appstatus` row was deleted outside the broker (here as Pulp's clean-up of
+/// a missing worker does it: its running task failed, the row deleted, in one transaction) is
+/// ended at its next beat's write, as the sweeper ends an expired lease: its locks are released,
+/// its worker hears NOT_FOUND and opens a new lease. Before, such a lease lived on, and every
+/// claim for it broke the foreign key. Another lease is left alone.
+#[tokio::test]
+async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    let b = env.task(&["b"]).await;
+    let (gone, gone_row) = lease_and_row(&mut env, "gone").await;
+    let (kept, kept_row) = lease_and_row(&mut env, "kept").await;
+    let ta = env.fetch(&gone).await.unwrap();
+    env.start(&gone, &ta).await;
+    let tb = env.fetch(&kept).await.unwrap();
+    assert_eq!((id(&ta), id(&tb)), (a, b));
+    env.db
+        .batch_execute(&format!(
+            "BEGIN; \
+             UPDATE core_task SET state = 'failed', finished_at = now(), app_lock_id = NULL \
+             WHERE app_lock_id = '{gone_row}'; \
+             DELETE FROM core_appstatus WHERE pulp_id = '{gone_row}'; \
+             COMMIT"
+        ))
+        .await
+        .unwrap();
+    let client = env.client.clone();
+    let beat = move |lease: String| {
+        let mut client = client.clone();
+        async move {
+            client
+                .heartbeat(HeartbeatRequest {
+                    lease_id: lease,
+                    ..Default::default()
+                })
+                .await
+        }
+    };
+    // Redis still knows the lease, so this beat is answered; its row's write finds no row.
+    beat(gone.clone())
+        .await
+        .expect("the lease is alive in Redis");
+    let ended = crate::support::eventually(Duration::from_secs(10), || async {
+        matches!(beat(gone.clone()).await, Err(s) if s.code() == tonic::Code::NotFound)
+    })
+    .await;
+    assert!(ended.is_some(), "the lease without a row was never ended");
+    let fetched = env.try_fetch(&gone, &[]).await.unwrap_err();
+    assert_eq!(fetched.code(), tonic::Code::NotFound);
+    env.assert_locks(&[&tb]).await;
+    assert_eq!(env.state(a).await, "failed");
+    // The other lease beats on, and its row is written.
+    env.db
+        .execute(
+            "UPDATE core_appstatus SET last_heartbeat = '2000-01-01' WHERE pulp_id = $1",
+            &[&kept_row],
+        )
+        .await
+        .unwrap();
+    beat(kept.clone()).await.expect("the other lease is alive");
+    let written = crate::support::eventually(Duration::from_secs(5), || async {
+        !stamps(&env.db, &[kept_row])
+            .await
+            .iter()
+            .any(|s| s.starts_with("2000"))
+    })
+    .await;
+    assert!(written.is_some(), "the other lease's row is still written");
+    env.shutdown().await;
+}
