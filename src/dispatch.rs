@@ -254,6 +254,8 @@ pub struct Dispatch {
     queues: Arc<queues::Queues>,
     /// FinishTask's round trips, batched with those of the calls that arrive together.
     finishes: Finishes,
+    /// The heartbeat writer, told of a lease whose claim found its `core_appstatus` row gone.
+    beats: crate::leases::beats::Beats,
 }
 
 /// A lease, a task it holds and the fencing token it holds it under.
@@ -675,6 +677,7 @@ impl Dispatch {
         stats: Arc<Stats>,
         policy: FetchPolicy,
         fairness: Fairness,
+        beats: crate::leases::beats::Beats,
         shutdown: Shutdown,
     ) -> Self {
         let requeue = Requeue {
@@ -708,6 +711,7 @@ impl Dispatch {
             queues: Arc::new(queues::Queues::new(tasks.clone())),
             finishes: Finishes::new(&locks, &tasks),
             fairness,
+            beats,
             policy,
         }
     }

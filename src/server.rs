@@ -183,6 +183,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             pass_stall: args.fetch.pass_stall,
         },
         fairness.clone(),
+        beats.clone(),
         shutdown.clone(),
     );
     let sweeper = Arc::new(Sweeper {

@@ -260,6 +260,9 @@ pub enum Claimed {
     NotClaimable,
     /// Another transaction holds its row: not tried.
     RowLocked,
+    /// Postgres refused it because the lease's `core_appstatus` row is gone (the foreign key
+    /// of `app_lock_id`): nothing was claimed.
+    AppStatusGone,
 }
 
 /// What putting a claim back found (requeue.sql).
@@ -350,6 +353,22 @@ impl Error {
         match self {
             Error::Db(e) => e.as_db_error().is_some(),
             Error::Batch(e) => e.is_refused(),
+            Error::Pool(_)
+            | Error::Timeout(_)
+            | Error::Schema(_)
+            | Error::Config(_)
+            | Error::Unexpected(_) => false,
+        }
+    }
+
+    /// True when Postgres refused a claim for its foreign key: the `core_appstatus` row it names
+    /// is gone (deleted outside the broker). The claim statements write no other reference.
+    pub fn app_status_gone(&self) -> bool {
+        match self {
+            Error::Db(e) => {
+                e.code() == Some(&tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION)
+            }
+            Error::Batch(e) => e.app_status_gone(),
             Error::Pool(_)
             | Error::Timeout(_)
             | Error::Schema(_)

@@ -179,6 +179,11 @@ impl Dispatch {
                             app_status: app_status[i],
                         })
                     }
+                    Claimed::AppStatusGone => {
+                        lost.push((i, fencing_token));
+                        self.app_status_gone(&tries[i], app_status[i]);
+                        tried[i] = Some(Tried::Done(Attempt::LeaseGone));
+                    }
                 }
             }
             futures::future::join_all(
@@ -241,6 +246,8 @@ impl Dispatch {
 
     /// Claims a round's locked tasks: several with claim_round.sql; one with claim.sql, the
     /// simpler statement, which waits for its row as the task would be claimed on its own anyway.
+    /// (A round of several that Postgres refuses is claimed task by task, so a lease whose row
+    /// is gone is told apart on its own claim.)
     async fn claim_all(
         &self,
         claims: &[(TaskId, Uuid, bool)],
@@ -248,9 +255,11 @@ impl Dispatch {
         match claims {
             [(task, app_status, start)] => {
                 Ok(vec![
-                    match self.tasks.claim(*task, *app_status, *start).await? {
-                        Some(started_at) => Claimed::Claimed(started_at),
-                        None => Claimed::NotClaimable,
+                    match self.tasks.claim(*task, *app_status, *start).await {
+                        Ok(Some(started_at)) => Claimed::Claimed(started_at),
+                        Ok(None) => Claimed::NotClaimable,
+                        Err(e) if e.app_status_gone() => Claimed::AppStatusGone,
+                        Err(e) => return Err(e),
                     },
                 ])
             }
@@ -284,11 +293,25 @@ impl Dispatch {
                 self.let_go(t, fencing_token).await;
                 Ok(Attempt::Lost)
             }
+            Err(e) if e.app_status_gone() => {
+                self.let_go(t, fencing_token).await;
+                self.app_status_gone(t, app_status);
+                Ok(Attempt::LeaseGone)
+            }
             Err(e) => {
                 self.claim_failed(t, fencing_token, app_status, &e).await;
                 Err(e.into())
             }
         }
+    }
+
+    /// A claim for `t`'s lease broke the foreign key: its `core_appstatus` row `app_status` was
+    /// deleted outside the broker. The lease is ended (by the heartbeat writer, which checks the
+    /// row first) rather than tried again by every pass, and its caller hears NOT_FOUND.
+    fn app_status_gone(&self, t: &Try<'_>, app_status: Uuid) {
+        tracing::warn!(lease_id = %t.lease_id, app_status_id = %app_status, task_id = %t.row.id, "a claim found the lease's core_appstatus row gone; the lease is ended");
+        self.forget_lease(t.lease_id);
+        self.beats.check(app_status, t.lease_id);
     }
 
     /// Releases the locks of a task of the round that was not claimed.

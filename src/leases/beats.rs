@@ -56,13 +56,25 @@ impl Beats {
     /// a quarter of the TTL ([`MAX_DELAY`] at most).
     pub fn beat(&self, row: Uuid, lease: LeaseId, ttl: Duration) {
         let now = Instant::now();
-        let due = now + (ttl / 4).min(MAX_DELAY);
+        self.add(row, lease, now + ttl, now + (ttl / 4).min(MAX_DELAY));
+    }
+
+    /// A claim for `lease` found its row `row` gone: the next write, now, looks for the row and
+    /// ends the lease when it is gone (were it there after all, it is written as after a beat:
+    /// the lease was alive at the claim).
+    pub fn check(&self, row: Uuid, lease: LeaseId) {
+        let now = Instant::now();
+        self.add(row, lease, now + MAX_DELAY, now);
+    }
+
+    /// `row` is to be written by `due`, for `lease`, which lives until `expires` at least.
+    fn add(&self, row: Uuid, lease: LeaseId, expires: Instant, due: Instant) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let beating = pending.rows.entry(row).or_insert_with(|| Beating {
-            expires: now,
+            expires,
             leases: Vec::new(),
         });
-        beating.expires = beating.expires.max(now + ttl);
+        beating.expires = beating.expires.max(expires);
         if !beating.leases.contains(&lease) {
             beating.leases.push(lease);
         }

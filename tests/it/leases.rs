@@ -485,3 +485,32 @@ async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     assert!(written.is_some(), "the other lease's row is still written");
     env.shutdown().await;
 }
+
+/// A claim that breaks the foreign key (the lease's `core_appstatus` row was deleted outside the
+/// broker) ends the lease at once, with no heartbeat needed: the fetch hears NOT_FOUND, and the
+/// task is left waiting and unlocked for the next worker. Before, the fetch failed with Postgres'
+/// error, and every later pass for the lease locked, claimed and released again.
+#[tokio::test]
+async fn a_claim_that_finds_the_leases_row_gone_ends_the_lease() {
+    let mut env = Env::new().await;
+    let a = env.task(&["a"]).await;
+    let (lease, row) = lease_and_row(&mut env, "gone").await;
+    env.db
+        .execute("DELETE FROM core_appstatus WHERE pulp_id = $1", &[&row])
+        .await
+        .unwrap();
+    let fetched = env.try_fetch(&lease, &[]).await.unwrap_err();
+    assert_eq!(fetched.code(), tonic::Code::NotFound, "{fetched:?}");
+    let lease_id = dispatch_broker::ids::LeaseId(lease.parse().unwrap());
+    let ended = crate::support::eventually(Duration::from_secs(5), || async {
+        env.broker().locks.lease(lease_id).await.unwrap().is_none()
+    })
+    .await;
+    assert!(ended.is_some(), "the lease was not ended");
+    env.assert_locks(&[]).await;
+    assert_eq!(env.state(a).await, "waiting");
+    assert_eq!(env.app_lock(a).await, None);
+    let next = env.open("next").await;
+    assert_eq!(id(&env.fetch(&next).await.unwrap()), a);
+    env.shutdown().await;
+}

@@ -408,8 +408,8 @@ async fn long_poll_right_after_a_finish(revoke: bool) {
 
 /// When Postgres refuses a round's claim statement for one of its tasks (here: a waiter's
 /// core_appstatus row is gone, so its claim breaks the foreign key), the round's tasks are
-/// claimed one by one: the other waiter still gets its task, and the refused one is left
-/// unlocked and waiting.
+/// claimed one by one: the other waiter still gets its task, the one whose row is gone hears
+/// NOT_FOUND, and its task is left unlocked and waiting.
 #[tokio::test]
 async fn a_round_whose_claim_postgres_refuses_is_claimed_task_by_task() {
     let mut env = no_polling().await;
@@ -429,11 +429,15 @@ async fn a_round_whose_claim_postgres_refuses_is_claimed_task_by_task() {
         .await
         .unwrap()
         .get(0);
-    // The other waiter's lease cannot claim anything (each pass tries t2 for it and puts it
-    // back); once it stops waiting, t2 is left waiting and unlocked.
+    // The other waiter's claim of t2 found its lease's row gone: it hears NOT_FOUND (its lease
+    // is ended), and t2 is left waiting and unlocked.
     let second = waiters.next().unwrap();
-    second.abort();
-    let _ = second.await;
+    let refused = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("the waiter whose row is gone is answered")
+        .unwrap()
+        .expect_err("a lease whose row is gone");
+    assert_eq!(refused.code(), Code::NotFound, "{refused:?}");
     waiting_reach_zero(&env).await;
     env.broker().passes.idle().await;
     assert_eq!(env.locked_tasks().await.len(), 1, "only t1 stays locked");
