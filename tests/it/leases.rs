@@ -415,11 +415,12 @@ async fn a_grant_handed_back_as_undelivered_goes_back_to_the_queue() {
     env.shutdown().await;
 }
 
-/// A lease whose `core_appstatus` row was deleted outside the broker (here as Pulp's clean-up of
-/// a missing worker does it: its running task failed, the row deleted, in one transaction) is
-/// ended at its next beat's write, as the sweeper ends an expired lease: its locks are released,
-/// its worker hears NOT_FOUND and opens a new lease. Before, such a lease lived on, and every
-/// claim for it broke the foreign key. Another lease is left alone.
+/// A lease whose `core_appstatus` row was deleted outside the broker (here as pulpcore's own
+/// workers' clean-up of missing processes does it: the tasks' claims cleared, as Django's SET_NULL
+/// does, and the row deleted, in one transaction) is ended at its next beat's write, as the
+/// sweeper ends an expired lease: its running task fails ("Worker has gone missing."), its locks
+/// are released, its worker hears NOT_FOUND and opens a new lease. Before, such a lease lived on,
+/// and every claim for it broke the foreign key. Another lease is left alone.
 #[tokio::test]
 async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     let mut env = Env::new().await;
@@ -434,8 +435,7 @@ async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     env.db
         .batch_execute(&format!(
             "BEGIN; \
-             UPDATE core_task SET state = 'failed', finished_at = now(), app_lock_id = NULL \
-             WHERE app_lock_id = '{gone_row}'; \
+             UPDATE core_task SET app_lock_id = NULL WHERE app_lock_id = '{gone_row}'; \
              DELETE FROM core_appstatus WHERE pulp_id = '{gone_row}'; \
              COMMIT"
         ))
@@ -466,6 +466,19 @@ async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     assert_eq!(fetched.code(), tonic::Code::NotFound);
     env.assert_locks(&[&tb]).await;
     assert_eq!(env.state(a).await, "failed");
+    let error: serde_json::Value = env
+        .db
+        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&a])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(error["reason"], "Worker has gone missing.");
+    assert_eq!(
+        env.state(b).await,
+        "waiting",
+        "the other lease's claim stands"
+    );
+    assert_eq!(env.app_lock(b).await, Some(kept_row));
     // The other lease beats on, and its row is written.
     env.db
         .execute(

@@ -862,12 +862,14 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
          PREPARE finish_orphan_cancels AS {}; \
          PREPARE held AS {} SELECT count(*) FROM held; \
          PREPARE claim_round(uuid[], uuid[], boolean[]) AS {}; \
-         PREPARE finish(uuid[], uuid[], text[], text[]) AS {};",
+         PREPARE finish(uuid[], uuid[], text[], text[]) AS {}; \
+         PREPARE end_tasks(uuid[], uuid, text) AS {};",
         dispatch_broker::tasks::sql::CLAIMED_SINCE.as_str(),
         dispatch_broker::tasks::sql::FINISH_ORPHAN_CANCELS,
         dispatch_broker::states::in_sql(include_str!("../../src/tasks/held.sql")),
         dispatch_broker::tasks::sql::CLAIM_ROUND,
         dispatch_broker::tasks::sql::FINISH.as_str(),
+        dispatch_broker::tasks::sql::END_TASKS,
     ))
     .await
     .unwrap();
@@ -907,6 +909,22 @@ async fn sweeper_reads(blocked: usize, statistics: &str) -> Vec<(&'static str, u
             two[0], two[1]
         );
         reads.push(("finish.sql", buffers(&db, &finish).await));
+        db.batch_execute("ROLLBACK").await.unwrap();
+        // An ended lease's tasks: the running one it claimed, and a waiting one.
+        let running: Uuid = db
+            .query_one(
+                "SELECT pulp_id FROM core_task WHERE app_lock_id = $1 LIMIT 1",
+                &[&worker],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let end_tasks = format!(
+            "EXECUTE end_tasks(ARRAY['{running}', '{}']::uuid[], '{worker}', 'why')",
+            two[0]
+        );
+        db.batch_execute("BEGIN").await.unwrap();
+        reads.push(("end_tasks.sql", buffers(&db, &end_tasks).await));
         db.batch_execute("ROLLBACK").await.unwrap();
     }
     reads
