@@ -66,6 +66,7 @@ class BrokerPulpWorker:
             token=token,
             tls=tls,
             app_status_id=str(self.app_status.pk),
+            replace_app_status=self._replace_app_status,
         )
         self.shutdown_requested = False
         # None: a running task may finish however long it takes (SIGTERM, SIGHUP); otherwise the
@@ -73,6 +74,25 @@ class BrokerPulpWorker:
         self.abort_at: float | None = None
         self.next_beat = 0.0
         self.cleanup_countdown = 0
+
+    def _replace_app_status(self) -> str:
+        """The worker's row is gone (Pulp's clean-up of missing processes deleted it: its
+        heartbeats could not be written for a TTL, during a Postgres outage say; the broker then
+        ended its lease). It is written again, under the same id (pulpcore keeps one row per
+        process, ``AppStatus.objects.current()``), for the new lease."""
+        import threading
+
+        from django.db import connection
+        from django.utils import timezone
+
+        try:
+            self.app_status.last_heartbeat = timezone.now()
+            self.app_status.save(force_insert=True)
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                connection.close()  # the heartbeat thread's own connection: not kept open
+        log.warning("Worker %s lost its row; it was written again (%s).", self.name, self.app_status.pk)
+        return str(self.app_status.pk)
 
     def _signal(self, signum: int, frame: Any) -> None:
         if signum in (signal.SIGTERM, signal.SIGHUP):

@@ -378,7 +378,13 @@ class _Undelivered:
 class Worker:
     """One worker's lease on the broker at ``target`` (``host:port``; ``https://host:port`` means
     TLS with the system's roots unless ``tls`` says more). ``tls`` connects with TLS (and mutual
-    TLS); ``credentials`` takes ready-made gRPC channel credentials instead."""
+    TLS); ``credentials`` takes ready-made gRPC channel credentials instead.
+
+    ``app_status_id`` is the worker's own ``core_appstatus`` row (the broker creates one per lease
+    when it is unset). If that row is gone when the worker must open a new lease (Pulp's clean-up
+    of missing processes deleted it), ``replace_app_status`` is called for the id of the row to
+    use instead (a new one it created); without it, opening the new lease fails with NOT_FOUND
+    (``app-status``)."""
 
     def __init__(
         self,
@@ -389,6 +395,7 @@ class Worker:
         ttl: float = 30.0,
         token: str | None = None,
         app_status_id: str | None = None,
+        replace_app_status: Callable[[], str] | None = None,
         call_timeout: float = 10.0,
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
@@ -407,6 +414,7 @@ class Worker:
         self.call_timeout = call_timeout
         self.retry = retry or RetryPolicy()
         self._configured_app_status = app_status_id
+        self._replace_app_status = replace_app_status
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if tls is not None:
             self._channel = grpc.secure_channel(target, tls.credentials(), options=tls.channel_options())
@@ -716,7 +724,19 @@ class Worker:
             # Only the worker's own (configured) row is reused: a row the broker made belongs to
             # the old lease until the sweeper ends it, which requeues or fails every task claimed
             # for that row and deletes it.
-            lease = self._open_lease(self._configured_app_status)
+            try:
+                lease = self._open_lease(self._configured_app_status)
+            except BrokerError as e:
+                gone = e.code == grpc.StatusCode.NOT_FOUND and e.not_found == "app-status"
+                if not (gone and self._configured_app_status and self._replace_app_status):
+                    raise
+                replacement = self._replace_app_status()
+                log.warning(
+                    "the worker's core_appstatus row %s is gone (%s); opening a new lease with row %s",
+                    self._configured_app_status, why, replacement,
+                )
+                self._configured_app_status = replacement
+                lease = self._open_lease(replacement)
             adopted = {t.task_id: t.fencing_token for t in lease.adopted_tasks}
             self._install(lease)
             kept, lost = [], []

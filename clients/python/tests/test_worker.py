@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import grpc
 import pytest
@@ -277,3 +278,47 @@ def test_a_task_the_worker_holds_is_never_handed_back(sandbox: Sandbox, db: Db, 
         time.sleep(3.0)  # ten heartbeats (every 0.3 s) list it
         assert db.state(task_id) == "running"
         assert task.finish("completed") == "completed"
+
+
+def _app_status(db: Db, name: str) -> str:
+    row_id = str(uuid.uuid4())
+    db.conn.execute(
+        "INSERT INTO core_appstatus (pulp_id, pulp_created, pulp_last_updated, app_type, name, versions, ttl, "
+        "last_heartbeat) VALUES (%s, now(), now(), 'worker', %s, ''::hstore, interval '30 seconds', now())",
+        (row_id, name),
+    )
+    return row_id
+
+
+def test_a_worker_whose_own_row_is_gone_reopens_with_the_row_it_is_given(sandbox: Sandbox, db: Db, resource: str) -> None:
+    own = _app_status(db, "own-row")
+    replacements: list[str] = []
+
+    def replace() -> str:
+        replacements.append(_app_status(db, "own-row"))
+        return replacements[-1]
+
+    with worker(sandbox, "own-row", app_status_id=own, replace_app_status=replace) as w:
+        assert w.app_status_id == own
+        old = w.lease_id
+        # Pulp's clean-up deletes the row, and the lease ends.
+        db.conn.execute("DELETE FROM core_appstatus WHERE pulp_id = %s", (own,))
+        with grpc.insecure_channel(sandbox.address) as channel:
+            pb_grpc.BrokerStub(channel).CloseLease(pb.CloseLeaseRequest(lease_id=old), timeout=10)
+        task_id = db.task(resource)
+        task = w.fetch()
+        assert task is not None and task.task_id == task_id
+        assert len(replacements) == 1 and w.app_status_id == replacements[0] and w.lease_id != old
+        assert db.app_lock(task_id) == replacements[0]
+        task.release()
+
+
+def test_without_a_replacement_a_worker_whose_own_row_is_gone_cannot_reopen(sandbox: Sandbox, db: Db) -> None:
+    own = _app_status(db, "own-row-2")
+    with worker(sandbox, "own-row-2", app_status_id=own) as w:
+        db.conn.execute("DELETE FROM core_appstatus WHERE pulp_id = %s", (own,))
+        with grpc.insecure_channel(sandbox.address) as channel:
+            pb_grpc.BrokerStub(channel).CloseLease(pb.CloseLeaseRequest(lease_id=w.lease_id), timeout=10)
+        with pytest.raises(BrokerError) as raised:
+            w.fetch()
+        assert raised.value.code == grpc.StatusCode.NOT_FOUND and raised.value.not_found == "app-status"

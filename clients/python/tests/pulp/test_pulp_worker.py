@@ -312,3 +312,36 @@ def test_pulp_tasks_run_through_the_broker(sandbox: Sandbox, broker: str, pulp: 
     assert leftovers == []
     assert r.scard("{pulp}:locked") == 0
     print(f"\n{len(every)} Pulp tasks in {elapsed:.1f}s through the broker with 2 workers")
+
+
+def test_a_worker_whose_row_pulp_deleted_opens_a_new_lease_and_goes_on(broker: str, pulp: dict[str, str], pki: Pki) -> None:
+    """pulpcore's own workers delete the row of any process whose heartbeat is older than its TTL
+    (after a Postgres outage longer than the TTL, say, during which the broker could not write
+    heartbeats), clearing the claims of its tasks (Django's SET_NULL). The broker then ends that
+    worker's lease: the task it was running fails as Pulp fails an abandoned task, and the worker
+    writes its row again, opens a new lease and runs the next task."""
+    from pulpcore.app.models import AppStatus, Task
+    from pulpcore.tasking.tasks import dispatch
+
+    repo = "prn:file.filerepository:G"
+    workers = start_workers(1, broker, pulp, pki)
+    try:
+        long_running = dispatch(SLEEP, args=(60,), exclusive_resources=[repo])
+        wait_for("the long task to run", lambda: Task.objects.get(pk=long_running.pk).state == "running")
+        first = AppStatus.objects.get(app_type="worker")
+        assert Task.objects.get(pk=long_running.pk).app_lock_id == first.pk
+        # As pulpcore's app_worker_cleanup() deletes a missing process's row.
+        AppStatus.objects.filter(pk=first.pk).delete()
+        assert Task.objects.get(pk=long_running.pk).app_lock_id is None
+        behind = dispatch(SLEEP, args=(0.1,), exclusive_resources=[repo])
+        wait_for("the abandoned task to fail", lambda: Task.objects.get(pk=long_running.pk).state == "failed", 60)
+        wait_for("the next task to run", lambda: Task.objects.get(pk=behind.pk).state == "completed", 60)
+        rows = list(AppStatus.objects.filter(app_type="worker"))
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        codes = [w.wait(60) for w in workers]
+    assert Task.objects.get(pk=long_running.pk).error == {"reason": "Worker has gone missing."}
+    assert [r.pk for r in rows] == [first.pk], "the worker's row was written again, for its new lease"
+    assert codes == [0], "the worker shut down cleanly on SIGTERM"
+    assert not AppStatus.objects.filter(app_type="worker").exists()
