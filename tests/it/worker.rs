@@ -3,6 +3,7 @@
 //! tasks reported, rebuilt tasks adopted), background release of dropped guards, graceful
 //! shutdown, and retrying a broker that is not up yet.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::support::{eventually, Env};
@@ -212,6 +213,53 @@ async fn a_lease_ended_elsewhere_is_replaced_and_its_tasks_reported_lost() {
     assert_eq!(guard.id(), next.to_string());
     guard.release().await.unwrap();
     env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+/// A worker whose own core_appstatus row is gone when it must reopen its lease (Pulp's clean-up
+/// of missing processes deleted it) opens the new lease under the row `replace_app_status`
+/// gives; without one, the reopen fails with NOT_FOUND for the row.
+#[tokio::test]
+async fn a_worker_whose_own_row_is_gone_reopens_under_the_row_it_is_given() {
+    let mut env = Env::new().await;
+    let row = env.app_status("worker", "w").await;
+    let spare = env.app_status("worker", "w").await;
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut with_row = config("w");
+    with_row.app_status_id = Some(row.to_string());
+    with_row.replace_app_status = Some({
+        let asked = Arc::clone(&asked);
+        Arc::new(move || {
+            asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async move { Ok(spare.to_string()) })
+        })
+    });
+    let mut without = config("v");
+    let other = env.app_status("worker", "v").await;
+    without.app_status_id = Some(other.to_string());
+    let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();
+    let stuck = Worker::connect(endpoint(&env), without).await.unwrap();
+    for (w, r) in [(&worker, row), (&stuck, other)] {
+        env.db
+            .execute("DELETE FROM core_appstatus WHERE pulp_id = $1", &[&r])
+            .await
+            .unwrap();
+        env.client
+            .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+                lease_id: w.lease_id(),
+            })
+            .await
+            .unwrap();
+    }
+    let task = env.task(&["a"]).await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(guard.id(), task.to_string());
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(worker.app_status_id(), spare.to_string());
+    assert_eq!(env.app_lock(task).await, Some(spare));
+    guard.release().await.unwrap();
+    let refused = stuck.next_task(Duration::ZERO).await.unwrap_err();
+    assert!(refused.is_app_status_not_found(), "{refused}");
     worker.close().await.unwrap();
 }
 
@@ -440,11 +488,13 @@ fn the_worker_library_reads_the_brokers_not_found_key() {
     assert_eq!(
         (
             dispatch_worker::NOT_FOUND_KEY,
-            dispatch_worker::NOT_FOUND_LEASE
+            dispatch_worker::NOT_FOUND_LEASE,
+            dispatch_worker::NOT_FOUND_APP_STATUS
         ),
         (
             dispatch_broker::grpc::NOT_FOUND_KEY,
-            dispatch_broker::grpc::NOT_FOUND_LEASE
+            dispatch_broker::grpc::NOT_FOUND_LEASE,
+            dispatch_broker::grpc::NOT_FOUND_APP_STATUS
         )
     );
 }

@@ -48,11 +48,21 @@ pub mod proto {
 pub const NOT_FOUND_KEY: &str = "dispatch-not-found";
 /// [`NOT_FOUND_KEY`]: the lease is unknown or expired.
 pub const NOT_FOUND_LEASE: &str = "lease";
+/// [`NOT_FOUND_KEY`]: the `core_appstatus` row named in OpenLease does not exist.
+pub const NOT_FOUND_APP_STATUS: &str = "app-status";
+
+/// Gives the id of the `core_appstatus` row a worker uses instead of its own when that row is
+/// gone ([`WorkerConfig::replace_app_status`]); an error is the reason it could not.
+pub type ReplaceAppStatus = Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        + Send
+        + Sync,
+>;
 
 type Client = BrokerClient<InterceptedService<Channel, Auth>>;
 
 /// How a worker presents itself to the broker.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WorkerConfig {
     /// The worker's name, e.g. `1234@host` (stored in `core_appstatus.name`).
     pub name: String,
@@ -68,12 +78,33 @@ pub struct WorkerConfig {
     /// The worker's own `core_appstatus` row (a Pulp worker passes its own); `None` lets the
     /// broker create one per lease.
     pub app_status_id: Option<String>,
+    /// When the worker's own row (`app_status_id`) is gone at a reopen (Pulp's clean-up of
+    /// missing processes deleted it), gives the row to use instead (one it wrote again, or a new
+    /// one); `None`: the reopen fails with `NOT_FOUND` (`app-status`).
+    pub replace_app_status: Option<ReplaceAppStatus>,
     /// Deadline of each call (a long poll gets its wait on top).
     pub call_timeout: Duration,
     /// Backoff for `UNAVAILABLE` and `RESOURCE_EXHAUSTED`.
     pub retry: RetryPolicy,
     /// How long [`Worker::run`] lets a running task finish after shutdown is signalled.
     pub shutdown_grace: Duration,
+}
+
+impl std::fmt::Debug for WorkerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerConfig")
+            .field("name", &self.name)
+            .field("versions", &self.versions)
+            .field("ttl", &self.ttl)
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("tls", &self.tls)
+            .field("app_status_id", &self.app_status_id)
+            .field("replace_app_status", &self.replace_app_status.is_some())
+            .field("call_timeout", &self.call_timeout)
+            .field("retry", &self.retry)
+            .field("shutdown_grace", &self.shutdown_grace)
+            .finish()
+    }
 }
 
 impl WorkerConfig {
@@ -86,6 +117,7 @@ impl WorkerConfig {
             token: None,
             tls: None,
             app_status_id: None,
+            replace_app_status: None,
             call_timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -139,6 +171,20 @@ impl WorkerError {
     pub fn is_lease_not_found(&self) -> bool {
         match self {
             WorkerError::Rpc { status, .. } => is_lease_not_found(status),
+            _ => false,
+        }
+    }
+
+    /// True when the broker said the `core_appstatus` row named in OpenLease does not exist.
+    pub fn is_app_status_not_found(&self) -> bool {
+        match self {
+            WorkerError::Rpc { status, .. } => {
+                status.code() == Code::NotFound
+                    && status
+                        .metadata()
+                        .get(NOT_FOUND_KEY)
+                        .is_some_and(|v| v == NOT_FOUND_APP_STATUS)
+            }
             _ => false,
         }
     }
@@ -228,6 +274,9 @@ struct LeaseState {
 struct Shared {
     client: Client,
     config: WorkerConfig,
+    /// The worker's own row, to reopen under: `config.app_status_id`, or the row
+    /// `config.replace_app_status` gave once that one was gone.
+    own_row: Mutex<Option<String>>,
     lease: Mutex<LeaseState>,
     reopening: tokio::sync::Mutex<()>,
     held: Mutex<HashMap<String, Arc<Held>>>,
@@ -300,6 +349,7 @@ impl Worker {
                 ttl: config.ttl,
                 generation: 0,
             }),
+            own_row: Mutex::new(config.app_status_id.clone()),
             config,
             reopening: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashMap::new()),
@@ -679,7 +729,32 @@ impl Shared {
         // Only the worker's own (configured) row is reused: a row the broker made belongs to the
         // old lease until the sweeper ends it, and ending it requeues or fails every task claimed
         // for that row and deletes it, so a new lease on it would lose its tasks.
-        let lease = self.open_lease(self.config.app_status_id.clone()).await?;
+        let own_row = lock(&self.own_row).clone();
+        let lease = match self.open_lease(own_row.clone()).await {
+            Ok(lease) => lease,
+            Err(e) if e.is_app_status_not_found() && own_row.is_some() => {
+                let Some(replace) = self.config.replace_app_status.clone() else {
+                    return Err(e);
+                };
+                let replacement = replace().await.map_err(|reason| WorkerError::Rpc {
+                    method: "OpenLease",
+                    status: Status::not_found(format!(
+                        "the worker's core_appstatus row {} is gone and no other could be had: \
+                         {reason}",
+                        own_row.as_deref().unwrap_or_default()
+                    )),
+                })?;
+                tracing::warn!(
+                    gone = own_row.as_deref().unwrap_or_default(),
+                    replacement = %replacement,
+                    why,
+                    "the worker's core_appstatus row is gone; opening a new lease with another"
+                );
+                *lock(&self.own_row) = Some(replacement.clone());
+                self.open_lease(Some(replacement)).await?
+            }
+            Err(e) => return Err(e),
+        };
         let adopted: HashMap<String, u64> = lease
             .adopted_tasks
             .iter()
