@@ -40,7 +40,8 @@
 //! `PULPCORE=first` pulpcore's in the first cell of each size only; `TRUST_AB=1` compares, round
 //! by round, passes that may trust their scan hint with passes that may not (see `trust_ab`);
 //! `PAUSE_AB=MS` first fetches right after a round's traffic with first fetches MS ms after it
-//! (see `pause_ab`). Prints Markdown tables.
+//! (see `pause_ab`); `WARM_AB=1` first fetches right after a round's traffic with first fetches
+//! that follow a Heartbeat (see `warm_ab`). Prints Markdown tables.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -280,6 +281,15 @@ fn pause_ab() -> Option<std::time::Duration> {
         .map(std::time::Duration::from_millis)
 }
 
+/// `WARM_AB=1`: every other round makes one untimed Heartbeat call (gRPC to the broker, one
+/// Redis call there) right before its first fetch, and the first fetches of the two kinds of
+/// round are reported apart: how much of the first fetch's extra cost is any first call after
+/// the round's traffic (client, network, the broker's runtime, Redis), rather than the pass's own
+/// work on what changed.
+fn warm_ab() -> bool {
+    std::env::var_os("WARM_AB").is_some_and(|v| v != "0")
+}
+
 async fn broker_rounds(
     broker: &dispatch_broker::server::Running,
     fleet: &[Worker],
@@ -293,6 +303,18 @@ async fn broker_rounds(
     let mut fetch_ms = Vec::new();
     let mut untrusted_ms = Vec::new();
     let (mut first_paused, mut first_unpaused) = (Vec::new(), Vec::new());
+    let (mut first_warmed, mut first_cold) = (Vec::new(), Vec::new());
+    let mut warm_client = match warm_ab() {
+        true => Some(
+            dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
+                "http://{}",
+                broker.addr
+            ))
+            .await
+            .expect("a client to warm with"),
+        ),
+        false => None,
+    };
     let mut fetched = 0;
     for round in 0..ROUNDS {
         let mut held: Vec<TaskGuard> = Vec::new();
@@ -300,6 +322,16 @@ async fn broker_rounds(
         let paused = pause_ab().filter(|_| round % 2 == 1);
         if let Some(pause) = paused {
             tokio::time::sleep(pause).await;
+        }
+        let warmed = warm_ab() && round % 2 == 1;
+        if let (true, Some(client)) = (warmed, warm_client.as_mut()) {
+            client
+                .heartbeat(dispatch_broker::proto::HeartbeatRequest {
+                    lease_id: fleet[0].lease_id(),
+                    ..Default::default()
+                })
+                .await
+                .expect("Heartbeat");
         }
         for (i, worker) in fleet.iter().enumerate() {
             if untrusted {
@@ -335,6 +367,13 @@ async fn broker_rounds(
                     first_unpaused.push(ms);
                 }
             }
+            if i == 0 && warm_ab() {
+                if warmed {
+                    first_warmed.push(ms);
+                } else {
+                    first_cold.push(ms);
+                }
+            }
             held.extend(task);
         }
         fetched += held.len();
@@ -366,6 +405,14 @@ async fn broker_rounds(
             "    PAUSE_AB: first fetch of a round {u50:.2} / {u99:.2} ms right after its traffic, \
              {p50:.2} / {p99:.2} ms {} ms after it (median / p99, 10 each)",
             pause.as_millis()
+        );
+    }
+    if warm_ab() {
+        let (w50, w99) = summary(first_warmed);
+        let (c50, c99) = summary(first_cold);
+        eprintln!(
+            "    WARM_AB: first fetch of a round {c50:.2} / {c99:.2} ms right after its traffic, \
+             {w50:.2} / {w99:.2} ms after a Heartbeat (median / p99, 10 each)"
         );
     }
     let counted = stats.snapshot() - before;
