@@ -254,8 +254,8 @@ pub struct Dispatch {
     queues: Arc<queues::Queues>,
     /// FinishTask's round trips, batched with those of the calls that arrive together.
     finishes: Finishes,
-    /// The heartbeat writer, told of a lease whose claim found its `core_appstatus` row gone.
-    beats: crate::leases::beats::Beats,
+    /// Ends a lease whose claim found its `core_appstatus` row gone.
+    lease_ends: crate::leases::Leases,
 }
 
 /// A lease, a task it holds and the fencing token it holds it under.
@@ -677,7 +677,7 @@ impl Dispatch {
         stats: Arc<Stats>,
         policy: FetchPolicy,
         fairness: Fairness,
-        beats: crate::leases::beats::Beats,
+        lease_ends: crate::leases::Leases,
         shutdown: Shutdown,
     ) -> Self {
         let requeue = Requeue {
@@ -711,7 +711,7 @@ impl Dispatch {
             queues: Arc::new(queues::Queues::new(tasks.clone())),
             finishes: Finishes::new(&locks, &tasks),
             fairness,
-            beats,
+            lease_ends,
             policy,
         }
     }

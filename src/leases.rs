@@ -295,6 +295,29 @@ impl Leases {
         self.end(lease_id, reason, None, path).await
     }
 
+    /// Ends `lease`, whose `core_appstatus` row `row` was deleted outside the broker (found by
+    /// the heartbeat writer, `beats`, or by a claim that broke the foreign key), as the sweeper
+    /// ends an expired lease; logs and counts it. `false` when it had ended already (closed,
+    /// swept: its row went with it).
+    pub async fn end_without_row(&self, lease: LeaseId, row: Uuid) -> Result<bool> {
+        let Some(ended) = self
+            .end(lease, WORKER_MISSING, None, "app_status_gone")
+            .await?
+        else {
+            return Ok(false);
+        };
+        self.stats.lease_app_status_gone();
+        tracing::warn!(
+            lease_id = %lease,
+            app_status_id = %row,
+            released = ended.released_locks,
+            requeued = ended.requeued_tasks,
+            failed = ended.failed_tasks,
+            "lease ended: its core_appstatus row was deleted outside the broker (Pulp's clean-up of missing processes, say); its worker opens a new one"
+        );
+        Ok(true)
+    }
+
     /// Ends a lease: expire, end its tasks in Postgres, release its locks. `None` when the lease
     /// is unknown, or (for a sweeper) when the sweeper lock was lost meanwhile. `path` labels
     /// the released locks in the metrics.

@@ -35,6 +35,8 @@ pub const FETCH_REDIS_CALLS: &str = "dispatch_fetch_redis_calls";
 pub const LOCKS_RELEASED_TOTAL: &str = "dispatch_locks_released_total";
 /// Expired leases swept.
 pub const LEASES_SWEPT_TOTAL: &str = "dispatch_leases_swept_total";
+/// Leases ended because their `core_appstatus` row was deleted outside the broker.
+pub const LEASES_APP_STATUS_GONE_TOTAL: &str = "dispatch_leases_app_status_gone_total";
 /// Locks of finished tasks released by the reconciler.
 pub const LOCKS_RECONCILED_TOTAL: &str = "dispatch_locks_reconciled_total";
 /// Rebuilds of lost lock state.
@@ -129,6 +131,7 @@ pub const ALL: &[&str] = &[
     FETCH_REDIS_CALLS,
     LOCKS_RELEASED_TOTAL,
     LEASES_SWEPT_TOTAL,
+    LEASES_APP_STATUS_GONE_TOTAL,
     LOCKS_RECONCILED_TOTAL,
     LOCK_STATE_REBUILDS_TOTAL,
     RPC_DURATION_SECONDS,
@@ -208,6 +211,10 @@ pub fn describe() {
     describe_histogram!(FETCH_REDIS_CALLS, "Redis calls per fetch pass.");
     describe_counter!(LOCKS_RELEASED_TOTAL, "Task locks released, by path.");
     describe_counter!(LEASES_SWEPT_TOTAL, "Expired leases swept.");
+    describe_counter!(
+        LEASES_APP_STATUS_GONE_TOTAL,
+        "Leases ended because their core_appstatus row was deleted outside the broker."
+    );
     describe_counter!(
         LOCKS_RECONCILED_TOTAL,
         "Locks of finished tasks released by the reconciler."
@@ -608,6 +615,11 @@ impl Stats {
     pub fn lease_swept(&self) {
         self.leases_swept.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(LEASES_SWEPT_TOTAL).increment(1);
+    }
+
+    /// Counts one lease ended because its `core_appstatus` row is gone.
+    pub fn lease_app_status_gone(&self) {
+        metrics::counter!(LEASES_APP_STATUS_GONE_TOTAL).increment(1);
     }
 
     /// Counts one reconciled lock.

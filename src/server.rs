@@ -183,7 +183,7 @@ pub async fn start(args: &ServeArgs) -> anyhow::Result<Running> {
             pass_stall: args.fetch.pass_stall,
         },
         fairness.clone(),
-        beats.clone(),
+        leases.clone(),
         shutdown.clone(),
     );
     let sweeper = Arc::new(Sweeper {

@@ -165,6 +165,7 @@ impl Dispatch {
             };
             let mut confirm = Vec::with_capacity(claims_at.len());
             let mut lost = Vec::new();
+            let mut gone = Vec::new();
             for (&(i, fencing_token), claimed) in claims_at.iter().zip(claimed) {
                 match claimed {
                     Claimed::Claimed(started_at) => confirm.push((i, fencing_token, started_at)),
@@ -181,7 +182,7 @@ impl Dispatch {
                     }
                     Claimed::AppStatusGone => {
                         lost.push((i, fencing_token));
-                        self.app_status_gone(&tries[i], app_status[i]);
+                        gone.push(i);
                         tried[i] = Some(Tried::Done(Attempt::LeaseGone));
                     }
                 }
@@ -191,6 +192,9 @@ impl Dispatch {
                     .map(|&(i, fencing_token)| self.let_go(&tries[i], fencing_token)),
             )
             .await;
+            for i in gone {
+                self.app_status_gone(&tries[i], app_status[i]).await;
+            }
             let checks: Vec<_> = confirm
                 .iter()
                 .map(|&(i, fencing_token, _)| (tries[i].lease_id, tries[i].row.id, fencing_token))
@@ -295,7 +299,7 @@ impl Dispatch {
             }
             Err(e) if e.app_status_gone() => {
                 self.let_go(t, fencing_token).await;
-                self.app_status_gone(t, app_status);
+                self.app_status_gone(t, app_status).await;
                 Ok(Attempt::LeaseGone)
             }
             Err(e) => {
@@ -306,12 +310,18 @@ impl Dispatch {
     }
 
     /// A claim for `t`'s lease broke the foreign key: its `core_appstatus` row `app_status` was
-    /// deleted outside the broker. The lease is ended (by the heartbeat writer, which checks the
-    /// row first) rather than tried again by every pass, and its caller hears NOT_FOUND.
-    fn app_status_gone(&self, t: &Try<'_>, app_status: Uuid) {
-        tracing::warn!(lease_id = %t.lease_id, app_status_id = %app_status, task_id = %t.row.id, "a claim found the lease's core_appstatus row gone; the lease is ended");
+    /// deleted outside the broker (the claim writes no other reference). The lease is ended now,
+    /// before its caller hears NOT_FOUND, rather than tried again by every pass. If that fails,
+    /// the heartbeat writer ends it at the worker's next beat, or the sweeper once it expires.
+    async fn app_status_gone(&self, t: &Try<'_>, app_status: Uuid) {
         self.forget_lease(t.lease_id);
-        self.beats.check(app_status, t.lease_id);
+        if let Err(e) = self
+            .lease_ends
+            .end_without_row(t.lease_id, app_status)
+            .await
+        {
+            tracing::warn!(lease_id = %t.lease_id, app_status_id = %app_status, task_id = %t.row.id, error = %e, "a claim found the lease's core_appstatus row gone, and ending the lease failed; its next heartbeat ends it, or the sweeper");
+        }
     }
 
     /// Releases the locks of a task of the round that was not claimed.

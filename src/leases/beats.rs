@@ -7,7 +7,8 @@
 //! A row the write does not find was deleted outside the broker (Pulp's clean-up of missing
 //! workers, an operator): Pulp no longer knows that worker, and no task can be claimed for it.
 //! Its leases are ended as the sweeper ends an expired one ("Worker has gone missing."), so the
-//! worker's next heartbeat answers NOT_FOUND and it opens a new lease, with a new row.
+//! worker's next heartbeat answers NOT_FOUND and it opens a new lease (with a new row, or its own
+//! row written again).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,7 +18,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::ids::LeaseId;
-use crate::leases::{Leases, WORKER_MISSING};
+use crate::leases::Leases;
 use crate::shutdown::Shutdown;
 
 /// The longest a beat waits for its row to be written.
@@ -56,19 +57,7 @@ impl Beats {
     /// a quarter of the TTL ([`MAX_DELAY`] at most).
     pub fn beat(&self, row: Uuid, lease: LeaseId, ttl: Duration) {
         let now = Instant::now();
-        self.add(row, lease, now + ttl, now + (ttl / 4).min(MAX_DELAY));
-    }
-
-    /// A claim for `lease` found its row `row` gone: the next write, now, looks for the row and
-    /// ends the lease when it is gone (were it there after all, it is written as after a beat:
-    /// the lease was alive at the claim).
-    pub fn check(&self, row: Uuid, lease: LeaseId) {
-        let now = Instant::now();
-        self.add(row, lease, now + MAX_DELAY, now);
-    }
-
-    /// `row` is to be written by `due`, for `lease`, which lives until `expires` at least.
-    fn add(&self, row: Uuid, lease: LeaseId, expires: Instant, due: Instant) {
+        let (expires, due) = (now + ttl, now + (ttl / 4).min(MAX_DELAY));
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let beating = pending.rows.entry(row).or_insert_with(|| Beating {
             expires,
@@ -128,10 +117,17 @@ impl Beats {
         let ids: Vec<Uuid> = rows.keys().copied().collect();
         match leases.tasks.heartbeat(&ids).await {
             Ok(written) => {
+                // Each in a task of its own: the writer keeps its pace for the other rows (a
+                // row written late may look missing to Pulp's clean-up in turn).
                 for (row, beating) in rows {
                     if !written.contains(&row) {
                         for lease in beating.leases {
-                            end_without_row(leases, lease, row).await;
+                            let leases = leases.clone();
+                            tokio::spawn(async move {
+                                if let Err(e) = leases.end_without_row(lease, row).await {
+                                    tracing::warn!(lease_id = %lease, app_status_id = %row, error = %e, "a lease whose core_appstatus row was deleted could not be ended now; tried again at its next beat, or swept once it expires");
+                                }
+                            });
                         }
                     }
                 }
@@ -158,31 +154,5 @@ impl Beats {
                 }
             }
         }
-    }
-}
-
-/// Ends `lease`, whose row `row` is gone, as the sweeper ends an expired lease. A lease that
-/// already ended (closed, swept: its row went with it) is left alone; one that could not be
-/// ended now is met again at its worker's next beat, or swept once it expires.
-async fn end_without_row(leases: &Leases, lease: LeaseId, row: Uuid) {
-    match leases
-        .end(lease, WORKER_MISSING, None, "app_status_gone")
-        .await
-    {
-        Ok(Some(ended)) => tracing::warn!(
-            lease_id = %lease,
-            app_status_id = %row,
-            released = ended.released_locks,
-            requeued = ended.requeued_tasks,
-            failed = ended.failed_tasks,
-            "lease ended: its core_appstatus row was deleted outside the broker (Pulp's clean-up of missing workers, say); its worker opens a new one"
-        ),
-        Ok(None) => {}
-        Err(e) => tracing::warn!(
-            lease_id = %lease,
-            app_status_id = %row,
-            error = %e,
-            "a lease whose core_appstatus row was deleted could not be ended now; tried again at its next beat"
-        ),
     }
 }

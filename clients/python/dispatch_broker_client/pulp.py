@@ -82,12 +82,14 @@ class BrokerPulpWorker:
         process, ``AppStatus.objects.current()``), for the new lease."""
         import threading
 
-        from django.db import connection
+        from django.db import IntegrityError, connection
         from django.utils import timezone
 
         try:
             self.app_status.last_heartbeat = timezone.now()
             self.app_status.save(force_insert=True)
+        except IntegrityError:
+            pass  # already there again: the new lease takes it
         finally:
             if threading.current_thread() is not threading.main_thread():
                 connection.close()  # the heartbeat thread's own connection: not kept open

@@ -156,6 +156,15 @@ pub enum WorkerError {
     /// The worker is shutting down or closed.
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// The worker's own `core_appstatus` row is gone and
+    /// [`WorkerConfig::replace_app_status`] could not give another.
+    #[error("the worker's core_appstatus row {app_status_id} is gone and no other could be had: {reason}")]
+    AppStatusReplacement {
+        /// The row that is gone.
+        app_status_id: String,
+        /// Why no other could be had.
+        reason: String,
+    },
 }
 
 impl WorkerError {
@@ -736,14 +745,13 @@ impl Shared {
                 let Some(replace) = self.config.replace_app_status.clone() else {
                     return Err(e);
                 };
-                let replacement = replace().await.map_err(|reason| WorkerError::Rpc {
-                    method: "OpenLease",
-                    status: Status::not_found(format!(
-                        "the worker's core_appstatus row {} is gone and no other could be had: \
-                         {reason}",
-                        own_row.as_deref().unwrap_or_default()
-                    )),
-                })?;
+                let replacement =
+                    replace()
+                        .await
+                        .map_err(|reason| WorkerError::AppStatusReplacement {
+                            app_status_id: own_row.clone().unwrap_or_default(),
+                            reason,
+                        })?;
                 tracing::warn!(
                     gone = own_row.as_deref().unwrap_or_default(),
                     replacement = %replacement,
