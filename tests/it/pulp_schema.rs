@@ -1539,3 +1539,85 @@ async fn claiming_the_next_task_of_a_long_queue_reads_no_more_with_a_larger_back
         "the GIN look-up does not grow: the test proves nothing ({small_gin} / {large_gin})"
     );
 }
+
+/// On Pulp's database a domain is named by its name (`core_domain.name`): SetFairness reads the
+/// names when it meets one this replica has not seen among waiting tasks, and the override holds
+/// for that domain's tasks. An unknown name is NOT_FOUND and changes nothing.
+#[tokio::test]
+async fn set_fairness_names_a_pulp_domain_by_its_name() {
+    use dispatch_broker::proto::SetFairnessRequest;
+    let url = tokio::task::spawn_blocking(pulp_database).await.unwrap();
+    let redis = tokio::task::spawn_blocking(|| dispatch_testkit::Redis::start().unwrap())
+        .await
+        .unwrap();
+    let mut env = Env::on(url, redis, |_| {}).await;
+    env.db
+        .batch_execute(
+            "INSERT INTO core_domain (pulp_id, pulp_created, pulp_last_updated, name, description, \
+                 storage_class, storage_settings, redirect_to_object_storage, \
+                 hide_guarded_distributions, pulp_labels, default_content_guard_id) \
+             VALUES (gen_random_uuid(), now(), now(), 'other', NULL, \
+                 'pulpcore.app.models.storage.FileSystem', '{}'::jsonb, true, false, ''::hstore, NULL)",
+        )
+        .await
+        .unwrap();
+    let mut admin = dispatch_broker::proto::admin_client::AdminClient::connect(format!(
+        "http://{}",
+        env.broker().addr
+    ))
+    .await
+    .unwrap();
+    let unknown = admin
+        .set_fairness(SetFairnessRequest {
+            domain: "nope".into(),
+            cap: Some(1),
+            reason: "test".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
+    assert!(env
+        .broker()
+        .locks
+        .fair_overrides()
+        .await
+        .unwrap()
+        .is_empty());
+    // No task of "other" has been seen yet: its name is read from core_domain.
+    admin
+        .set_fairness(SetFairnessRequest {
+            domain: "other".into(),
+            cap: Some(1),
+            reason: "test".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("a Pulp domain named by its name");
+    let mut others = Vec::new();
+    for i in 0..2 {
+        let id = Uuid::new_v4();
+        env.db
+            .execute(
+                "INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+                     logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+                     deferred, pulp_api_version) \
+                 SELECT $1, now(), now(), 'waiting', 'pulpcore.app.tasks.base.general_create', \
+                        'cid', ARRAY['prn:file.repository:o' || $2::text], d.pulp_id, \
+                        hstore('core', '3.123.1'), false, true, 'v3' \
+                 FROM core_domain d WHERE d.name = 'other'",
+                &[&id, &i.to_string()],
+            )
+            .await
+            .unwrap();
+        others.push(id);
+    }
+    let w = env.open("1@host").await;
+    let first = env.fetch(&w).await.expect("the first task of other");
+    assert_eq!(id(&first), others[0]);
+    assert!(
+        env.fetch(&w).await.is_none(),
+        "other is at its cap of 1 while its first task runs"
+    );
+    env.shutdown().await;
+}
