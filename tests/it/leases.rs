@@ -464,6 +464,15 @@ async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     assert!(ended.is_some(), "the lease without a row was never ended");
     let fetched = env.try_fetch(&gone, &[]).await.unwrap_err();
     assert_eq!(fetched.code(), tonic::Code::NotFound);
+    // The lease is expired first (so NOT_FOUND), its tasks ended and its locks released next.
+    let released = crate::support::eventually(Duration::from_secs(5), || async {
+        env.locked_tasks().await.len() == 1
+    })
+    .await;
+    assert!(
+        released.is_some(),
+        "the ended lease's lock was not released"
+    );
     env.assert_locks(&[&tb]).await;
     assert_eq!(env.state(a).await, "failed");
     let error: serde_json::Value = env
