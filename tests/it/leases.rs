@@ -536,3 +536,49 @@ async fn a_claim_that_finds_the_leases_row_gone_ends_the_lease() {
     assert_eq!(id(&env.fetch(&next).await.unwrap()), a);
     env.shutdown().await;
 }
+
+/// Two leases on one worker's own row (a worker that reopened under it while its old lease still
+/// lived) that beat together: when the row is deleted, the write that does not find it ends both.
+#[tokio::test]
+async fn every_lease_that_beat_with_a_deleted_row_is_ended() {
+    let mut env = Env::new().await;
+    let own = env.app_status("worker", "pulp-worker").await;
+    let mut leases = Vec::new();
+    for _ in 0..2 {
+        leases.push(
+            env.client
+                .open_lease(OpenLeaseRequest {
+                    worker_name: "pulp-worker".into(),
+                    versions: Default::default(),
+                    ttl: None,
+                    app_status_id: own.to_string(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .lease_id,
+        );
+    }
+    env.db
+        .execute("DELETE FROM core_appstatus WHERE pulp_id = $1", &[&own])
+        .await
+        .unwrap();
+    for lease in &leases {
+        env.client
+            .heartbeat(HeartbeatRequest {
+                lease_id: lease.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("alive in Redis until the write");
+    }
+    for lease in leases {
+        let id = dispatch_broker::ids::LeaseId(lease.parse().unwrap());
+        let ended = crate::support::eventually(Duration::from_secs(5), || async {
+            env.broker().locks.lease(id).await.unwrap().is_none()
+        })
+        .await;
+        assert!(ended.is_some(), "lease {lease} was not ended");
+    }
+    env.shutdown().await;
+}
