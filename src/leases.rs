@@ -297,9 +297,14 @@ impl Leases {
 
     /// Ends `lease`, whose `core_appstatus` row `row` was deleted outside the broker (found by
     /// the heartbeat writer, `beats`, or by a claim that broke the foreign key), as the sweeper
-    /// ends an expired lease; logs and counts it. `false` when it had ended already (closed,
-    /// swept: its row went with it).
+    /// ends an expired lease; logs and counts it. `false` when it is no longer live: whatever
+    /// ends a lease (CloseLease, the sweeper, RevokeLease) expires it before it deletes the row
+    /// the broker made for it, so a row found gone under an expired lease went that way, and
+    /// that ending finishes the lease.
     pub async fn end_without_row(&self, lease: LeaseId, row: Uuid) -> Result<bool> {
+        if self.locks.lease(lease).await?.is_none() {
+            return Ok(false);
+        }
         let Some(ended) = self
             .end(lease, WORKER_MISSING, None, "app_status_gone")
             .await?
