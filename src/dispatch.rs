@@ -1519,8 +1519,13 @@ impl Dispatch {
                 // (Within `RECENT`, so that a carried task this replica handed out since is
                 // known as such: `Seen::Left`.)
                 c.read_at.min(c.returned_read_at).elapsed() <= self.policy.hint_max_age.min(RECENT)
-                    && (trusting || (c.untouched_by(changed) && !self.hid_among(c, &released_now)))
+                    && (trusting || c.untouched_by(changed))
             });
+            if let Some(c) = &carried {
+                if !trusting && self.hid_among(c, &released_now).await {
+                    carried = None;
+                }
+            }
             if carried.is_some() {
                 // The locks released since the hint, which the carried page's held entries
                 // may still name (see the end of the pass).
@@ -2149,11 +2154,13 @@ impl Dispatch {
     }
 
     /// Whether a lock in `released` (names whose locks the changes a pass read released) may
-    /// have hidden a waiting task among the carried tasks `c` from the page they came from:
-    /// unless the resource queues say that none of the page's held entries on those names hid a
-    /// waiting task before the last of them, the pass reads its page instead (such a task may be
-    /// ready now, and older than the carried ones).
-    fn hid_among(&self, c: &Carried, released: &HashSet<String>) -> bool {
+    /// have hidden a waiting task among the carried tasks `c` from the page they came from (such
+    /// a task may be ready now, and older than the carried ones): then the pass reads its page
+    /// instead. The resource queues answer for the page's held entries on those names; what they
+    /// cannot tell (they have not read that far yet, or a user of the name left since) Postgres
+    /// answers in one statement (hiding.sql), which costs less than the page. If that statement
+    /// fails, the answer is yes.
+    async fn hid_among(&self, c: &Carried, released: &HashSet<String>) -> bool {
         let Some(last) = c.rows.last() else {
             return false;
         };
@@ -2173,7 +2180,19 @@ impl Dispatch {
             c.removals,
             &mut hiding,
         );
-        !hiding.is_empty() || !unknown.is_empty()
+        if !hiding.is_empty() {
+            return true;
+        }
+        if unknown.is_empty() {
+            return false;
+        }
+        match self.tasks.hiding((last.created, last.id), &unknown).await {
+            Ok(names) => !names.is_empty(),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not tell whether a released lock hid a task among the carried ones; the page is read");
+                true
+            }
+        }
     }
 
     /// Whether a pass may use hint `h` without reading the change log first: see

@@ -662,6 +662,59 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
     env.shutdown().await;
 }
 
+/// Without the resource queues to say whether the released lock hid a task among the carried
+/// ones, Postgres says it (hiding.sql): the task it hid is handed out, as above.
+#[tokio::test]
+async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_out() {
+    let mut env = Env::with(|a| {
+        trusting(std::time::Duration::from_secs(600))(a);
+        a.fetch.resource_queues = false;
+    })
+    .await;
+    env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on x");
+    env.start(&holder, &running).await;
+    let y = env.task(&["y"]).await;
+    let hidden = env.task(&["x"]).await;
+    env.free_tasks("d", 3).await;
+    let w = env.open("w").await;
+    assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
+    env.broker().passes.idle().await;
+    env.finish(&holder, &running, "completed").await;
+    let next = env.fetch(&w).await.expect("a task");
+    assert_eq!(id(&next), hidden, "the task on x, the oldest ready now");
+    env.shutdown().await;
+}
+
+/// A released lock that hid no task among the carried ones leaves them usable: without the
+/// resource queues, Postgres says so in one statement (hiding.sql) and the pass judges the
+/// carried tasks instead of reading its page.
+#[tokio::test]
+async fn a_released_lock_that_hid_nothing_leaves_the_carried_tasks_in_use() {
+    let mut env = Env::with(|a| {
+        trusting(std::time::Duration::from_secs(600))(a);
+        a.fetch.resource_queues = false;
+    })
+    .await;
+    env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("the task on x");
+    env.start(&holder, &running).await;
+    let y = env.task(&["y"]).await;
+    let free = env.free_tasks("d", 3).await;
+    let w = env.open("w").await;
+    assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
+    env.broker().passes.idle().await;
+    env.finish(&holder, &running, "completed").await;
+    let before = env.settled_stats().await;
+    let next = env.fetch(&w).await.expect("d0");
+    let pass = env.settled_stats().await - before;
+    assert_eq!(id(&next), free[0]);
+    assert_eq!(pass.pages_carried, 1, "{pass:?}");
+    env.shutdown().await;
+}
+
 /// The same with the lock released through another replica while this one trusts its hint: a
 /// newer carried task may go first until the trust ends (two polls), and then the hidden task is
 /// handed out: the hint the trusting pass left relies on the lock (its page's held entry), so the
