@@ -2157,9 +2157,9 @@ impl Dispatch {
     /// have hidden a waiting task among the carried tasks `c` from the page they came from (such
     /// a task may be ready now, and older than the carried ones): then the pass reads its page
     /// instead. The resource queues answer for the page's held entries on those names; what they
-    /// cannot tell (they have not read that far yet, or a user of the name left since) Postgres
-    /// answers in one statement (hiding.sql), which costs less than the page. If that statement
-    /// fails, the answer is yes.
+    /// cannot tell (they have not read that far yet, a user of the name left since, or they are
+    /// off) Postgres answers in one statement (hiding.sql), which usually costs less than the
+    /// page. If that statement fails, the answer is yes.
     async fn hid_among(&self, c: &Carried, released: &HashSet<String>) -> bool {
         let Some(last) = c.rows.last() else {
             return false;
@@ -2187,7 +2187,10 @@ impl Dispatch {
             return false;
         }
         match self.tasks.hiding((last.created, last.id), &unknown).await {
-            Ok(names) => !names.is_empty(),
+            Ok(names) => {
+                tracing::debug!(entries = ?unknown, hiding = ?names, "released locks the resource queues could not tell about, counted with hiding.sql");
+                !names.is_empty()
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "could not tell whether a released lock hid a task among the carried ones; the page is read");
                 true

@@ -36,9 +36,9 @@ use crate::tasks::TaskRow;
 /// became ready since (its lock released), or a claim put back since that lies between them. The
 /// second is read (the claims put back are read by id unless carried) and judged in queue order
 /// with the carried tasks. For the first, a pass that read the release uses the carried tasks
-/// only when the resource queues (or, for what they cannot tell, Postgres: hiding.sql) say the
-/// released lock hid no waiting task before the last of them ([`super::Dispatch::hid_among`]);
-/// otherwise it reads its page. Such a task is not in conflict
+/// only when the resource queues (or, for what they cannot tell or when they are off, Postgres:
+/// hiding.sql) say the released lock hid no waiting task before the last of them
+/// ([`super::Dispatch::hid_among`]); otherwise it reads its page. Such a task is not in conflict
 /// with the carried ones (FIFO per resource holds); with the hint trusted, a newer carried task
 /// may go first until the trust ends. It is never left behind: the page's held entries count
 /// among the names the hint a pass leaves relies on (`hiding`), so a release read later drops

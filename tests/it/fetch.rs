@@ -663,7 +663,9 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
 }
 
 /// Without the resource queues to say whether the released lock hid a task among the carried
-/// ones, Postgres says it (hiding.sql): the task it hid is handed out, as above.
+/// ones, Postgres says it (hiding.sql): the task it hid is handed out, as above. (It guards
+/// against a wrong "nothing hid": it fails when that answer is forced; the next test shows that
+/// Postgres is asked.)
 #[tokio::test]
 async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_out() {
     let mut env = Env::with(|a| {
