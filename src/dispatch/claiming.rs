@@ -258,14 +258,7 @@ impl Dispatch {
     ) -> std::result::Result<Vec<Claimed>, crate::tasks::Error> {
         match claims {
             [(task, app_status, start)] => {
-                Ok(vec![
-                    match self.tasks.claim(*task, *app_status, *start).await {
-                        Ok(Some(started_at)) => Claimed::Claimed(started_at),
-                        Ok(None) => Claimed::NotClaimable,
-                        Err(e) if e.app_status_gone() => Claimed::AppStatusGone,
-                        Err(e) => return Err(e),
-                    },
-                ])
+                Ok(vec![self.claim_one(*task, *app_status, *start).await?])
             }
             _ => self.tasks.claim_round(claims).await,
         }
@@ -279,8 +272,8 @@ impl Dispatch {
         fencing_token: FencingToken,
         app_status: Uuid,
     ) -> Result<Attempt> {
-        match self.tasks.claim(t.row.id, app_status, t.start).await {
-            Ok(Some(started_at)) => {
+        match self.claim_one(t.row.id, app_status, t.start).await {
+            Ok(Claimed::Claimed(started_at)) => {
                 let held = self.locks.holder(t.lease_id, t.row.id, fencing_token).await;
                 match held {
                     Ok(held) => Ok(self
@@ -292,12 +285,13 @@ impl Dispatch {
                     }
                 }
             }
-            Ok(None) => {
-                // Canceled, finished or claimed elsewhere since it was read.
+            // Canceled, finished or claimed elsewhere since it was read (claim.sql waits for a
+            // busy row, so it is never RowLocked).
+            Ok(Claimed::NotClaimable | Claimed::RowLocked) => {
                 self.let_go(t, fencing_token).await;
                 Ok(Attempt::Lost)
             }
-            Err(e) if e.app_status_gone() => {
+            Ok(Claimed::AppStatusGone) => {
                 self.let_go(t, fencing_token).await;
                 self.app_status_gone(t, app_status).await;
                 Ok(Attempt::LeaseGone)
@@ -321,6 +315,22 @@ impl Dispatch {
             .await
         {
             tracing::warn!(lease_id = %t.lease_id, app_status_id = %app_status, task_id = %t.row.id, error = %e, "a claim found the lease's core_appstatus row gone, and ending the lease failed; its next heartbeat ends it, or the sweeper");
+        }
+    }
+
+    /// Claims one task with claim.sql (which waits for its row); a claim that breaks the foreign
+    /// key (the lease's row is gone) is [`Claimed::AppStatusGone`], not an error.
+    async fn claim_one(
+        &self,
+        task: TaskId,
+        app_status: Uuid,
+        start: bool,
+    ) -> std::result::Result<Claimed, crate::tasks::Error> {
+        match self.tasks.claim(task, app_status, start).await {
+            Ok(Some(started_at)) => Ok(Claimed::Claimed(started_at)),
+            Ok(None) => Ok(Claimed::NotClaimable),
+            Err(e) if e.app_status_gone() => Ok(Claimed::AppStatusGone),
+            Err(e) => Err(e),
         }
     }
 

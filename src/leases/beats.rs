@@ -10,7 +10,7 @@
 //! worker's next heartbeat answers NOT_FOUND and it opens a new lease (with a new row, or its own
 //! row written again).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ struct Beating {
     /// is not written: its worker may be gone).
     expires: Instant,
     /// The leases that beat with it (one, unless a worker reopened under its own row).
-    leases: Vec<LeaseId>,
+    leases: HashSet<LeaseId>,
 }
 
 #[derive(Debug, Default)]
@@ -43,6 +43,18 @@ struct Pending {
     rows: HashMap<Uuid, Beating>,
     /// When they must be written (the earliest of their beats' deadlines).
     due: Option<Instant>,
+}
+
+impl Pending {
+    /// `row` is to be written for `leases`, which live until `expires` at least.
+    fn add(&mut self, row: Uuid, expires: Instant, leases: impl IntoIterator<Item = LeaseId>) {
+        let beating = self.rows.entry(row).or_insert_with(|| Beating {
+            expires,
+            leases: HashSet::new(),
+        });
+        beating.expires = beating.expires.max(expires);
+        beating.leases.extend(leases);
+    }
 }
 
 /// The rows waiting for their `last_heartbeat`, shared by the lease service and the writer.
@@ -59,14 +71,7 @@ impl Beats {
         let now = Instant::now();
         let (expires, due) = (now + ttl, now + (ttl / 4).min(MAX_DELAY));
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let beating = pending.rows.entry(row).or_insert_with(|| Beating {
-            expires,
-            leases: Vec::new(),
-        });
-        beating.expires = beating.expires.max(expires);
-        if !beating.leases.contains(&lease) {
-            beating.leases.push(lease);
-        }
+        pending.add(row, expires, [lease]);
         if pending.due.is_none_or(|d| due < d) {
             pending.due = Some(due);
             self.sooner.notify_one();
@@ -137,16 +142,7 @@ impl Beats {
                 tracing::warn!(error = %e, rows = ids.len(), "writing the workers' last_heartbeat failed; tried again in a second (rows whose lease expires meanwhile are dropped)");
                 let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
                 for (row, beating) in rows {
-                    let kept = pending.rows.entry(row).or_insert_with(|| Beating {
-                        expires: beating.expires,
-                        leases: Vec::new(),
-                    });
-                    kept.expires = kept.expires.max(beating.expires);
-                    for lease in beating.leases {
-                        if !kept.leases.contains(&lease) {
-                            kept.leases.push(lease);
-                        }
-                    }
+                    pending.add(row, beating.expires, beating.leases);
                 }
                 let retry = Instant::now() + RETRY;
                 if pending.due.is_none_or(|d| retry < d) {
