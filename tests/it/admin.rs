@@ -438,16 +438,10 @@ async fn revoke_takes_the_sweepers_path_with_the_reason_and_is_audited() {
     assert_eq!(env.state(id(&claimed)).await, "waiting");
     assert_eq!(env.app_lock(id(&claimed)).await, None);
     assert_eq!(env.state(id(&running)).await, "failed");
-    let error: serde_json::Value = env
-        .db
-        .query_one(
-            "SELECT error FROM core_task WHERE pulp_id = $1",
-            &[&id(&running)],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(error["reason"], "disk of host7 died");
+    assert_eq!(
+        env.error_of(id(&running)).await["reason"],
+        "disk of host7 died"
+    );
     let beat = env
         .client
         .heartbeat(HeartbeatRequest {

@@ -644,21 +644,13 @@ async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by()
 /// hint that relies on the released lock.
 #[tokio::test]
 async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_released() {
-    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
-    env.task(&["x"]).await;
-    let holder = env.open("holder").await;
-    let running = env.fetch(&holder).await.expect("the task on x");
-    env.start(&holder, &running).await;
-    let y = env.task(&["y"]).await;
-    let hidden = env.task(&["x"]).await;
-    env.free_tasks("d", 3).await;
-    let w = env.open("w").await;
-    // Hands out y; carries the d tasks (the one on x was hidden: x is held).
-    assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
-    env.broker().passes.idle().await;
-    env.finish(&holder, &running, "completed").await;
+    let (mut env, w, hidden, _) = carried_past_a_release(true, true).await;
     let next = env.fetch(&w).await.expect("a task");
-    assert_eq!(id(&next), hidden, "the task on x, the oldest ready now");
+    assert_eq!(
+        Some(id(&next)),
+        hidden,
+        "the task on x, the oldest ready now"
+    );
     env.shutdown().await;
 }
 
@@ -668,24 +660,13 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
 /// Postgres is asked.)
 #[tokio::test]
 async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_out() {
-    let mut env = Env::with(|a| {
-        trusting(std::time::Duration::from_secs(600))(a);
-        a.fetch.resource_queues = false;
-    })
-    .await;
-    env.task(&["x"]).await;
-    let holder = env.open("holder").await;
-    let running = env.fetch(&holder).await.expect("the task on x");
-    env.start(&holder, &running).await;
-    let y = env.task(&["y"]).await;
-    let hidden = env.task(&["x"]).await;
-    env.free_tasks("d", 3).await;
-    let w = env.open("w").await;
-    assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
-    env.broker().passes.idle().await;
-    env.finish(&holder, &running, "completed").await;
+    let (mut env, w, hidden, _) = carried_past_a_release(false, true).await;
     let next = env.fetch(&w).await.expect("a task");
-    assert_eq!(id(&next), hidden, "the task on x, the oldest ready now");
+    assert_eq!(
+        Some(id(&next)),
+        hidden,
+        "the task on x, the oldest ready now"
+    );
     env.shutdown().await;
 }
 
@@ -694,9 +675,26 @@ async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_
 /// carried tasks instead of reading its page.
 #[tokio::test]
 async fn a_released_lock_that_hid_nothing_leaves_the_carried_tasks_in_use() {
-    let mut env = Env::with(|a| {
+    let (mut env, w, _, free) = carried_past_a_release(false, false).await;
+    let before = env.settled_stats().await;
+    let next = env.fetch(&w).await.expect("d0");
+    let pass = env.settled_stats().await - before;
+    assert_eq!(id(&next), free[0]);
+    assert_eq!(pass.pages_carried, 1, "{pass:?}");
+    env.shutdown().await;
+}
+
+/// A task on x runs; then y, (with `hidden`) a task on x, and three free tasks `d` wait. Lease w
+/// fetches y, so the d tasks are carried (the task on x is hidden from that page: x is held);
+/// then the task on x finishes through this replica. Returns the broker, w, the hidden task and
+/// the d tasks.
+async fn carried_past_a_release(
+    resource_queues: bool,
+    hidden: bool,
+) -> (Env, String, Option<uuid::Uuid>, Vec<uuid::Uuid>) {
+    let mut env = Env::with(move |a| {
         trusting(std::time::Duration::from_secs(600))(a);
-        a.fetch.resource_queues = false;
+        a.fetch.resource_queues = resource_queues;
     })
     .await;
     env.task(&["x"]).await;
@@ -704,17 +702,16 @@ async fn a_released_lock_that_hid_nothing_leaves_the_carried_tasks_in_use() {
     let running = env.fetch(&holder).await.expect("the task on x");
     env.start(&holder, &running).await;
     let y = env.task(&["y"]).await;
+    let hidden = match hidden {
+        true => Some(env.task(&["x"]).await),
+        false => None,
+    };
     let free = env.free_tasks("d", 3).await;
     let w = env.open("w").await;
     assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
     env.broker().passes.idle().await;
     env.finish(&holder, &running, "completed").await;
-    let before = env.settled_stats().await;
-    let next = env.fetch(&w).await.expect("d0");
-    let pass = env.settled_stats().await - before;
-    assert_eq!(id(&next), free[0]);
-    assert_eq!(pass.pages_carried, 1, "{pass:?}");
-    env.shutdown().await;
+    (env, w, hidden, free)
 }
 
 /// The same with the lock released through another replica while this one trusts its hint: a

@@ -18,14 +18,6 @@ async fn sweeping_env() -> Env {
     Env::with(|a| a.sweep_interval = SWEEP).await
 }
 
-async fn error_of(env: &Env, task: uuid::Uuid) -> serde_json::Value {
-    env.db
-        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&task])
-        .await
-        .unwrap()
-        .get(0)
-}
-
 /// Path 1: a failure after the locks were acquired in FetchTask (the claim's Postgres session is
 /// terminated while it waits on the task's row) leaves no lock and the task in the queue.
 #[tokio::test]
@@ -126,7 +118,7 @@ async fn path2_and_4_a_dead_workers_locks_are_swept_and_its_tasks_dealt_with() {
     );
     assert_eq!(env.state(running).await, "failed");
     assert_eq!(
-        error_of(&env, running).await["reason"],
+        env.error_of(running).await["reason"],
         "Worker has gone missing."
     );
     assert_eq!(env.state(claimed).await, "waiting");

@@ -163,13 +163,10 @@ async fn close_requeues_claimed_tasks_fails_running_ones_and_releases_every_lock
         (2, 1, 1)
     );
     assert_eq!(env.state(a).await, "failed");
-    let error: serde_json::Value = env
-        .db
-        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&a])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(error["reason"], "Aborted during worker shutdown.");
+    assert_eq!(
+        env.error_of(a).await["reason"],
+        "Aborted during worker shutdown."
+    );
     assert_eq!(env.state(b).await, "waiting");
     assert_eq!(env.app_lock(b).await, None);
     env.assert_locks(&[]).await;
@@ -475,13 +472,7 @@ async fn a_lease_whose_row_was_deleted_is_ended_at_its_next_beat() {
     );
     env.assert_locks(&[&tb]).await;
     assert_eq!(env.state(a).await, "failed");
-    let error: serde_json::Value = env
-        .db
-        .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&a])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(error["reason"], "Worker has gone missing.");
+    assert_eq!(env.error_of(a).await["reason"], "Worker has gone missing.");
     assert_eq!(
         env.state(b).await,
         "waiting",

@@ -211,6 +211,15 @@ impl Env {
             .get(0)
     }
 
+    /// The task's `error` (Pulp's JSON: `{"reason": ...}` for the broker's failures).
+    pub async fn error_of(&self, task: Uuid) -> serde_json::Value {
+        self.db
+            .query_one("SELECT error FROM core_task WHERE pulp_id = $1", &[&task])
+            .await
+            .expect("task error")
+            .get(0)
+    }
+
     pub async fn app_lock(&self, task: Uuid) -> Option<Uuid> {
         self.db
             .query_one(
