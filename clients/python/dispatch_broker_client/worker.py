@@ -69,6 +69,11 @@ class BrokerError(Exception):
         """True when the broker no longer knows the lease (expired, closed, or state lost)."""
         return self.code == grpc.StatusCode.NOT_FOUND and self.not_found == "lease"
 
+    @property
+    def is_app_status_not_found(self) -> bool:
+        """True when the ``core_appstatus`` row named in OpenLease does not exist."""
+        return self.code == grpc.StatusCode.NOT_FOUND and self.not_found == "app-status"
+
 
 class TaskLost(Exception):
     """The task is no longer this worker's: its lease ended and no new lease took it over."""
@@ -727,8 +732,7 @@ class Worker:
             try:
                 lease = self._open_lease(self._configured_app_status)
             except BrokerError as e:
-                gone = e.code == grpc.StatusCode.NOT_FOUND and e.not_found == "app-status"
-                if not (gone and self._configured_app_status and self._replace_app_status):
+                if not (e.is_app_status_not_found and self._configured_app_status and self._replace_app_status):
                     raise
                 replacement = self._replace_app_status()
                 log.warning(

@@ -187,13 +187,7 @@ impl WorkerError {
     /// True when the broker said the `core_appstatus` row named in OpenLease does not exist.
     pub fn is_app_status_not_found(&self) -> bool {
         match self {
-            WorkerError::Rpc { status, .. } => {
-                status.code() == Code::NotFound
-                    && status
-                        .metadata()
-                        .get(NOT_FOUND_KEY)
-                        .is_some_and(|v| v == NOT_FOUND_APP_STATUS)
-            }
+            WorkerError::Rpc { status, .. } => not_found(status, NOT_FOUND_APP_STATUS),
             _ => false,
         }
     }
@@ -208,11 +202,16 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn is_lease_not_found(status: &Status) -> bool {
+    not_found(status, NOT_FOUND_LEASE)
+}
+
+/// Whether `status` is a NOT_FOUND for `what` ([`NOT_FOUND_KEY`]).
+fn not_found(status: &Status, what: &str) -> bool {
     status.code() == Code::NotFound
         && status
             .metadata()
             .get(NOT_FOUND_KEY)
-            .is_some_and(|v| v == NOT_FOUND_LEASE)
+            .is_some_and(|v| v == what)
 }
 
 /// Things a worker's owner may want to know about, from [`Worker::events`].
