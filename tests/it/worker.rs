@@ -558,3 +558,88 @@ async fn a_task_the_worker_holds_is_never_handed_back() {
     worker.close().await.unwrap();
     env.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_finish_made_while_redis_lost_its_state_goes_through_under_the_adopted_token() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let task = env.task(&["a"]).await;
+    let row = env.app_status("worker", "w").await;
+    let mut with_row = config("w");
+    with_row.app_status_id = Some(row.to_string());
+    let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+
+    // Redis comes back empty before the worker's next heartbeat: the finish is the first call
+    // to meet the lost state.
+    env.redis.restart().unwrap();
+    let done = guard.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(done.state, "completed");
+    assert_eq!(env.state(task).await, "completed");
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_finish_retried_in_the_background_goes_through_under_the_token_a_rebuild_gave() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let task = env.task(&["a"]).await;
+    let row = env.app_status("worker", "w").await;
+    let mut impatient = config("w");
+    impatient.app_status_id = Some(row.to_string());
+    impatient.ttl = Duration::from_secs(60);
+    impatient.retry = dispatch_worker::RetryPolicy {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(50),
+        max_elapsed: Duration::from_millis(200),
+    };
+    let worker = Worker::connect(endpoint(&env), impatient).await.unwrap();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    // The broker goes away as the worker finishes; Redis loses its state meanwhile.
+    let addr = env.broker().addr;
+    env.broker.take().unwrap().shutdown().await.unwrap();
+    let err = guard.finish(FinalState::Completed, None).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unavailable), "{err}");
+    env.redis.restart().unwrap();
+    let mut args = env.args.clone();
+    args.listen = addr;
+    env.broker = Some(dispatch_broker::server::start(&args).await.unwrap());
+    // The background retry meets a lease the broker no longer knows, reopens under the row, and
+    // finishes the adopted task under its new token.
+    assert!(
+        eventually(LONG, || async { env.state(task).await == "completed" })
+            .await
+            .is_some(),
+        "the task's outcome was recorded"
+    );
+    until_unlocked(&env, "its locks were released").await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let worker = connect(&env, "w").await;
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+    // The lease ends behind the worker's back before its heartbeat notices.
+    env.client
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+            lease_id: worker.lease_id(),
+        })
+        .await
+        .unwrap();
+    match guard.finish(FinalState::Completed, None).await {
+        Err(WorkerError::Lost { task_id }) => assert_eq!(task_id, task.to_string()),
+        other => panic!("the new lease did not take the task over: {other:?}"),
+    }
+    assert_eq!(
+        env.state(task).await,
+        "failed",
+        "closing the lease failed it"
+    );
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}

@@ -11,7 +11,9 @@
 //! state), the worker opens a new lease under the same `core_appstatus` row when it can, keeps the
 //! tasks the broker hands back (`adopted_tasks`, with new fencing tokens), and reports every other
 //! task it held as lost: its guard's cancellation fires, [`TaskGuard::is_lost`] turns true, and a
-//! [`WorkerEvent::LeaseReopened`] lists it. Nothing is kept silently.
+//! [`WorkerEvent::LeaseReopened`] lists it. Nothing is kept silently. A task being finished or
+//! released when that happens is adopted the same way: its call goes through under the new
+//! lease and token, or ends with [`WorkerError::Lost`].
 //!
 //! Every call carries a deadline (`call_timeout`, plus the wait of a long poll). `UNAVAILABLE` and
 //! `RESOURCE_EXHAUSTED` are retried with jittered exponential backoff ([`RetryPolicy`]); no other
@@ -288,6 +290,9 @@ struct Shared {
     lease: Mutex<LeaseState>,
     reopening: tokio::sync::Mutex<()>,
     held: Mutex<HashMap<String, Arc<Held>>>,
+    /// Tasks being let go (finished or released, in the foreground or retried in the background):
+    /// a reopened lease that adopts one gives it its new token, so the call goes through under it.
+    ending: Mutex<Vec<(String, Arc<Held>)>>,
     /// Undelivered grants: what the heartbeats find of them (see [`Undelivered`]).
     undelivered: Mutex<Undelivered>,
     events: broadcast::Sender<WorkerEvent>,
@@ -361,6 +366,7 @@ impl Worker {
             config,
             reopening: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashMap::new()),
+            ending: Mutex::new(Vec::new()),
             undelivered: Mutex::new(Undelivered::default()),
             events,
             stopping: CancellationToken::new(),
@@ -575,6 +581,9 @@ impl Worker {
             h.lost.store(true, Ordering::SeqCst);
             h.cancel.cancel();
         }
+        for (_, h) in lock(&self.shared.ending).drain(..) {
+            h.lost.store(true, Ordering::SeqCst);
+        }
         match result {
             Err(e) if e.is_lease_not_found() => Ok(proto::CloseLeaseResponse::default()),
             other => other,
@@ -784,6 +793,24 @@ impl Shared {
                     false
                 }
             });
+            // Tasks being finished or released: the call goes on under the new token, or ends
+            // as lost (the broker already ended the task with the old lease).
+            for (task_id, h) in lock(&self.ending).iter() {
+                let (took, list) = match adopted.get(task_id) {
+                    Some(token) => {
+                        h.token.store(*token, Ordering::SeqCst);
+                        (true, &mut adopted_tasks)
+                    }
+                    None => {
+                        h.lost.store(true, Ordering::SeqCst);
+                        (false, &mut lost_tasks)
+                    }
+                };
+                if !list.contains(task_id) {
+                    list.push(task_id.clone());
+                }
+                tracing::debug!(%task_id, adopted = took, "a task being let go under the old lease");
+            }
         }
         // The adopted tasks this worker received before (held, or being finished or released)
         // are received under their new tokens; any other the new lease adopted is a grant that
@@ -1097,22 +1124,19 @@ impl TaskGuard {
     ) -> Result<proto::FinishTaskResponse, WorkerError> {
         self.done = true;
         self.check_held()?;
-        self.forget();
-        let lease_id = self.shared.current().lease_id;
-        let request = proto::FinishTaskRequest {
-            lease_id,
-            task_id: self.task.task_id.clone(),
-            fencing_token: self.fencing_token(),
-            state: state.as_str().to_owned(),
+        let going = self.let_go(LetGo::Finish {
+            state,
             error: error.unwrap_or_default(),
-        };
-        let result = finish_call(&self.shared, &request).await;
+        });
+        let result = going.finish().await;
         if let Err(e) = &result {
             if transient(e) {
-                tracing::warn!(task_id = %self.task.task_id, error = %e, "FinishTask failed; retrying in the background");
-                keep_finishing(&self.shared, request, Duration::from_secs(1));
+                tracing::warn!(task_id = %going.task_id, error = %e, "FinishTask failed; retrying in the background");
+                going.keep_trying(Duration::from_secs(1));
+                return result;
             }
         }
+        going.done();
         result
     }
 
@@ -1121,15 +1145,16 @@ impl TaskGuard {
     pub async fn release(mut self) -> Result<bool, WorkerError> {
         self.done = true;
         self.check_held()?;
-        self.forget();
-        let (task_id, token) = (self.task.task_id.clone(), self.fencing_token());
-        let result = release(&self.shared, &task_id, token).await;
+        let going = self.let_go(LetGo::Release);
+        let result = going.release().await;
         if let Err(e) = &result {
             if transient(e) {
-                tracing::warn!(%task_id, error = %e, "ReleaseLocks failed; retrying in the background");
-                keep_releasing(&self.shared, &task_id, token, Duration::from_secs(1));
+                tracing::warn!(task_id = %going.task_id, error = %e, "ReleaseLocks failed; retrying in the background");
+                going.keep_trying(Duration::from_secs(1));
+                return result;
             }
         }
+        going.done();
         result
     }
 
@@ -1145,23 +1170,155 @@ impl TaskGuard {
     fn forget(&self) {
         lock(&self.shared.held).remove(&self.task.task_id);
     }
+
+    /// Moves the task from the held ones to those being let go (see [`Shared::ending`]).
+    fn let_go(&self, how: LetGo) -> Going {
+        self.forget();
+        let going = Going {
+            shared: Arc::clone(&self.shared),
+            task_id: self.task.task_id.clone(),
+            held: Arc::clone(&self.held),
+            how,
+        };
+        lock(&self.shared.ending).push((going.task_id.clone(), Arc::clone(&going.held)));
+        going
+    }
 }
 
-async fn finish_call(
-    shared: &Shared,
-    request: &proto::FinishTaskRequest,
-) -> Result<proto::FinishTaskResponse, WorkerError> {
-    shared
-        .call(
-            "FinishTask",
-            Duration::ZERO,
-            shared.config.retry,
-            |mut c| {
-                let request = request.clone();
-                async move { c.finish_task(request).await }
-            },
-        )
+/// How a held task is let go.
+#[derive(Debug, Clone)]
+enum LetGo {
+    Finish { state: FinalState, error: String },
+    Release,
+}
+
+/// A held task being let go: FinishTask or ReleaseLocks, made under the lease current at each
+/// attempt and the task's token as it is then. A lease reopened meanwhile (Redis lost its state,
+/// the broker rebuilt it) adopted the task under a new token, or did not take it over: then the
+/// task is lost and the call ends with [`WorkerError::Lost`].
+struct Going {
+    shared: Arc<Shared>,
+    task_id: String,
+    held: Arc<Held>,
+    how: LetGo,
+}
+
+impl Going {
+    /// One call that lets the task go, with the worker's retries of `UNAVAILABLE` and one reopen
+    /// of a lease the broker no longer knows.
+    async fn call<T, F, Fut>(&self, method: &'static str, mut f: F) -> Result<T, WorkerError>
+    where
+        F: FnMut(Client, String, u64) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let lost = || WorkerError::Lost {
+            task_id: self.task_id.clone(),
+        };
+        if self.held.lost.load(Ordering::SeqCst) {
+            return Err(lost());
+        }
+        let result = self
+            .shared
+            .with_lease(method, Duration::ZERO, |c, lease_id| {
+                f(c, lease_id, self.held.token.load(Ordering::SeqCst))
+            })
+            .await;
+        match result {
+            Ok((reply, _)) => Ok(reply),
+            Err(_) if self.held.lost.load(Ordering::SeqCst) => Err(lost()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn finish(&self) -> Result<proto::FinishTaskResponse, WorkerError> {
+        let LetGo::Finish { state, error } = &self.how else {
+            unreachable!("finish() of a release")
+        };
+        self.call("FinishTask", |mut c, lease_id, fencing_token| {
+            let request = proto::FinishTaskRequest {
+                lease_id,
+                task_id: self.task_id.clone(),
+                fencing_token,
+                state: state.as_str().to_owned(),
+                error: error.clone(),
+            };
+            async move { c.finish_task(request).await }
+        })
         .await
+    }
+
+    async fn release(&self) -> Result<bool, WorkerError> {
+        self.call("ReleaseLocks", |mut c, lease_id, fencing_token| {
+            let request = proto::ReleaseLocksRequest {
+                lease_id,
+                task_id: self.task_id.clone(),
+                fencing_token,
+            };
+            async move { c.release_locks(request).await }
+        })
+        .await
+        .map(|r| r.released)
+    }
+
+    async fn attempt(&self) -> Result<(), WorkerError> {
+        match self.how {
+            LetGo::Finish { .. } => self.finish().await.map(|_| ()),
+            LetGo::Release => self.release().await.map(|_| ()),
+        }
+    }
+
+    fn method(&self) -> &'static str {
+        match self.how {
+            LetGo::Finish { .. } => "FinishTask",
+            LetGo::Release => "ReleaseLocks",
+        }
+    }
+
+    /// The task is no longer being let go: the call went through or ended for good.
+    fn done(&self) {
+        lock(&self.shared.ending).retain(|(_, h)| !Arc::ptr_eq(h, &self.held));
+    }
+
+    /// Keeps making the call in the background (the first attempt after `first_delay`, then
+    /// every few seconds) until it succeeds, ends for good (the broker said no, or the task was
+    /// lost), or the lease is closed (closing it ends what it holds): a release or finish that
+    /// failed in passing must not leave the task's locks held by a live lease.
+    fn keep_trying(self, first_delay: Duration) {
+        let (task_id, what) = (self.task_id.clone(), self.method());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                %task_id,
+                what,
+                "no runtime to retry in; the locks stay until the lease ends"
+            );
+            self.done();
+            return;
+        };
+        let closed = self.shared.closed.clone();
+        runtime.spawn(async move {
+            let mut delay = first_delay;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = closed.cancelled() => break,
+                }
+                match self.attempt().await {
+                    Ok(()) => {
+                        tracing::info!(%task_id, what, "succeeded on a background retry");
+                        break;
+                    }
+                    Err(e) if transient(&e) => {
+                        delay = (delay * 2).clamp(Duration::from_secs(1), Duration::from_secs(10))
+                    }
+                    Err(e) => {
+                        tracing::warn!(%task_id, what, error = %e, "background retry ended");
+                        break;
+                    }
+                }
+            }
+            self.done();
+        });
+    }
 }
 
 /// Failures after which the call may still succeed later (the broker or its backends were
@@ -1173,120 +1330,27 @@ fn transient(error: &WorkerError) -> bool {
     )
 }
 
-/// Keeps making `attempt` in the background (every few seconds) until it succeeds, fails for
-/// good, or the lease is closed (closing it ends what it holds): a release or finish that failed
-/// in passing must not leave the task's locks held by a live lease.
-fn keep_trying<F, Fut>(
-    shared: &Arc<Shared>,
-    task_id: &str,
-    what: &'static str,
-    first_delay: Duration,
-    mut attempt: F,
-) where
-    F: FnMut() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<(), WorkerError>> + Send,
-{
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        tracing::warn!(
-            task_id,
-            what,
-            "no runtime to retry in; the locks stay until the lease ends"
-        );
-        return;
-    };
-    let closed = shared.closed.clone();
-    let task_id = task_id.to_owned();
-    runtime.spawn(async move {
-        let mut delay = first_delay;
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                _ = closed.cancelled() => return,
-            }
-            match attempt().await {
-                Ok(()) => {
-                    tracing::info!(%task_id, what, "succeeded on a background retry");
-                    return;
-                }
-                Err(e) if transient(&e) => {
-                    delay = (delay * 2).clamp(Duration::from_secs(1), Duration::from_secs(10))
-                }
-                Err(e) => {
-                    tracing::warn!(%task_id, what, error = %e, "background retry ended: the broker said no");
-                    return;
-                }
-            }
-        }
-    });
-}
-
-/// Retries a FinishTask in the background (see [`keep_trying`]), under the lease current at each
-/// attempt, as [`keep_releasing`] does.
-fn keep_finishing(shared: &Arc<Shared>, request: proto::FinishTaskRequest, first_delay: Duration) {
-    let (retry_shared, task_id) = (Arc::clone(shared), request.task_id.clone());
-    keep_trying(shared, &task_id, "FinishTask", first_delay, move || {
-        let (shared, mut request) = (Arc::clone(&retry_shared), request.clone());
-        async move {
-            request.lease_id = shared.current().lease_id;
-            finish_call(&shared, &request).await.map(|_| ())
-        }
-    });
-}
-
-/// [`keep_trying`] ReleaseLocks for this grant, the first attempt after `first_delay`.
-fn keep_releasing(shared: &Arc<Shared>, task_id: &str, token: u64, first_delay: Duration) {
-    let (retry_shared, retry_task) = (Arc::clone(shared), task_id.to_owned());
-    keep_trying(shared, task_id, "ReleaseLocks", first_delay, move || {
-        let (shared, task_id) = (Arc::clone(&retry_shared), retry_task.clone());
-        async move { release(&shared, &task_id, token).await.map(|_| ()) }
-    });
-}
-
-async fn release(shared: &Shared, task_id: &str, token: u64) -> Result<bool, WorkerError> {
-    let lease_id = shared.current().lease_id;
-    let request = proto::ReleaseLocksRequest {
-        lease_id,
-        task_id: task_id.to_owned(),
-        fencing_token: token,
-    };
-    shared
-        .call(
-            "ReleaseLocks",
-            Duration::ZERO,
-            shared.config.retry,
-            |mut c| {
-                let request = request.clone();
-                async move { c.release_locks(request).await }
-            },
-        )
-        .await
-        .map(|r| r.released)
-}
-
 impl Drop for TaskGuard {
     fn drop(&mut self) {
         if self.done {
             return;
         }
-        self.forget();
         if self.is_lost() || self.held.detached.load(Ordering::SeqCst) {
+            self.forget();
             return;
         }
-        let task_id = &self.task.task_id;
+        let task_id = self.task.task_id.clone();
         if self.held.started.load(Ordering::SeqCst) {
             tracing::warn!(%task_id, "task guard of a running task dropped without finish; failing the task in the background");
-            let request = proto::FinishTaskRequest {
-                lease_id: String::new(),
-                task_id: task_id.clone(),
-                fencing_token: self.fencing_token(),
-                state: FinalState::Failed.as_str().to_owned(),
+            self.let_go(LetGo::Finish {
+                state: FinalState::Failed,
                 error: "the worker dropped the task without finishing it".to_owned(),
-            };
-            keep_finishing(&self.shared, request, Duration::ZERO);
+            })
+            .keep_trying(Duration::ZERO);
             return;
         }
         tracing::warn!(%task_id, "task guard dropped without release; releasing its locks in the background");
-        keep_releasing(&self.shared, task_id, self.fencing_token(), Duration::ZERO);
+        self.let_go(LetGo::Release).keep_trying(Duration::ZERO);
     }
 }
 
