@@ -247,16 +247,19 @@ class Task:
             raise ValueError(f"state must be one of {', '.join(FINAL_STATES)}, not {state!r}")
         self._check()
         self._done = True
-        self._worker._forget(self.task_id)
-        request = pb.FinishTaskRequest(
-            lease_id=self._worker.lease_id,
-            task_id=self.task_id,
-            fencing_token=self._token,
-            state=state,
-            error=error or "",
-        )
-        reply = self._worker._call_or_keep_trying(
-            "FinishTask", self.task_id, lambda stub, timeout: stub.FinishTask(request, timeout=timeout)
+        reply = self._worker._let_go(
+            "FinishTask",
+            self,
+            lambda stub, lease_id, timeout: stub.FinishTask(
+                pb.FinishTaskRequest(
+                    lease_id=lease_id,
+                    task_id=self.task_id,
+                    fencing_token=self._token,
+                    state=state,
+                    error=error or "",
+                ),
+                timeout=timeout,
+            ),
         )
         return str(reply.state)
 
@@ -265,12 +268,13 @@ class Task:
         do). Returns False when they were already released."""
         self._check()
         self._done = True
-        self._worker._forget(self.task_id)
-        request = pb.ReleaseLocksRequest(
-            lease_id=self._worker.lease_id, task_id=self.task_id, fencing_token=self._token
-        )
-        reply = self._worker._call_or_keep_trying(
-            "ReleaseLocks", self.task_id, lambda stub, timeout: stub.ReleaseLocks(request, timeout=timeout)
+        reply = self._worker._let_go(
+            "ReleaseLocks",
+            self,
+            lambda stub, lease_id, timeout: stub.ReleaseLocks(
+                pb.ReleaseLocksRequest(lease_id=lease_id, task_id=self.task_id, fencing_token=self._token),
+                timeout=timeout,
+            ),
         )
         return bool(reply.released)
 
@@ -435,6 +439,9 @@ class Worker:
         self._lease_ttl = ttl
         self._generation = 0
         self._held: dict[str, Task] = {}
+        #: Tasks being let go (finished or released, in the foreground or retried in the
+        #: background): a reopened lease that adopts one gives it its new token.
+        self._ending: list[Task] = []
         self._undelivered = _Undelivered()
         #: Set once shutdown began: fetch returns None from then on.
         self.stopping = threading.Event()
@@ -505,6 +512,8 @@ class Worker:
             self._closed.set()
             with self._lock:
                 held, self._held = list(self._held.values()), {}
+                held += self._ending
+                self._ending = []
             for task in held:
                 task._lost = True
                 task.cancelled.set()
@@ -622,10 +631,6 @@ class Worker:
                 task.cancelled.set()
         return task
 
-    def _forget(self, task_id: str) -> None:
-        with self._lock:
-            self._held.pop(task_id, None)
-
     def _call(self, method: str, fn: Callable[[pb_grpc.BrokerStub, float], T], wait: float = 0.0,
               retry: RetryPolicy | None = None) -> T:
         """One RPC with a deadline, retrying UNAVAILABLE per the retry policy."""
@@ -654,33 +659,67 @@ class Worker:
                 slept += delay
                 attempt += 1
 
-    def _call_or_keep_trying(self, method: str, task_id: str, fn: Callable[[pb_grpc.BrokerStub, float], T]) -> T:
-        """A release or finish: when it fails in passing (the broker unreachable beyond the retry
-        budget, or no answer), it keeps being retried in a background thread until it succeeds,
-        the broker says no, or the lease is closed, so the task's locks are never left held by a
-        live lease; the caller still gets the error."""
+    def _let_go(self, method: str, task: Task, fn: Callable[[pb_grpc.BrokerStub, str, float], T]) -> T:
+        """A release or finish of a held task, made under the lease current at each attempt and
+        the task's token as it is then (``fn`` builds the request from them): a lease reopened
+        meanwhile (Redis lost its state) adopted the task under a new token, or did not take it
+        over, and then the call raises ``TaskLost``. When it fails in passing (the broker
+        unreachable beyond the retry budget, or no answer), it keeps being retried in a background
+        thread until it succeeds, the broker says no, or the lease is closed, so the task's locks
+        are never left held by a live lease; the caller still gets the error."""
+        with self._lock:
+            self._held.pop(task.task_id, None)
+            self._ending.append(task)
+
+        def attempt() -> T:
+            if task._lost:
+                raise TaskLost(task.task_id)
+            try:
+                reply, _ = self._with_lease(method, fn)
+                return reply
+            except BrokerError:
+                if task._lost:
+                    raise TaskLost(task.task_id) from None
+                raise
+
+        def done() -> None:
+            with self._lock:
+                self._ending = [t for t in self._ending if t is not task]
+
         try:
-            return self._call(method, fn)
+            reply = attempt()
         except BrokerError as e:
             if e.code not in TRANSIENT:
+                done()
                 raise
 
             def retry() -> None:
                 delay = 1.0
-                while not self._closed.wait(delay):
-                    try:
-                        self._call(method, fn)
-                        log.info("%s of task %s succeeded on a background retry", method, task_id)
-                        return
-                    except BrokerError as again:
-                        if again.code not in TRANSIENT:
-                            log.warning("background %s of task %s ended: %s", method, task_id, again)
+                try:
+                    while not self._closed.wait(delay):
+                        try:
+                            attempt()
+                            log.info("%s of task %s succeeded on a background retry", method, task.task_id)
                             return
-                    delay = min(delay * 2, 10.0)
+                        except TaskLost as lost:
+                            log.warning("background %s of task %s ended: %s", method, task.task_id, lost)
+                            return
+                        except BrokerError as again:
+                            if again.code not in TRANSIENT:
+                                log.warning("background %s of task %s ended: %s", method, task.task_id, again)
+                                return
+                        delay = min(delay * 2, 10.0)
+                finally:
+                    done()
 
-            log.warning("%s of task %s failed (%s); retrying in the background", method, task_id, e)
-            threading.Thread(target=retry, name=f"dispatch-retry-{task_id}", daemon=True).start()
+            log.warning("%s of task %s failed (%s); retrying in the background", method, task.task_id, e)
+            threading.Thread(target=retry, name=f"dispatch-retry-{task.task_id}", daemon=True).start()
             raise
+        except TaskLost:
+            done()
+            raise
+        done()
+        return reply
 
     def _with_lease(
         self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0
@@ -760,6 +799,17 @@ class Worker:
                         task.cancelled.set()
                         del self._held[task_id]
                         lost.append(task_id)
+                # Tasks being finished or released: the call goes on under the new token, or
+                # ends as lost (the broker ended the task with the old lease).
+                for task in self._ending:
+                    if task.task_id in adopted:
+                        task._token = adopted[task.task_id]
+                        if task.task_id not in kept:
+                            kept.append(task.task_id)
+                    else:
+                        task._lost = True
+                        if task.task_id not in lost:
+                            lost.append(task.task_id)
             log.warning(
                 "the broker no longer knew lease %s (%s); opened %s, adopted %s, lost %s",
                 old_lease, why, lease.lease_id, kept, lost,

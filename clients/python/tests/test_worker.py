@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -330,3 +331,50 @@ def test_without_a_replacement_a_worker_whose_own_row_is_gone_cannot_reopen(sand
         with pytest.raises(BrokerError) as raised:
             w.fetch()
         assert raised.value.code == grpc.StatusCode.NOT_FOUND and raised.value.not_found == "app-status"
+
+
+def _flush_redis(redis_url: str) -> None:
+    """Empties Redis (FLUSHALL) as a restart without persistence would: the broker finds its lock
+    state lost at the next call and rebuilds it from Postgres."""
+    address = redis_url.split("://", 1)[1].split("/", 1)[0]
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"*1\r\n$8\r\nFLUSHALL\r\n")
+        assert conn.recv(64).startswith(b"+OK"), "FLUSHALL"
+
+
+def test_a_finish_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(db: Db, resource: str) -> None:
+    box = start_sandbox()
+    try:
+        own = Db(box.postgres_url)
+        task_id = own.task(resource)
+        row = _app_status(own, "py-rebuilt")
+        # A TTL long enough that no heartbeat reopens the lease before the finish does.
+        with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
+            task = w.fetch()
+            assert task is not None
+            task.start()
+            token = task.fencing_token
+            _flush_redis(box.redis_url)
+            assert task.finish("completed") == "completed"
+            assert task.fencing_token > token, "finished under the token the rebuilt lease gave"
+            assert own.state(task_id) == "completed"
+            event = next_event(w, LeaseReopened)
+            assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
+        own.conn.close()
+    finally:
+        stop_sandbox(box)
+
+
+def test_a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost(sandbox: Sandbox, db: Db, resource: str) -> None:
+    task_id = db.task(resource)
+    with worker(sandbox, ttl=30.0) as w:
+        task = w.fetch()
+        assert task is not None
+        task.start()
+        # The lease ends behind the worker's back before its heartbeat notices.
+        with grpc.insecure_channel(sandbox.address) as channel:
+            pb_grpc.BrokerStub(channel).CloseLease(pb.CloseLeaseRequest(lease_id=w.lease_id), timeout=10)
+        with pytest.raises(TaskLost):
+            task.finish("completed")
+        assert db.state(task_id) == "failed", "closing the lease failed it"
