@@ -2632,7 +2632,7 @@ impl Dispatch {
     }
 
     /// ReleaseLocks: releases a task's locks for its holder. Idempotent: `false` when nothing was
-    /// held. A claimed task that never started goes back to the queue first, so a failure
+    /// held (NOT_FOUND when the caller's lease is gone and nothing was released). A claimed task that never started goes back to the queue first, so a failure
     /// half-way leaves it claimed and locked, and a retry completes the release.
     pub async fn release(
         &self,
@@ -2667,6 +2667,12 @@ impl Dispatch {
             .locks
             .release_retrying(lease_id, task_id, fencing_token)
             .await?;
+        if app_status.is_empty() && !matches!(outcome, Release::Released) {
+            // The caller's lease is gone (ended, swept, or lost with Redis's state): as for every
+            // other call under it, NOT_FOUND tells the worker to open a new lease, which takes
+            // over the tasks rebuilt for its row with new tokens. Nothing was released.
+            return Err(self.lease_gone(lease_id));
+        }
         if !put_back && matches!(outcome, Release::Released | Release::NotHeld) {
             if let Ok(app_status) = app_status.parse::<Uuid>() {
                 ran = self.requeue_claim(task_id, app_status).await?.ran;

@@ -604,6 +604,13 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
     );
     case!(
         "ReleaseLocks",
+        "expired lease",
+        Code::NotFound,
+        "open a new lease",
+        c.release_locks(release(&expired, &running_id, token))
+    );
+    case!(
+        "ReleaseLocks",
         "the holder, while its task is running",
         Code::FailedPrecondition,
         "record its final state first",

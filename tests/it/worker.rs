@@ -559,23 +559,69 @@ async fn a_task_the_worker_holds_is_never_handed_back() {
     env.shutdown().await;
 }
 
+/// A worker with its own row and a TTL long enough that no heartbeat reopens its lease while the
+/// test runs: only the call under test meets a lease the broker no longer knows.
+async fn long_lived(
+    env: &Env,
+    name: &str,
+) -> (Worker, tokio::sync::broadcast::Receiver<WorkerEvent>) {
+    let row = env.app_status("worker", name).await;
+    let mut with_row = config(name);
+    with_row.app_status_id = Some(row.to_string());
+    with_row.ttl = Duration::from_secs(60);
+    let worker = Worker::connect(endpoint(env), with_row).await.unwrap();
+    let events = worker.events();
+    (worker, events)
+}
+
 #[tokio::test]
 async fn a_finish_made_while_redis_lost_its_state_goes_through_under_the_adopted_token() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
-    let row = env.app_status("worker", "w").await;
-    let mut with_row = config("w");
-    with_row.app_status_id = Some(row.to_string());
-    let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();
+    let (worker, mut events) = long_lived(&env, "w").await;
     let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
     guard.start().await.unwrap();
 
-    // Redis comes back empty before the worker's next heartbeat: the finish is the first call
-    // to meet the lost state.
+    // Redis comes back empty: the finish is the first call to meet the lost state.
     env.redis.restart().unwrap();
     let done = guard.finish(FinalState::Completed, None).await.unwrap();
     assert_eq!(done.state, "completed");
     assert_eq!(env.state(task).await, "completed");
+    let adopted = next_event(&mut events, |e| match e {
+        WorkerEvent::LeaseReopened { adopted_tasks, .. } => Some(adopted_tasks),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        adopted,
+        vec![task.to_string()],
+        "the finish reopened the lease"
+    );
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_release_made_while_redis_lost_its_state_goes_through_under_the_adopted_token() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let task = env.task(&["a"]).await;
+    let (worker, mut events) = long_lived(&env, "w").await;
+    // Claimed, never started: the rebuild locks it again for the worker's row.
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+
+    env.redis.restart().unwrap();
+    assert!(
+        guard.release().await.unwrap(),
+        "released under the new token"
+    );
+    let adopted = next_event(&mut events, |e| match e {
+        WorkerEvent::LeaseReopened { adopted_tasks, .. } => Some(adopted_tasks),
+        _ => None,
+    })
+    .await;
+    assert_eq!(adopted, vec![task.to_string()]);
+    assert_eq!(env.state(task).await, "waiting");
+    assert_eq!(env.app_lock(task).await, None, "back in the queue");
     env.assert_locks(&[]).await;
     worker.close().await.unwrap();
 }
@@ -621,7 +667,7 @@ async fn a_finish_retried_in_the_background_goes_through_under_the_token_a_rebui
 async fn a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost() {
     let mut env = Env::new().await;
     let task = env.task(&["a"]).await;
-    let worker = connect(&env, "w").await;
+    let (worker, _) = long_lived(&env, "w").await;
     let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
     guard.start().await.unwrap();
     // The lease ends behind the worker's back before its heartbeat notices.

@@ -30,9 +30,22 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from .worker import Task as BrokerTask
-from .worker import TlsConfig, Worker
+from .worker import TaskLost, TlsConfig, Worker
 
 log = logging.getLogger("dispatch_broker_client.pulp")
+
+
+def _release(granted: BrokerTask) -> None:
+    """Releases a grant's locks, unless it is lost: its lease ended and the new lease did not take
+    it over (the broker ended the task with the old lease). That can also turn out during the
+    release itself, when the lease was gone before the heartbeat noticed."""
+    if granted.lost:
+        return
+    try:
+        granted.release()
+    except TaskLost:
+        log.warning("Task %s was lost with its lease; its locks went with it.", granted.task_id)
+
 
 # How often a supervised task's subprocess is checked (cancel requests, a lost lease, shutdown).
 SUPERVISE_INTERVAL = 0.2
@@ -133,8 +146,7 @@ class BrokerPulpWorker:
                         continue
                     if self.worker.stopping.is_set():
                         # Granted while shutdown began: back to the queue, not run.
-                        if not task.lost:
-                            task.release()
+                        _release(task)
                         break
                     handled += 1
                     self.handle(task)
@@ -219,9 +231,8 @@ class BrokerPulpWorker:
         except Exception:
             log.exception("Handling task %s failed.", granted.task_id)
         finally:
-            if not granted.lost:
-                # A task that never started goes back to the queue; any other just unlocks.
-                granted.release()
+            # A task that never started goes back to the queue; any other just unlocks.
+            _release(granted)
 
     def run_immediate(self, task: Any) -> None:
         """An immediate task runs in this process, as Pulp runs it."""
@@ -330,8 +341,8 @@ def claim_immediate_tasks(broker: str, token: str | None = None, tls: TlsConfig 
     def finish(task: Any) -> None:
         with grants_lock:
             granted = grants.pop(str(task.pk), None)
-        if granted is not None and not granted.lost:
-            granted.release()
+        if granted is not None:
+            _release(granted)
 
     def execute_task(task: Any) -> None:
         try:

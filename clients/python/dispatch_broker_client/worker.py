@@ -342,12 +342,6 @@ class _Undelivered:
         self.received[(task_id, token)] = now
         return True
 
-    def adopted(self, task_id: str, token: int) -> None:
-        """A task a reopened lease adopted under ``token``: received if this worker received the
-        task before (it may be finishing it), otherwise a grant that never arrived."""
-        if any(t == task_id for t, _ in self.received):
-            self.received[(task_id, token)] = time.monotonic()
-
     def listed(self, held: Sequence[pb.HeldTask], generation: int, sent: float) -> None:
         """What a heartbeat sent at ``sent`` (``time.monotonic()``) listed as held under the lease
         of ``generation``."""
@@ -672,25 +666,31 @@ class Worker:
             self._ending.append(task)
 
         def attempt() -> T:
-            if task._lost:
-                raise TaskLost(task.task_id)
-            try:
-                reply, _ = self._with_lease(method, fn)
-                return reply
-            except BrokerError:
+            reopened = False
+            while True:
+                # Checked before every call: a reopen that did not take the task over ends it
+                # here, not with one more call under the new lease and the old token.
                 if task._lost:
-                    raise TaskLost(task.task_id) from None
-                raise
+                    raise TaskLost(task.task_id)
+                with self._lock:
+                    lease_id, generation = self._lease_id, self._generation
+                try:
+                    return self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout))
+                except BrokerError as e:
+                    if not e.is_lease_not_found or reopened or self._closing.is_set():
+                        raise
+                    self._reopen(generation, method)
+                    reopened = True
 
         def done() -> None:
             with self._lock:
                 self._ending = [t for t in self._ending if t is not task]
 
+        retrying = False
         try:
-            reply = attempt()
+            return attempt()
         except BrokerError as e:
             if e.code not in TRANSIENT:
-                done()
                 raise
 
             def retry() -> None:
@@ -709,17 +709,18 @@ class Worker:
                                 log.warning("background %s of task %s ended: %s", method, task.task_id, again)
                                 return
                         delay = min(delay * 2, 10.0)
+                except Exception:
+                    log.exception("background %s of task %s ended", method, task.task_id)
                 finally:
                     done()
 
             log.warning("%s of task %s failed (%s); retrying in the background", method, task.task_id, e)
             threading.Thread(target=retry, name=f"dispatch-retry-{task.task_id}", daemon=True).start()
+            retrying = True
             raise
-        except TaskLost:
-            done()
-            raise
-        done()
-        return reply
+        finally:
+            if not retrying:
+                done()
 
     def _with_lease(
         self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0
@@ -751,11 +752,14 @@ class Worker:
 
     def _install(self, lease: pb.Lease) -> None:
         with self._lock:
-            self._lease_id = lease.lease_id
-            self._app_status_id = lease.app_status_id
-            if lease.HasField("ttl"):
-                self._lease_ttl = lease.ttl.ToTimedelta().total_seconds()
-            self._generation += 1
+            self._install_locked(lease)
+
+    def _install_locked(self, lease: pb.Lease) -> None:
+        self._lease_id = lease.lease_id
+        self._app_status_id = lease.app_status_id
+        if lease.HasField("ttl"):
+            self._lease_ttl = lease.ttl.ToTimedelta().total_seconds()
+        self._generation += 1
 
     def _reopen(self, seen_generation: int, why: str) -> None:
         with self._reopening:
@@ -781,14 +785,14 @@ class Worker:
                 self._configured_app_status = replacement
                 lease = self._open_lease(replacement)
             adopted = {t.task_id: t.fencing_token for t in lease.adopted_tasks}
-            self._install(lease)
             kept, lost = [], []
+            # Tokens are updated with the new lease installed, under one lock: no call is made
+            # under the new lease with an old token. Adopted tasks this worker still has (held,
+            # or being finished or released) are received under their new tokens; any other the
+            # new lease adopted is a grant that never arrived, or one this worker no longer runs:
+            # the heartbeats hand it back.
             with self._lock:
-                # Adopted tasks this worker received before (held, or being finished or
-                # released) are received under their new tokens; any other is a grant that never
-                # arrived.
-                for task_id, token in adopted.items():
-                    self._undelivered.adopted(task_id, token)
+                self._install_locked(lease)
                 for task_id, task in list(self._held.items()):
                     if task_id in adopted:
                         task._token = adopted[task_id]
@@ -800,10 +804,13 @@ class Worker:
                         del self._held[task_id]
                         lost.append(task_id)
                 # Tasks being finished or released: the call goes on under the new token, or
-                # ends as lost (the broker ended the task with the old lease).
+                # ends as lost (the broker ended the task with the old lease, or it finished
+                # already). A task also held is a newer grant of it: the call letting go of the
+                # old one must not act under the new grant's token.
                 for task in self._ending:
-                    if task.task_id in adopted:
+                    if task.task_id in adopted and task.task_id not in self._held:
                         task._token = adopted[task.task_id]
+                        self._undelivered.note_received(task.task_id, task._token)
                         if task.task_id not in kept:
                             kept.append(task.task_id)
                     else:

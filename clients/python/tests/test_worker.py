@@ -335,7 +335,8 @@ def test_without_a_replacement_a_worker_whose_own_row_is_gone_cannot_reopen(sand
 
 def _flush_redis(redis_url: str) -> None:
     """Empties Redis (FLUSHALL) as a restart without persistence would: the broker finds its lock
-    state lost at the next call and rebuilds it from Postgres."""
+    state lost at the next call and rebuilds it from Postgres. (The sandbox's Redis has no
+    password or TLS.)"""
     address = redis_url.split("://", 1)[1].split("/", 1)[0]
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as conn:
@@ -378,3 +379,23 @@ def test_a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost(sandbox:
         with pytest.raises(TaskLost):
             task.finish("completed")
         assert db.state(task_id) == "failed", "closing the lease failed it"
+
+
+def test_a_release_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(db: Db, resource: str) -> None:
+    box = start_sandbox()
+    try:
+        own = Db(box.postgres_url)
+        task_id = own.task(resource)
+        row = _app_status(own, "py-rebuilt")
+        with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
+            # Claimed, never started: the rebuild locks it again for the worker's row.
+            task = w.fetch()
+            assert task is not None
+            _flush_redis(box.redis_url)
+            assert task.release(), "released under the token the rebuilt lease gave"
+            assert own.state(task_id) == "waiting" and own.app_lock(task_id) is None, "back in the queue"
+            event = next_event(w, LeaseReopened)
+            assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
+        own.conn.close()
+    finally:
+        stop_sandbox(box)

@@ -776,9 +776,11 @@ impl Shared {
             .iter()
             .map(|t| (t.task_id.clone(), t.fencing_token))
             .collect();
-        let new = self.install(lease);
         let (mut adopted_tasks, mut lost_tasks) = (Vec::new(), Vec::new());
-        {
+        // Tokens are updated before the new lease is installed: a call made in between goes out
+        // under the old lease with the new token, is told NOT_FOUND and made again once this
+        // reopen is done, never under the new lease with the old token (refused for good).
+        let new = {
             let mut held = lock(&self.held);
             held.retain(|task_id, h| match adopted.get(task_id) {
                 Some(token) => {
@@ -794,9 +796,12 @@ impl Shared {
                 }
             });
             // Tasks being finished or released: the call goes on under the new token, or ends
-            // as lost (the broker already ended the task with the old lease).
+            // as lost (the broker ended the task with the old lease, or it finished already).
+            // A task also held is a newer grant of it: the call letting go of the old one is
+            // stale and must not act under the new grant's token.
             for (task_id, h) in lock(&self.ending).iter() {
-                let (took, list) = match adopted.get(task_id) {
+                let token = adopted.get(task_id).filter(|_| !held.contains_key(task_id));
+                let (took, list) = match token {
                     Some(token) => {
                         h.token.store(*token, Ordering::SeqCst);
                         (true, &mut adopted_tasks)
@@ -811,17 +816,15 @@ impl Shared {
                 }
                 tracing::debug!(%task_id, adopted = took, "a task being let go under the old lease");
             }
-        }
-        // The adopted tasks this worker received before (held, or being finished or released)
-        // are received under their new tokens; any other the new lease adopted is a grant that
-        // never arrived (see `Undelivered`).
+            self.install(lease)
+        };
+        // The adopted tasks this worker still has (held, or being finished or released) are
+        // received under their new tokens; any other the new lease adopted is a grant that never
+        // arrived, or one this worker no longer runs (see `Undelivered`): handed back.
         {
             let mut undelivered = lock(&self.undelivered);
             for task_id in &adopted_tasks {
                 undelivered.received(task_id, adopted[task_id]);
-            }
-            for (task_id, token) in &adopted {
-                undelivered.adopted(task_id, *token);
             }
         }
         tracing::warn!(
@@ -932,15 +935,6 @@ impl Undelivered {
         self.due.retain(|(h, _)| h.task_id != task_id);
         self.received.insert((task_id.to_owned(), token), now);
         true
-    }
-
-    /// A task the lease of a reopened lease adopted under `token`: received if this worker
-    /// received the task before (it may be finishing it), otherwise a grant that never arrived.
-    fn adopted(&mut self, task_id: &str, token: u64) {
-        if self.received.keys().any(|(t, _)| t == task_id) {
-            self.received
-                .insert((task_id.to_owned(), token), Instant::now());
-        }
     }
 
     /// What a heartbeat sent at `sent` listed as held under the lease of `generation`.
@@ -1133,10 +1127,8 @@ impl TaskGuard {
             if transient(e) {
                 tracing::warn!(task_id = %going.task_id, error = %e, "FinishTask failed; retrying in the background");
                 going.keep_trying(Duration::from_secs(1));
-                return result;
             }
         }
-        going.done();
         result
     }
 
@@ -1151,10 +1143,8 @@ impl TaskGuard {
             if transient(e) {
                 tracing::warn!(task_id = %going.task_id, error = %e, "ReleaseLocks failed; retrying in the background");
                 going.keep_trying(Duration::from_secs(1));
-                return result;
             }
         }
-        going.done();
         result
     }
 
@@ -1171,17 +1161,19 @@ impl TaskGuard {
         lock(&self.shared.held).remove(&self.task.task_id);
     }
 
-    /// Moves the task from the held ones to those being let go (see [`Shared::ending`]).
+    /// Moves the task from the held ones to those being let go (see [`Shared::ending`]), in one
+    /// step under the lock a reopen takes first, so a reopen sees it in one or the other.
     fn let_go(&self, how: LetGo) -> Going {
-        self.forget();
-        let going = Going {
+        let mut held = lock(&self.shared.held);
+        held.remove(&self.task.task_id);
+        lock(&self.shared.ending).push((self.task.task_id.clone(), Arc::clone(&self.held)));
+        drop(held);
+        Going {
             shared: Arc::clone(&self.shared),
             task_id: self.task.task_id.clone(),
             held: Arc::clone(&self.held),
             how,
-        };
-        lock(&self.shared.ending).push((going.task_id.clone(), Arc::clone(&going.held)));
-        going
+        }
     }
 }
 
@@ -1211,22 +1203,33 @@ impl Going {
         F: FnMut(Client, String, u64) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let lost = || WorkerError::Lost {
-            task_id: self.task_id.clone(),
-        };
-        if self.held.lost.load(Ordering::SeqCst) {
-            return Err(lost());
-        }
-        let result = self
-            .shared
-            .with_lease(method, Duration::ZERO, |c, lease_id| {
-                f(c, lease_id, self.held.token.load(Ordering::SeqCst))
-            })
-            .await;
-        match result {
-            Ok((reply, _)) => Ok(reply),
-            Err(_) if self.held.lost.load(Ordering::SeqCst) => Err(lost()),
-            Err(e) => Err(e),
+        let shared = &self.shared;
+        let mut reopened = false;
+        loop {
+            // Checked before every call: a reopen that did not take the task over ends it here,
+            // not with one more call under the new lease and the old token.
+            if self.held.lost.load(Ordering::SeqCst) {
+                return Err(WorkerError::Lost {
+                    task_id: self.task_id.clone(),
+                });
+            }
+            let lease = shared.current();
+            let result = shared
+                .call(method, Duration::ZERO, shared.config.retry, |c| {
+                    f(
+                        c,
+                        lease.lease_id.clone(),
+                        self.held.token.load(Ordering::SeqCst),
+                    )
+                })
+                .await;
+            match result {
+                Err(e) if e.is_lease_not_found() && !reopened && !shared.closing.is_cancelled() => {
+                    shared.reopen(lease.generation, method).await?;
+                    reopened = true;
+                }
+                other => return other,
+            }
         }
     }
 
@@ -1274,11 +1277,6 @@ impl Going {
         }
     }
 
-    /// The task is no longer being let go: the call went through or ended for good.
-    fn done(&self) {
-        lock(&self.shared.ending).retain(|(_, h)| !Arc::ptr_eq(h, &self.held));
-    }
-
     /// Keeps making the call in the background (the first attempt after `first_delay`, then
     /// every few seconds) until it succeeds, ends for good (the broker said no, or the task was
     /// lost), or the lease is closed (closing it ends what it holds): a release or finish that
@@ -1291,7 +1289,6 @@ impl Going {
                 what,
                 "no runtime to retry in; the locks stay until the lease ends"
             );
-            self.done();
             return;
         };
         let closed = self.shared.closed.clone();
@@ -1316,8 +1313,15 @@ impl Going {
                     }
                 }
             }
-            self.done();
         });
+    }
+}
+
+/// The task is no longer being let go once its call went through, ended for good, or was given
+/// up (its future dropped, the worker closed): whatever way the [`Going`] ends.
+impl Drop for Going {
+    fn drop(&mut self) {
+        lock(&self.shared.ending).retain(|(_, h)| !Arc::ptr_eq(h, &self.held));
     }
 }
 
@@ -1411,11 +1415,13 @@ mod tests {
     }
 
     #[test]
-    fn a_task_adopted_after_a_rebuild_is_received_if_it_was_before() {
+    fn a_task_adopted_after_a_rebuild_is_due_unless_the_worker_still_has_it() {
         let mut u = Undelivered::default();
         assert!(u.received("a", 7));
-        u.adopted("a", 12);
-        u.adopted("b", 13);
+        assert!(u.received("b", 8));
+        // The reopen: "a" is still held (or being let go), so it is received under its new
+        // token; "b" was received before but the worker no longer has it (its guard lost).
+        assert!(u.received("a", 12));
         let sent = Instant::now();
         u.listed(&[held("a", 12), held("b", 13)], 2, sent);
         u.listed(&[held("a", 12), held("b", 13)], 2, sent);
