@@ -345,3 +345,42 @@ def test_a_worker_whose_row_pulp_deleted_opens_a_new_lease_and_goes_on(broker: s
     assert [r.pk for r in rows] == [first.pk], "the worker's row was written again, for its new lease"
     assert codes == [0], "the worker shut down cleanly on SIGTERM"
     assert not AppStatus.objects.filter(app_type="worker").exists()
+
+
+def test_a_worker_that_finishes_a_task_across_a_redis_loss_releases_it_and_goes_on(
+    sandbox: Sandbox, broker: str, pulp: dict[str, str], pki: Pki
+) -> None:
+    """Redis loses the broker's lock state while a Pulp worker runs a task (a restart without
+    persistence). The broker rebuilds the task's locks from Postgres for the worker's row; when
+    the task ends, the worker's release meets a lease the broker no longer knows, reopens it under
+    its row, takes the task over with a new token and releases under that one, well before the
+    rebuilt lease could expire: the next task on the repository runs, and the worker goes on."""
+    from pulpcore.app.models import Task
+    from pulpcore.tasking.tasks import dispatch
+
+    repo = "prn:file.filerepository:H"
+    r = redis.Redis.from_url(sandbox.redis_url)
+    # A TTL of 60 s: the worker's first heartbeat comes 20 s after it started, so the release,
+    # not a heartbeat, is the first call to meet the lost lease, and the rebuilt lease would
+    # keep the task's locks for 60 s.
+    workers = start_workers(1, broker, {**pulp, "PULP_WORKER_TTL": "60"}, pki)
+    try:
+        running = dispatch(SLEEP, args=(2,), exclusive_resources=[repo])
+        wait_for("the task to run", lambda: Task.objects.get(pk=running.pk).state == "running")
+        behind = dispatch(SLEEP, args=(0.1,), exclusive_resources=[repo])
+        lost_at = time.monotonic()
+        for key in r.scan_iter("{pulp}:*"):
+            r.delete(key)
+        wait_for("the running task to complete", lambda: Task.objects.get(pk=running.pk).state == "completed", 30)
+        # The next task runs well before the rebuilt lease could expire only when the worker
+        # released under the new token.
+        wait_for("the next task to complete", lambda: Task.objects.get(pk=behind.pk).state == "completed", 15)
+        took = time.monotonic() - lost_at
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        codes = [w.wait(60) for w in workers]
+    assert took < 15, took
+    assert codes == [0], "the worker shut down cleanly on SIGTERM"
+    leftovers = [k for k in r.scan_iter("{pulp}:*") if b":task:" in k or b":x:" in k or b":s:" in k]
+    assert leftovers == []
