@@ -439,6 +439,8 @@ class Worker:
         self._undelivered = _Undelivered()
         #: Set once shutdown began: fetch returns None from then on.
         self.stopping = threading.Event()
+        #: One event per long poll under way: set when its answer arrives, or by ``stop``.
+        self._polls: set[threading.Event] = set()
         self._closed = threading.Event()
         self._closing = threading.Event()
         #: LeaseReopened, CancelRequested and HeartbeatFailed, in order.
@@ -466,8 +468,13 @@ class Worker:
         self.close()
 
     def stop(self) -> None:
-        """Stops fetching; held tasks are unaffected until ``close``."""
+        """Stops fetching (a long poll under way ends at once, without a task); held tasks are
+        unaffected until ``close``."""
         self.stopping.set()
+        with self._lock:
+            polls = list(self._polls)
+        for woken in polls:
+            woken.set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop fetching (call from the main thread). ``run`` then lets the
@@ -536,16 +543,32 @@ class Worker:
         finished it is failed, not requeued."""
         if self.stopping.is_set():
             return None
-        reply, generation = self._with_lease(
-            "FetchTask",
-            lambda stub, lease_id, timeout: stub.FetchTask(
-                pb.FetchTaskRequest(
-                    lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip), start=start
-                ),
-                timeout=timeout,
-            ),
-            wait=wait,
-        )
+
+        def long_poll(stub: _Authed, lease_id: str, timeout: float) -> pb.FetchTaskResponse:
+            request = pb.FetchTaskRequest(
+                lease_id=lease_id, wait=_duration(wait), skip_task_ids=list(skip), start=start
+            )
+            # Given up at ``stop``: the broker undoes a grant whose caller went away, so nothing
+            # is left held (and one that arrived anyway is held by the lease, which ``close``
+            # ends).
+            call = stub.future("FetchTask", request, timeout)
+            woken = threading.Event()
+            with self._lock:
+                self._polls.add(woken)
+            try:
+                call.add_done_callback(lambda _: woken.set())
+                if self.stopping.is_set():
+                    woken.set()
+                woken.wait()
+                if not call.done() and call.cancel():
+                    return pb.FetchTaskResponse()
+                reply: pb.FetchTaskResponse = call.result()
+                return reply
+            finally:
+                with self._lock:
+                    self._polls.discard(woken)
+
+        reply, generation = self._with_lease("FetchTask", long_poll, wait=wait)  # type: ignore[arg-type]
         return self._grant(reply, generation)
 
     def claim(self, task_id: str) -> Task | None:
@@ -877,6 +900,10 @@ class _Authed:
     def __init__(self, stub: pb_grpc.BrokerStub, metadata: tuple[tuple[str, str], ...]):
         self._stub = stub
         self._metadata = metadata
+
+    def future(self, method: str, request: Any, timeout: float) -> Any:
+        """The call as a ``grpc.Future`` (which is also its ``grpc.Call``), to wait on or cancel."""
+        return getattr(self._stub, method).future(request, timeout=timeout, metadata=self._metadata or None)
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         call = getattr(self._stub, method)

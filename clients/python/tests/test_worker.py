@@ -399,3 +399,18 @@ def test_a_release_made_while_redis_lost_its_state_goes_through_under_the_adopte
         own.conn.close()
     finally:
         stop_sandbox(box)
+
+
+def test_stop_ends_a_long_poll_at_once(sandbox: Sandbox, db: Db, resource: str) -> None:
+    with worker(sandbox, ttl=30.0) as w:
+        got: list[object] = []
+        poll = threading.Thread(target=lambda: got.append(w.fetch(wait=30.0)))
+        poll.start()
+        time.sleep(0.5)  # the call is under way, with nothing to hand out
+        w.stop()
+        poll.join(timeout=10.0)
+        assert not poll.is_alive(), "stop() did not end the long poll"
+        assert got == [None]
+        # Nothing was left held by the given-up call: a task inserted now stays waiting.
+        task_id = db.task(resource)
+        assert db.app_lock(task_id) is None
