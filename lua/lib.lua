@@ -41,6 +41,10 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The last change note_changes recorded in this script run (seq 0: none), for scripts that tell
+-- the caller what they recorded (release.lua).
+local noted = { seq = 0, names = {} }
+
 -- Records that waiting tasks needing these names may have become ready (a scan hint that
 -- relied on them being reserved is stale). Keeps the newest 10,000 names.
 local function note_changes(prefix, names)
@@ -48,6 +52,7 @@ local function note_changes(prefix, names)
     return
   end
   local seq = redis.call('INCR', prefix .. ':changeseq')
+  noted.seq, noted.names = seq, names
   local changes = prefix .. ':changes'
   for _, name in ipairs(names) do
     redis.call('ZADD', changes, seq, name)

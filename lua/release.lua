@@ -6,9 +6,12 @@
 --          when the release ends a FinishTask (then noted in the lease's hash as its last
 --          finished task, "task_id:fencing_token", so that a retry of that FinishTask is known),
 --          else "0"
--- Returns  for each task in order, code then the app_status_id of the caller's lease (or ""),
---          code being 1 released; 0 nothing held (already released: idempotent); -1 held by
---          another lease; -2 held by this lease under another fencing token.
+-- Returns  for each task in order: code, the app_status_id of the caller's lease (or ""), and
+--          the change this release recorded in PREFIX:changes, as its sequence number (0: none)
+--          and its names (an array), so that the replica knows the changes it made without
+--          reading the log back; code being 1 released; 0 nothing held (already released:
+--          idempotent); -1 held by another lease; -2 held by this lease under another fencing
+--          token.
 -- Never    releases a lock for a caller that is not its holder with the holder's token.
 
 local prefix = ARGV[1]
@@ -20,6 +23,7 @@ for i = 1, #KEYS do
   local app_status = redis.call('HGET', lease_key, 'app_status') or ''
   local lock = redis.call('HMGET', KEYS[i], 'lease', 'token')
   local code = 1
+  noted.seq, noted.names = 0, {}
   if not lock[1] then
     code = 0
   elseif lock[1] ~= lease_id then
@@ -34,5 +38,7 @@ for i = 1, #KEYS do
   end
   replies[#replies + 1] = code
   replies[#replies + 1] = app_status
+  replies[#replies + 1] = noted.seq
+  replies[#replies + 1] = noted.names
 end
 return replies

@@ -1363,10 +1363,16 @@ impl Dispatch {
             Some((clean_until, self.known_lease(lease_id)?, h.seq))
         });
         let trusting = trusted.is_some();
+        // Not trusted only because this replica's own calls changed lock state since: when they
+        // alone did and each said what it recorded, those changes are the log's.
+        let own = match (trusting, held) {
+            (false, Some(h)) => self.own_changes_since(h, lease_id, made),
+            _ => None,
+        };
         // Without a hint read against the change log just now, the lease and the changes since
         // the hint are read together (one Redis call).
-        let (lease, changes, checked_at, lease_checked) = match trusted {
-            Some((clean_until, lease, seq)) => {
+        let (lease, changes, checked_at, lease_checked) = match (trusted, own) {
+            (Some((clean_until, lease, seq)), _) => {
                 self.stats.hint_trusted();
                 let nothing = crate::locks::Changes {
                     seq,
@@ -1374,7 +1380,11 @@ impl Dispatch {
                 };
                 (lease, nothing, clean_until, false)
             }
-            None => {
+            (None, Some((lease, changes, clean_until))) => {
+                self.stats.own_changes_used();
+                (lease, changes, clean_until, false)
+            }
+            (None, None) => {
                 let checked_at = Instant::now();
                 let Some((lease, changes)) = self
                     .locks
@@ -2198,11 +2208,46 @@ impl Dispatch {
         }
     }
 
+    /// The lease as this replica last read it, and the changes since hint `h` as this replica's
+    /// own calls recorded them (see [`crate::locks::Locks::own_changes`]), when those are all the
+    /// changes since the hint and the result is as trusted as a read of the log (within the same
+    /// window since the call that recorded the last of them was sent, see [`trusted_until`]);
+    /// with until when.
+    fn own_changes_since(
+        &self,
+        h: &ScanHint,
+        lease_id: LeaseId,
+        made: u64,
+    ) -> Option<(Arc<LeaseRecord>, crate::locks::Changes, Instant)> {
+        let epoch = self.locks.epoch();
+        let own = self.locks.own_changes(h.made, made, h.seq, &epoch)?;
+        let read = ReadAgainst {
+            epoch,
+            seq: own.seq,
+            checked_at: own.sent.unwrap_or(h.checked_at),
+            made,
+        };
+        let clean_until = trusted_until(
+            &read,
+            &read.epoch,
+            made,
+            self.locks.seq_read(),
+            self.trust_window(),
+            Instant::now(),
+        )?;
+        let lease = self.known_lease(lease_id)?;
+        let changes = crate::locks::Changes {
+            seq: own.seq,
+            changed: Some(own.changed),
+        };
+        Some((lease, changes, clean_until))
+    }
+
     /// Whether a pass may use hint `h` without reading the change log first: see
     /// [`trusted_until`].
     fn trusted(&self, h: &ScanHint, made: u64) -> Option<Instant> {
         trusted_until(
-            h,
+            &ReadAgainst::of(h),
             &self.locks.epoch(),
             made,
             self.locks.seq_read(),

@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 use crate::ids::{FencingToken, LeaseId, TaskId};
 use crate::metrics::Stats;
 use crate::ready::Resources;
-pub use changes::{Change, Changes, LEFT_PREFIX, REQUEUED_PREFIX};
+pub use changes::{Change, Changes, OwnChanges, LEFT_PREFIX, REQUEUED_PREFIX};
 pub use grants::{Acquire, Admission, Release, Wanted};
 pub use keys::Keys;
 pub use leases::{Beaten, Ending, LeaseRecord, NewLease};
@@ -117,14 +117,30 @@ struct Knowledge {
     made: AtomicU64,
     /// The change counter as last read, and when that read was sent.
     seq_read: std::sync::Mutex<Option<(u64, std::time::Instant)>>,
+    /// What those calls recorded in the change log, where they say (see [`Locks::own_changes`]).
+    journal: std::sync::Mutex<changes::Journal>,
 }
 
-/// Counts a call that may have changed lock state when dropped (see [`Locks::changes_made`]).
-struct Made<'a>(&'a AtomicU64);
+/// Counts a call that may have changed lock state when dropped (see [`Locks::changes_made`]),
+/// with what it recorded in the change log when the call says so (`noted`); unknown otherwise.
+struct Made<'a> {
+    known: &'a Knowledge,
+    noted: Option<changes::Noted>,
+}
+
+impl<'a> Made<'a> {
+    fn new(known: &'a Knowledge) -> Made<'a> {
+        Made { known, noted: None }
+    }
+}
 
 impl Drop for Made<'_> {
     fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
+        // Counted under the journal's lock: whoever reads the count and then the journal finds
+        // this call's entry in it.
+        let mut journal = self.known.journal.lock().unwrap_or_else(|e| e.into_inner());
+        let made = self.known.made.fetch_add(1, Ordering::SeqCst) + 1;
+        journal.note(made, self.noted.take());
     }
 }
 
@@ -236,7 +252,7 @@ impl Locks {
     ) -> Result<T, Error> {
         // Counted when the call ends, also when the caller drops it half-way (a client that hung
         // up): the script may have run all the same.
-        let _counted = Made(&self.known.made);
+        let _counted = Made::new(&self.known);
         self.run_reading(invocation).await
     }
 

@@ -86,6 +86,10 @@ pub const FETCH_QUEUE_STARTS_TOTAL: &str = "dispatch_fetch_queue_starts_total";
 /// reading the log (or the lease) again first.
 pub const FETCH_HINTS_TRUSTED_TOTAL: &str = "dispatch_fetch_hints_trusted_total";
 
+/// Fetch passes that took the changes since their scan hint from what this replica's own calls
+/// recorded (they alone changed the log since), without reading the log (or the lease).
+pub const FETCH_OWN_CHANGES_TOTAL: &str = "dispatch_fetch_own_changes_total";
+
 /// Fetch passes that judged the tasks carried with their scan hint (the rest of the page the pass
 /// before them read) instead of reading a first page.
 pub const FETCH_PAGES_CARRIED_TOTAL: &str = "dispatch_fetch_pages_carried_total";
@@ -150,6 +154,7 @@ pub const ALL: &[&str] = &[
     FETCH_HINT_WALKS_TOTAL,
     FETCH_QUEUE_STARTS_TOTAL,
     FETCH_HINTS_TRUSTED_TOTAL,
+    FETCH_OWN_CHANGES_TOTAL,
     FETCH_PAGES_CARRIED_TOTAL,
     FAIR_DIRECTED_PASSES_TOTAL,
     FAIR_HELD_BACK_TOTAL,
@@ -275,6 +280,10 @@ pub fn describe() {
     describe_counter!(
         FETCH_HINTS_TRUSTED_TOTAL,
         "Fetch passes that used a scan hint read against the change log shortly before, without reading the log (or the lease) again first."
+    );
+    describe_counter!(
+        FETCH_OWN_CHANGES_TOTAL,
+        "Fetch passes that took the changes since their scan hint from what this replica's own calls recorded (they alone changed the log since), without reading the log (or the lease)."
     );
     describe_counter!(
         FETCH_PAGES_CARRIED_TOTAL,
@@ -449,6 +458,7 @@ pub struct Stats {
     hint_walks: AtomicU64,
     queue_starts: AtomicU64,
     hints_trusted: AtomicU64,
+    own_changes: AtomicU64,
     pages_carried: AtomicU64,
     directed_passes: AtomicU64,
     directed_dry: AtomicU64,
@@ -485,6 +495,8 @@ pub struct StatsSnapshot {
     pub queue_starts: u64,
     /// Passes that trusted their scan hint (no change log read first).
     pub hints_trusted: u64,
+    /// Passes that took the changes since their hint from this replica's own calls.
+    pub own_changes: u64,
     /// Passes that judged a carried page instead of reading a first page.
     pub pages_carried: u64,
     /// Fair dispatch's directed passes made.
@@ -540,6 +552,12 @@ impl Stats {
     pub fn hint_trusted(&self) {
         self.hints_trusted.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(FETCH_HINTS_TRUSTED_TOTAL).increment(1);
+    }
+
+    /// Counts a fetch pass that took the changes since its hint from this replica's own calls.
+    pub fn own_changes_used(&self) {
+        self.own_changes.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(FETCH_OWN_CHANGES_TOTAL).increment(1);
     }
 
     /// Counts a fetch pass that judged a carried page instead of reading a first page.
@@ -650,6 +668,7 @@ impl Stats {
             hint_walks: self.hint_walks.load(Ordering::Relaxed),
             queue_starts: self.queue_starts.load(Ordering::Relaxed),
             hints_trusted: self.hints_trusted.load(Ordering::Relaxed),
+            own_changes: self.own_changes.load(Ordering::Relaxed),
             pages_carried: self.pages_carried.load(Ordering::Relaxed),
             directed_passes: self.directed_passes.load(Ordering::Relaxed),
             directed_dry: self.directed_dry.load(Ordering::Relaxed),
@@ -675,6 +694,7 @@ impl std::ops::Sub for StatsSnapshot {
             hint_walks: self.hint_walks - earlier.hint_walks,
             queue_starts: self.queue_starts - earlier.queue_starts,
             hints_trusted: self.hints_trusted - earlier.hints_trusted,
+            own_changes: self.own_changes - earlier.own_changes,
             pages_carried: self.pages_carried - earlier.pages_carried,
             directed_passes: self.directed_passes - earlier.directed_passes,
             directed_dry: self.directed_dry - earlier.directed_dry,

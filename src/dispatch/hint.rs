@@ -53,8 +53,8 @@ pub(super) struct ScanHint {
     pub(super) carried: Option<Arc<Carried>>,
 }
 
-/// Until when the change log is known to hold nothing that drops hint `h`, if a pass may use it
-/// at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
+/// Until when the change log is known to hold nothing that drops a hint read against it as `h`
+/// says, if a pass may use the hint at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
 /// (another state's sequence numbers are not comparable), only while no call of this replica that may change
 /// lock state ended since the hint was read against the log (`made` is
 /// [`crate::locks::Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
@@ -64,7 +64,7 @@ pub(super) struct ScanHint {
 /// passes as late as it reaches its waiting calls. A hint used past a change only delays a
 /// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
 pub(super) fn trusted_until(
-    h: &ScanHint,
+    h: &ReadAgainst,
     epoch: &str,
     made: u64,
     seq_read: Option<(u64, Instant)>,
@@ -158,11 +158,23 @@ pub(super) struct HintBook {
 
 /// What a hint is read against: the lock state, the change sequence, when the change log was
 /// read (or last known clean) and [`crate::locks::Locks::changes_made`] before that.
+#[derive(Debug, Clone)]
 pub(super) struct ReadAgainst {
     pub(super) epoch: String,
     pub(super) seq: u64,
     pub(super) checked_at: Instant,
     pub(super) made: u64,
+}
+
+impl ReadAgainst {
+    pub(super) fn of(h: &ScanHint) -> ReadAgainst {
+        ReadAgainst {
+            epoch: h.epoch.clone(),
+            seq: h.seq,
+            checked_at: h.checked_at,
+            made: h.made,
+        }
+    }
 }
 
 /// How a pass settled one row, for the book.
@@ -475,16 +487,28 @@ mod tests {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
         let at = |ms| t0 + Duration::from_millis(ms);
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(50)), Some(t0));
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(200)), Some(t0));
-        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(201)), None);
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(50)),
+            Some(t0)
+        );
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(200)),
+            Some(t0)
+        );
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(201)),
+            None
+        );
     }
 
     #[test]
     fn a_change_made_through_this_replica_ends_the_trust_at_once() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e1", 4, None, WINDOW, t0), None);
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 4, None, WINDOW, t0),
+            None
+        );
     }
 
     #[test]
@@ -495,24 +519,48 @@ mod tests {
         // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
         let unmoved = Some((7, at(150)));
         assert_eq!(
-            trusted_until(&h, "e1", 3, unmoved, WINDOW, at(300)),
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, unmoved, WINDOW, at(300)),
             Some(at(150))
         );
-        assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, unmoved, WINDOW, at(351)),
+            None
+        );
         // Moved back (a failover lost the last changes): no trust either.
         assert_eq!(
-            trusted_until(&h, "e1", 3, Some((6, at(1))), WINDOW, at(2)),
+            trusted_until(
+                &ReadAgainst::of(&h),
+                "e1",
+                3,
+                Some((6, at(1))),
+                WINDOW,
+                at(2)
+            ),
             None
         );
         // Moved (a change through another replica): no trust, however fresh the hint.
         assert_eq!(
-            trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),
+            trusted_until(
+                &ReadAgainst::of(&h),
+                "e1",
+                3,
+                Some((8, at(1))),
+                WINDOW,
+                at(2)
+            ),
             None
         );
         // A read sent before the hint's own tells nothing new, moved or not.
         let h = hint(at(100), 7, 3);
         assert_eq!(
-            trusted_until(&h, "e1", 3, Some((5, at(50))), WINDOW, at(150)),
+            trusted_until(
+                &ReadAgainst::of(&h),
+                "e1",
+                3,
+                Some((5, at(50))),
+                WINDOW,
+                at(150)
+            ),
             Some(at(100))
         );
     }
@@ -521,13 +569,19 @@ mod tests {
     fn a_hint_of_another_lock_state_is_not_trusted() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e2", 3, None, WINDOW, t0), None);
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e2", 3, None, WINDOW, t0),
+            None
+        );
     }
 
     #[test]
     fn no_window_means_no_trust() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(trusted_until(&h, "e1", 3, None, Duration::ZERO, t0), None);
+        assert_eq!(
+            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, Duration::ZERO, t0),
+            None
+        );
     }
 }

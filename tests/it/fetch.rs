@@ -438,6 +438,73 @@ async fn a_hint_read_just_before_is_trusted_until_this_replica_changes_something
     env.shutdown().await;
 }
 
+/// A pass whose hint is not trusted only because this replica's own calls changed lock state
+/// since takes those changes from what the calls recorded, without reading the change log or
+/// the lease: the finishes of a busy fleet no longer cost each pass after them a Redis call. The
+/// changes are judged as read ones are (a release the hint relies on drops it), and a change made
+/// elsewhere in between has the pass read the log.
+#[tokio::test]
+async fn a_pass_judges_its_hint_by_the_changes_this_replica_made_without_reading_them_back() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let (_other, mut other_client) = env.second_replica().await;
+    let a = env.task(&["x"]).await;
+    let holder = env.open("holder").await;
+    let running = env.fetch(&holder).await.expect("a");
+    assert_eq!(id(&running), a);
+    env.start(&holder, &running).await;
+    let b = env.task(&["x"]).await;
+    let free = env.free_tasks("y", 4).await;
+    let w = env.open("w").await;
+    // The first fetch reads the lease and the change log, and leaves a hint past b (x is held).
+    let first = env.fetch(&w).await.expect("a free task");
+    assert_eq!(id(&first), free[0]);
+    env.start(&w, &first).await;
+
+    // A finish through this replica, of a task the hint does not rely on.
+    env.finish(&w, &first, "completed").await;
+    let before = env.settled_stats().await;
+    let second = env.fetch(&w).await.expect("the next free task");
+    assert_eq!(id(&second), free[1]);
+    let pass = env.settled_stats().await - before;
+    assert_eq!((pass.own_changes, pass.hints_trusted), (1, 0), "{pass:?}");
+    assert_eq!(
+        pass.fetch_redis_calls, 2,
+        "acquire and the holder check only: {pass:?}"
+    );
+
+    // The finish of a, whose lock x hid b: the change drops the hint, and b goes out.
+    env.finish(&holder, &running, "completed").await;
+    let before = env.settled_stats().await;
+    assert_eq!(id(&env.fetch(&w).await.expect("b")), b);
+    assert_eq!((env.settled_stats().await - before).own_changes, 1);
+
+    // A release through another replica, then a finish through this one: the log holds a change
+    // this replica did not make between the hint and its own, so the pass reads it.
+    let elsewhere = support::open_on(&mut other_client, "elsewhere").await;
+    let there = support::fetch_on(&mut other_client, &elsewhere)
+        .await
+        .expect("a free task");
+    other_client
+        .release_locks(dispatch_broker::proto::ReleaseLocksRequest {
+            lease_id: elsewhere,
+            task_id: there.task_id.clone(),
+            fencing_token: there.fencing_token,
+        })
+        .await
+        .unwrap();
+    env.start(&w, &second).await;
+    env.finish(&w, &second, "completed").await;
+    let before = env.settled_stats().await;
+    assert!(env.fetch(&w).await.is_some(), "a free task");
+    let read = env.settled_stats().await - before;
+    assert_eq!((read.own_changes, read.hints_trusted), (0, 0), "{read:?}");
+    assert_eq!(
+        read.fetch_redis_calls, 3,
+        "the lease and the log, acquire, holder check: {read:?}"
+    );
+    env.shutdown().await;
+}
+
 /// A change made through another replica reaches a replica whose passes trust their hints
 /// within two `--fetch-wake-poll` intervals (each replica reads Redis's change counter every
 /// interval): the task freed there may wait for that long, never longer.
