@@ -11,7 +11,8 @@
 --          and its names (an array), so that the replica knows the changes it made without
 --          reading the log back; code being 1 released; 0 nothing held (already released:
 --          idempotent); -1 held by another lease; -2 held by this lease under another fencing
---          token.
+--          token; after them all, the lock state's epoch ("" when it has none), which those
+--          sequence numbers belong to.
 -- Never    releases a lock for a caller that is not its holder with the holder's token.
 
 local prefix = ARGV[1]
@@ -41,4 +42,5 @@ for i = 1, #KEYS do
   replies[#replies + 1] = noted.seq
   replies[#replies + 1] = noted.names
 end
+replies[#replies + 1] = redis.call('GET', prefix .. ':epoch') or ''
 return replies

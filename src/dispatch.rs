@@ -2220,16 +2220,18 @@ impl Dispatch {
         made: u64,
     ) -> Option<(Arc<LeaseRecord>, crate::locks::Changes, Instant)> {
         let epoch = self.locks.epoch();
-        let own = self.locks.own_changes(h.made, made, h.seq, &epoch)?;
+        let own = self.locks.own_changes(h.made, made, h.seq, &h.epoch)?;
+        // The log was at `own.seq` when the release that recorded it ran: after it was sent, and
+        // after the hint's own read.
         let read = ReadAgainst {
-            epoch,
+            epoch: h.epoch.clone(),
             seq: own.seq,
-            checked_at: own.sent.unwrap_or(h.checked_at),
+            checked_at: own.sent.map_or(h.checked_at, |sent| sent.max(h.checked_at)),
             made,
         };
         let clean_until = trusted_until(
             &read,
-            &read.epoch,
+            &epoch,
             made,
             self.locks.seq_read(),
             self.trust_window(),

@@ -27,8 +27,9 @@ pub(super) struct ScanHint {
     pub(super) epoch: String,
     /// The change sequence the hint was taken at.
     pub(super) seq: u64,
-    /// When the change log was last read for it (the read was sent then) and showed nothing
-    /// that drops it, up to `seq`: see [`super::Dispatch::trusted`].
+    /// When the change log was last read for it (the read was sent then), or the release of
+    /// this replica that recorded `seq` was sent (its own changes), and showed nothing that
+    /// drops it, up to `seq`: see [`super::Dispatch::trusted`].
     pub(super) checked_at: Instant,
     /// [`crate::locks::Locks::changes_made`] before that read.
     pub(super) made: u64,
@@ -54,7 +55,8 @@ pub(super) struct ScanHint {
 }
 
 /// Until when the change log is known to hold nothing that drops a hint read against it as `h`
-/// says, if a pass may use the hint at `now` without reading the log first. Only in the lock state (`epoch`) the hint was taken in
+/// says, if a pass may use the hint at `now` without reading the log first. Only in the lock
+/// state (`epoch`) the hint was taken in
 /// (another state's sequence numbers are not comparable), only while no call of this replica that may change
 /// lock state ended since the hint was read against the log (`made` is
 /// [`crate::locks::Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)

@@ -94,6 +94,10 @@ pub(super) struct Journal {
 /// How many calls the journal keeps.
 const JOURNAL_KEEP: u64 = 256;
 
+/// Beyond this many names changed since a hint, the hint is as good as dropped: read the log
+/// (which answers "stale" there too, `lua/lease_info.lua`).
+const JOURNAL_NAMES: usize = 1000;
+
 impl Journal {
     pub(super) fn note(&mut self, made: u64, noted: Option<Noted>) {
         self.calls.insert(made, noted);
@@ -143,6 +147,9 @@ impl Journal {
             seq = at;
             sent = Some(sent_at);
             changed.extend(names.iter().cloned());
+            if changed.len() >= JOURNAL_NAMES {
+                return None;
+            }
         }
         Some(OwnChanges { seq, changed, sent })
     }
@@ -172,7 +179,7 @@ impl Locks {
         since_seq: u64,
         epoch: &str,
     ) -> Option<OwnChanges> {
-        let journal = self.known.journal.lock().ok()?;
+        let journal = self.known.journal.lock().unwrap_or_else(|e| e.into_inner());
         journal.since(since_made, made, since_seq, epoch)
     }
 
@@ -295,7 +302,7 @@ mod tests {
         // Two finish batches (ended in the other order) and a release that found nothing held.
         j.note(4, noted("e", t1, &[(12, &["b"])]));
         j.note(5, noted("e", t0, &[(10, &["a", "shared:d"]), (11, &["c"])]));
-        j.note(6, noted("e", t1, &[]));
+        j.note(6, noted("e", t1 + Duration::from_millis(5), &[]));
         let own = j.since(3, 6, 9, "e").expect("all of it");
         assert_eq!(own.seq, 12);
         assert_eq!(own.changed, vec!["a", "shared:d", "c", "b"]);
@@ -321,7 +328,16 @@ mod tests {
         assert_eq!(j.since(0, 1, 8, "e"), None, "9 was made elsewhere");
         j.note(3, None);
         assert_eq!(j.since(2, 3, 12, "e"), None, "a call that did not say");
-        assert_eq!(j.since(0, 4, 9, "e"), None, "a call not in the journal");
+        let mut gone = Journal::default();
+        gone.note(1, noted("e", t, &[(10, &["a"])]));
+        assert_eq!(gone.since(0, 2, 9, "e"), None, "a call not in the journal");
+        let many: Vec<&str> = vec!["n"; JOURNAL_NAMES];
+        gone.note(2, noted("e", t, &[(11, &many)]));
+        assert_eq!(
+            gone.since(1, 2, 10, "e"),
+            None,
+            "as many names as a stale log"
+        );
         assert_eq!(j.since(0, 1, 9, "other"), None, "another lock state");
         assert_eq!(j.since(2, 1, 9, "e"), None, "the count went back");
         // A call that ended after the hint was read, whose change the read already saw.

@@ -385,10 +385,12 @@ impl Locks {
                 .arg(fencing_token.to_string())
                 .arg(if finished { "1" } else { "0" });
         }
-        let (sent, epoch) = (std::time::Instant::now(), self.epoch());
+        let sent = std::time::Instant::now();
         // Counted as a change when it ends; with what it recorded once its reply is read.
         let mut made = Made::new(&self.known);
-        let flat: Vec<Value> = self.run_reading(&invocation).await?;
+        let mut flat: Vec<Value> = self.run_reading(&invocation).await?;
+        // The epoch the script ran in, which its sequence numbers belong to.
+        let epoch = text(flat.pop().as_ref()).unwrap_or_default();
         if flat.len() != 4 * held.len() {
             return Err(protocol("release", &flat));
         }

@@ -505,6 +505,35 @@ async fn a_pass_judges_its_hint_by_the_changes_this_replica_made_without_reading
     env.shutdown().await;
 }
 
+/// A pass on its own changes uses the lease as this replica last read it, as a trusted pass does:
+/// a lease ended through another replica (holding nothing, so the log did not change) still gets
+/// NOT_FOUND, from the acquire script.
+#[tokio::test]
+async fn a_lease_ended_elsewhere_is_told_not_found_by_a_pass_on_own_changes() {
+    let mut env = Env::with(trusting(std::time::Duration::from_secs(600))).await;
+    let (_other, mut other_client) = env.second_replica().await;
+    env.free_tasks("y", 4).await;
+    let (w, idle) = (env.open("w").await, env.open("idle").await);
+    let first = env.fetch(&w).await.expect("a free task");
+    let its = env.fetch(&idle).await.expect("a free task");
+    env.start(&idle, &its).await;
+    env.finish(&idle, &its, "completed").await;
+    other_client
+        .close_lease(dispatch_broker::proto::CloseLeaseRequest {
+            lease_id: idle.clone(),
+        })
+        .await
+        .unwrap();
+    env.start(&w, &first).await;
+    env.finish(&w, &first, "completed").await;
+    let before = env.settled_stats().await;
+    let gone = env.try_fetch(&idle, &[]).await.unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+    let pass = env.settled_stats().await - before;
+    assert_eq!(pass.own_changes, 1, "{pass:?}");
+    env.shutdown().await;
+}
+
 /// A change made through another replica reaches a replica whose passes trust their hints
 /// within two `--fetch-wake-poll` intervals (each replica reads Redis's change counter every
 /// interval): the task freed there may wait for that long, never longer.
@@ -711,14 +740,16 @@ async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by()
 /// hint that relies on the released lock.
 #[tokio::test]
 async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_released() {
-    let (mut env, w, hidden, _) = carried_past_a_release(true, true).await;
-    let next = env.fetch(&w).await.expect("a task");
-    assert_eq!(
-        Some(id(&next)),
-        hidden,
-        "the task on x, the oldest ready now"
-    );
-    env.shutdown().await;
+    for read_back in [false, true] {
+        let (mut env, w, hidden, _) = carried_past_a_release(true, true, read_back).await;
+        let next = env.fetch(&w).await.expect("a task");
+        assert_eq!(
+            Some(id(&next)),
+            hidden,
+            "the task on x, the oldest ready now (read back: {read_back})"
+        );
+        env.shutdown().await;
+    }
 }
 
 /// Without the resource queues to say whether the released lock hid a task among the carried
@@ -727,14 +758,16 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
 /// Postgres is asked.)
 #[tokio::test]
 async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_out() {
-    let (mut env, w, hidden, _) = carried_past_a_release(false, true).await;
-    let next = env.fetch(&w).await.expect("a task");
-    assert_eq!(
-        Some(id(&next)),
-        hidden,
-        "the task on x, the oldest ready now"
-    );
-    env.shutdown().await;
+    for read_back in [false, true] {
+        let (mut env, w, hidden, _) = carried_past_a_release(false, true, read_back).await;
+        let next = env.fetch(&w).await.expect("a task");
+        assert_eq!(
+            Some(id(&next)),
+            hidden,
+            "the task on x, the oldest ready now (read back: {read_back})"
+        );
+        env.shutdown().await;
+    }
 }
 
 /// A released lock that hid no task among the carried ones leaves them usable: without the
@@ -742,22 +775,28 @@ async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_
 /// carried tasks instead of reading its page.
 #[tokio::test]
 async fn a_released_lock_that_hid_nothing_leaves_the_carried_tasks_in_use() {
-    let (mut env, w, _, free) = carried_past_a_release(false, false).await;
-    let before = env.settled_stats().await;
-    let next = env.fetch(&w).await.expect("d0");
-    let pass = env.settled_stats().await - before;
-    assert_eq!(id(&next), free[0]);
-    assert_eq!(pass.pages_carried, 1, "{pass:?}");
-    env.shutdown().await;
+    for read_back in [false, true] {
+        let (mut env, w, _, free) = carried_past_a_release(false, false, read_back).await;
+        let before = env.settled_stats().await;
+        let next = env.fetch(&w).await.expect("d0");
+        let pass = env.settled_stats().await - before;
+        assert_eq!(id(&next), free[0]);
+        assert_eq!(pass.pages_carried, 1, "{pass:?}");
+        assert_eq!(pass.own_changes, u64::from(!read_back), "{pass:?}");
+        env.shutdown().await;
+    }
 }
 
 /// A task on x runs; then y, (with `hidden`) a task on x, and three free tasks `d` wait. Lease w
 /// fetches y, so the d tasks are carried (the task on x is hidden from that page: x is held);
-/// then the task on x finishes through this replica. Returns the broker, w, the hidden task and
-/// the d tasks.
+/// then the task on x finishes through this replica (with `read_back`, a lease of this replica
+/// that holds nothing is closed right after, a call that does not say what it changed, so the
+/// next pass reads the change log instead of taking this replica's own changes). Returns the
+/// broker, w, the hidden task and the d tasks.
 async fn carried_past_a_release(
     resource_queues: bool,
     hidden: bool,
+    read_back: bool,
 ) -> (Env, String, Option<uuid::Uuid>, Vec<uuid::Uuid>) {
     let mut env = Env::with(move |a| {
         trusting(std::time::Duration::from_secs(600))(a);
@@ -776,8 +815,15 @@ async fn carried_past_a_release(
     let free = env.free_tasks("d", 3).await;
     let w = env.open("w").await;
     assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
+    let spare = env.open("spare").await;
     env.broker().passes.idle().await;
     env.finish(&holder, &running, "completed").await;
+    if read_back {
+        env.client
+            .close_lease(dispatch_broker::proto::CloseLeaseRequest { lease_id: spare })
+            .await
+            .unwrap();
+    }
     (env, w, hidden, free)
 }
 
