@@ -198,6 +198,7 @@ struct Costs {
     passes: u64,
     pass_redis_calls: u64,
     hints_trusted: u64,
+    own_changes: u64,
     pages_carried: u64,
 }
 
@@ -420,6 +421,7 @@ async fn broker_rounds(
     costs.passes = counted.fetch_passes;
     costs.pass_redis_calls = counted.fetch_redis_calls;
     costs.hints_trusted = counted.hints_trusted;
+    costs.own_changes = counted.own_changes;
     costs.pages_carried = counted.pages_carried;
     Cell {
         fetch_ms,
@@ -751,10 +753,11 @@ fn print_row(row: &Row) {
         );
         eprintln!(
             "    broker: {} fetch passes, {:.1} Redis calls per pass, {} passes trusted their \
-             scan hint, {} judged a carried page",
+             scan hint, {} took this replica's own changes, {} judged a carried page",
             c.passes,
             c.pass_redis_calls as f64 / c.passes.max(1) as f64,
             c.hints_trusted,
+            c.own_changes,
             c.pages_carried
         );
         eprintln!(
