@@ -5,7 +5,9 @@
 -- KEYS[1]  PREFIX:changes   (KEYS[2] PREFIX:changeseq, KEYS[3] PREFIX:changefloor: written by
 --          lib.lua's note_changes through the prefix)
 -- ARGV     prefix (with hash tag), resource names... ("*" for anything)
--- Returns  the new change sequence.
+-- Returns  the sequence number of the change recorded (0 when no name was given), and the lock
+--          state's epoch it belongs to ("" when there is none), so that the replica knows the
+--          change it made without reading the log back.
 -- Never    touches locks or leases.
 
 local names = {}
@@ -13,4 +15,4 @@ for i = 2, #ARGV do
   names[#names + 1] = ARGV[i]
 end
 note_changes(ARGV[1], names)
-return tonumber(redis.call('GET', ARGV[1] .. ':changeseq') or '0')
+return { noted.seq, redis.call('GET', ARGV[1] .. ':epoch') or '' }

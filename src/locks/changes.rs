@@ -263,7 +263,16 @@ impl Locks {
         for name in names {
             invocation.arg(*name);
         }
-        self.run::<i64>(&invocation).await.map(|_| ())
+        let sent = std::time::Instant::now();
+        // Counted as a change when it ends; with what it recorded once its reply is read.
+        let mut made = Made::new(&self.known);
+        let (seq, epoch): (i64, String) = self.run_reading(&invocation).await?;
+        let noted = match u64::try_from(seq) {
+            Ok(seq) if seq > 0 => vec![(seq, names.iter().map(|n| n.to_string()).collect())],
+            _ => Vec::new(),
+        };
+        made.noted = Some(Noted::new(epoch, sent, noted));
+        Ok(())
     }
 
     /// The change counter: bumped by every release, cancel and requeue, through any replica.

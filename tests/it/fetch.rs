@@ -478,6 +478,15 @@ async fn a_pass_judges_its_hint_by_the_changes_this_replica_made_without_reading
     assert_eq!(id(&env.fetch(&w).await.expect("b")), b);
     assert_eq!((env.settled_stats().await - before).own_changes, 1);
 
+    // A claim put back through this replica (ReleaseLocks before it started): its release and
+    // the requeue it records are both known; the pass checks the requeued task first.
+    let third = env.fetch(&w).await.expect("the next free task");
+    assert!(env.release(&w, &third).await.unwrap());
+    let before = env.settled_stats().await;
+    assert_eq!(env.fetch(&w).await.map(|t| id(&t)), Some(id(&third)));
+    let pass = env.settled_stats().await - before;
+    assert_eq!((pass.own_changes, pass.hints_trusted), (1, 0), "{pass:?}");
+
     // A release through another replica, then a finish through this one: the log holds a change
     // this replica did not make between the hint and its own, so the pass reads it.
     let elsewhere = support::open_on(&mut other_client, "elsewhere").await;
