@@ -414,3 +414,36 @@ def test_stop_ends_a_long_poll_at_once(sandbox: Sandbox, db: Db, resource: str) 
         # Nothing was left held by the given-up call: a task inserted now stays waiting.
         task_id = db.task(resource)
         assert db.app_lock(task_id) is None
+
+
+def test_a_finish_retried_in_the_background_goes_through_under_the_token_a_rebuild_gave(
+    db: Db, resource: str
+) -> None:
+    box = start_sandbox()
+    try:
+        own = Db(box.postgres_url)
+        task_id = own.task(resource)
+        row = _app_status(own, "py-rebuilt")
+        with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
+            task = w.fetch()
+            assert task is not None
+            task.start()
+            _flush_redis(box.redis_url)
+            # The finish gets no answer in time (DEADLINE_EXCEEDED), before or after it met the
+            # lease the broker no longer knows and reopened it: it is retried in the background,
+            # which finishes the adopted task under its new token (reopening first if the
+            # foreground call did not).
+            w.call_timeout = 0.0001
+            with pytest.raises(BrokerError) as failed:
+                task.finish("completed")
+            assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
+            w.call_timeout = 10.0
+            deadline = time.monotonic() + LONG
+            while own.state(task_id) != "completed" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert own.state(task_id) == "completed", "the background retry recorded the outcome"
+            event = next_event(w, LeaseReopened)
+            assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
+        own.conn.close()
+    finally:
+        stop_sandbox(box)
