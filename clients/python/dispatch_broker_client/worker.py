@@ -40,10 +40,13 @@ log = logging.getLogger("dispatch_broker_client")
 
 NOT_FOUND_KEY = "dispatch-not-found"
 # Failures after which a call may still succeed later (unreachable, or the answer was lost).
+# CANCELLED too: this library never cancels a finish or release itself, and the broker answers
+# CANCELLED ("Timeout expired") when the call's deadline passed there before it answered.
 TRANSIENT = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
 )
 # Retried with backoff: unreachable, or a limit of the broker (it did nothing; back off).

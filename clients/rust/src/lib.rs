@@ -1327,10 +1327,18 @@ impl Drop for Going {
 
 /// Failures after which the call may still succeed later (the broker or its backends were
 /// unreachable, or the answer was lost); not the broker's "no" (FAILED_PRECONDITION, NOT_FOUND).
+/// CANCELLED too: this library never cancels a finish or release itself, and the broker answers
+/// CANCELLED ("Timeout expired") when the call's deadline passed there before it answered.
 fn transient(error: &WorkerError) -> bool {
     matches!(
         error.code(),
-        Some(Code::Unavailable | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Unknown)
+        Some(
+            Code::Unavailable
+                | Code::ResourceExhausted
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+                | Code::Unknown
+        )
     )
 }
 
@@ -1367,6 +1375,33 @@ mod tests {
             task_id: task_id.into(),
             fencing_token: token,
         }
+    }
+
+    #[test]
+    fn a_finish_or_release_without_an_answer_is_retried_but_not_one_the_broker_refused() {
+        let status = |code| WorkerError::Rpc {
+            method: "FinishTask",
+            status: Status::new(code, "x"),
+        };
+        for code in [
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::DeadlineExceeded,
+            Code::Cancelled,
+            Code::Unknown,
+        ] {
+            assert!(transient(&status(code)), "{code:?}");
+        }
+        for code in [
+            Code::FailedPrecondition,
+            Code::NotFound,
+            Code::InvalidArgument,
+        ] {
+            assert!(!transient(&status(code)), "{code:?}");
+        }
+        assert!(!transient(&WorkerError::Lost {
+            task_id: "t".into()
+        }));
     }
 
     #[test]
