@@ -1360,7 +1360,7 @@ impl Dispatch {
         let made = self.locks.changes_made();
         let trusted = held.and_then(|h| {
             let clean_until = self.trusted(h, made)?;
-            Some((clean_until, self.known_lease(lease_id)?, h.seq))
+            Some((clean_until, self.known_lease(lease_id)?, h.read.seq))
         });
         let trusting = trusted.is_some();
         // Not trusted only because this replica's own calls changed lock state since: when they
@@ -1388,7 +1388,7 @@ impl Dispatch {
                 let checked_at = Instant::now();
                 let Some((lease, changes)) = self
                     .locks
-                    .lease_and_changes(lease_id, held.map(|h| h.seq))
+                    .lease_and_changes(lease_id, held.map(|h| h.read.seq))
                     .await?
                 else {
                     return Err(self.lease_gone(lease_id));
@@ -1442,8 +1442,8 @@ impl Dispatch {
         let had_hint = held.is_some();
         let usable_hint = |h: &ScanHint| {
             !self.policy.hint_max_age.is_zero()
-                && h.epoch == *epoch
-                && h.seq <= changes.seq
+                && h.read.epoch == *epoch
+                && h.read.seq <= changes.seq
                 && h.returned.len() + requeued.len() <= MAX_RETURNED
                 && changes.changed.as_ref().is_some_and(|names| {
                     !names.iter().any(|n| match Change::of(n) {
@@ -2220,8 +2220,9 @@ impl Dispatch {
         made: u64,
     ) -> Option<(Arc<LeaseRecord>, crate::locks::Changes, Instant)> {
         let epoch = self.locks.epoch();
+        let h = &h.read;
         let own = self.locks.own_changes(h.made, made, h.seq, &h.epoch)?;
-        // The log was at `own.seq` when the release that recorded it ran: after it was sent, and
+        // The log was at `own.seq` when the call that recorded it ran: after it was sent, and
         // after the hint's own read.
         let read = ReadAgainst {
             epoch: h.epoch.clone(),
@@ -2249,7 +2250,7 @@ impl Dispatch {
     /// [`trusted_until`].
     fn trusted(&self, h: &ScanHint, made: u64) -> Option<Instant> {
         trusted_until(
-            &ReadAgainst::of(h),
+            &h.read,
             &self.locks.epoch(),
             made,
             self.locks.seq_read(),
@@ -2679,8 +2680,9 @@ impl Dispatch {
     }
 
     /// ReleaseLocks: releases a task's locks for its holder. Idempotent: `false` when nothing was
-    /// held (NOT_FOUND when the caller's lease is gone and nothing was released). A claimed task that never started goes back to the queue first, so a failure
-    /// half-way leaves it claimed and locked, and a retry completes the release.
+    /// held (NOT_FOUND when the caller's lease is gone and nothing was released). A claimed task
+    /// that never started goes back to the queue first, so a failure half-way leaves it claimed
+    /// and locked, and a retry completes the release.
     pub async fn release(
         &self,
         lease_id: LeaseId,

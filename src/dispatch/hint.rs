@@ -23,16 +23,10 @@ use crate::tasks::TaskRow;
 /// every candidate still gets the exact look-up.
 #[derive(Debug, Clone)]
 pub(super) struct ScanHint {
-    /// The lock state (epoch) the hint was taken in: a rebuild drops every hint.
-    pub(super) epoch: String,
-    /// The change sequence the hint was taken at.
-    pub(super) seq: u64,
-    /// When the change log was last read for it (the read was sent then), or the release of
-    /// this replica that recorded `seq` was sent (its own changes), and showed nothing that
-    /// drops it, up to `seq`: see [`super::Dispatch::trusted`].
-    pub(super) checked_at: Instant,
-    /// [`crate::locks::Locks::changes_made`] before that read.
-    pub(super) made: u64,
+    /// What it was read against: the lock state it was taken in (a rebuild drops every hint),
+    /// the change sequence, when the log showed nothing that drops it up to there (see
+    /// [`super::Dispatch::trusted`]).
+    pub(super) read: ReadAgainst,
     pub(super) taken: Instant,
     pub(super) after: (DateTime<Utc>, TaskId),
     /// Conflict keys and reservations of the tasks before `after` that were left waiting (not
@@ -56,14 +50,13 @@ pub(super) struct ScanHint {
 
 /// Until when the change log is known to hold nothing that drops a hint read against it as `h`
 /// says, if a pass may use the hint at `now` without reading the log first. Only in the lock
-/// state (`epoch`) the hint was taken in
-/// (another state's sequence numbers are not comparable), only while no call of this replica that may change
-/// lock state ended since the hint was read against the log (`made` is
-/// [`crate::locks::Locks::changes_made`] now), and for at most `window` (two `--fetch-wake-poll` intervals)
-/// since that read, or since the change counter (which every replica reads each interval;
-/// `seq_read` is the last read and when it was sent) was last seen still at the hint's
-/// sequence number. So a change made through another replica, or by its sweeper, reaches this replica's
-/// passes as late as it reaches its waiting calls. A hint used past a change only delays a
+/// state (`epoch`) the hint was taken in (another state's sequence numbers are not comparable),
+/// only while no call of this replica that may change lock state ended since the hint was read
+/// against the log (`made` is [`crate::locks::Locks::changes_made`] now), and for at most
+/// `window` (two `--fetch-wake-poll` intervals) since that read, or since the change counter
+/// (which every replica reads each interval; `seq_read` is the last read and when it was sent)
+/// was last seen still at the hint's sequence number. So a change made through another replica,
+/// or by its sweeper, reaches this replica's passes as late as it reaches its waiting calls. A hint used past a change only delays a
 /// task (see [`ScanHint`]); the acquire script still checks the lease and every lock.
 pub(super) fn trusted_until(
     h: &ReadAgainst,
@@ -158,25 +151,15 @@ pub(super) struct HintBook {
     ended: Option<ScanHint>,
 }
 
-/// What a hint is read against: the lock state, the change sequence, when the change log was
-/// read (or last known clean) and [`crate::locks::Locks::changes_made`] before that.
+/// What a hint is read against: the lock state (epoch), the change sequence, when the change
+/// log was read up to it (the read was sent then; or when the call of this replica that
+/// recorded it was sent: its own changes), and [`crate::locks::Locks::changes_made`] before that.
 #[derive(Debug, Clone)]
 pub(super) struct ReadAgainst {
     pub(super) epoch: String,
     pub(super) seq: u64,
     pub(super) checked_at: Instant,
     pub(super) made: u64,
-}
-
-impl ReadAgainst {
-    pub(super) fn of(h: &ScanHint) -> ReadAgainst {
-        ReadAgainst {
-            epoch: h.epoch.clone(),
-            seq: h.seq,
-            checked_at: h.checked_at,
-            made: h.made,
-        }
-    }
 }
 
 /// How a pass settled one row, for the book.
@@ -222,10 +205,7 @@ impl HintBook {
 
     fn snapshot(&self, at: Option<(DateTime<Utc>, TaskId)>) -> Option<ScanHint> {
         at.map(|after| ScanHint {
-            epoch: self.read.epoch.clone(),
-            seq: self.read.seq,
-            checked_at: self.read.checked_at,
-            made: self.read.made,
+            read: self.read.clone(),
             taken: self.taken,
             after,
             excluded: {
@@ -318,19 +298,12 @@ mod tests {
     use crate::tasks::TaskRow;
     use uuid::Uuid;
 
-    fn hint(checked_at: Instant, seq: u64, made: u64) -> ScanHint {
-        ScanHint {
+    fn hint(checked_at: Instant, seq: u64, made: u64) -> ReadAgainst {
+        ReadAgainst {
             epoch: "e1".to_owned(),
             seq,
             checked_at,
             made,
-            taken: checked_at,
-            after: (DateTime::<Utc>::MIN_UTC, TaskId::NIL),
-            excluded: Vec::new(),
-            reserved: Reservations::default(),
-            hiding: HashSet::new(),
-            returned: Vec::new(),
-            carried: None,
         }
     }
 
@@ -377,7 +350,7 @@ mod tests {
         assert!(b.unbroken());
         let h = b.leave().expect("a hint");
         assert_eq!(h.after, (granted.created, granted.id));
-        assert_eq!(h.seq, 7);
+        assert_eq!(h.read.seq, 7);
         assert!(h.reserved.touches("a"), "a waiting row reserves its names");
         assert!(!h.reserved.touches("b"), "a handed-out row does not");
     }
@@ -489,28 +462,16 @@ mod tests {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
         let at = |ms| t0 + Duration::from_millis(ms);
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(50)),
-            Some(t0)
-        );
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(200)),
-            Some(t0)
-        );
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, WINDOW, at(201)),
-            None
-        );
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(50)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(200)), Some(t0));
+        assert_eq!(trusted_until(&h, "e1", 3, None, WINDOW, at(201)), None);
     }
 
     #[test]
     fn a_change_made_through_this_replica_ends_the_trust_at_once() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 4, None, WINDOW, t0),
-            None
-        );
+        assert_eq!(trusted_until(&h, "e1", 4, None, WINDOW, t0), None);
     }
 
     #[test]
@@ -521,48 +482,24 @@ mod tests {
         // Read 150 ms after the hint, not moved: trusted until 200 ms after that read.
         let unmoved = Some((7, at(150)));
         assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, unmoved, WINDOW, at(300)),
+            trusted_until(&h, "e1", 3, unmoved, WINDOW, at(300)),
             Some(at(150))
         );
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, unmoved, WINDOW, at(351)),
-            None
-        );
+        assert_eq!(trusted_until(&h, "e1", 3, unmoved, WINDOW, at(351)), None);
         // Moved back (a failover lost the last changes): no trust either.
         assert_eq!(
-            trusted_until(
-                &ReadAgainst::of(&h),
-                "e1",
-                3,
-                Some((6, at(1))),
-                WINDOW,
-                at(2)
-            ),
+            trusted_until(&h, "e1", 3, Some((6, at(1))), WINDOW, at(2)),
             None
         );
         // Moved (a change through another replica): no trust, however fresh the hint.
         assert_eq!(
-            trusted_until(
-                &ReadAgainst::of(&h),
-                "e1",
-                3,
-                Some((8, at(1))),
-                WINDOW,
-                at(2)
-            ),
+            trusted_until(&h, "e1", 3, Some((8, at(1))), WINDOW, at(2)),
             None
         );
         // A read sent before the hint's own tells nothing new, moved or not.
         let h = hint(at(100), 7, 3);
         assert_eq!(
-            trusted_until(
-                &ReadAgainst::of(&h),
-                "e1",
-                3,
-                Some((5, at(50))),
-                WINDOW,
-                at(150)
-            ),
+            trusted_until(&h, "e1", 3, Some((5, at(50))), WINDOW, at(150)),
             Some(at(100))
         );
     }
@@ -571,19 +508,13 @@ mod tests {
     fn a_hint_of_another_lock_state_is_not_trusted() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e2", 3, None, WINDOW, t0),
-            None
-        );
+        assert_eq!(trusted_until(&h, "e2", 3, None, WINDOW, t0), None);
     }
 
     #[test]
     fn no_window_means_no_trust() {
         let t0 = Instant::now();
         let h = hint(t0, 7, 3);
-        assert_eq!(
-            trusted_until(&ReadAgainst::of(&h), "e1", 3, None, Duration::ZERO, t0),
-            None
-        );
+        assert_eq!(trusted_until(&h, "e1", 3, None, Duration::ZERO, t0), None);
     }
 }

@@ -171,10 +171,12 @@ impl Dispatch {
             hiding.extend(self.tasks.hiding(after, &unknown).await?);
         }
         let hint = ScanHint {
-            epoch,
-            seq,
-            checked_at,
-            made,
+            read: super::ReadAgainst {
+                epoch,
+                seq,
+                checked_at,
+                made,
+            },
             taken,
             after,
             excluded,
