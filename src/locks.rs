@@ -256,6 +256,23 @@ impl Locks {
         self.run_reading(invocation).await
     }
 
+    /// Runs one prepared script invocation that may change lock state and says what it recorded
+    /// in the change log: `read` turns its reply into the answer, the lock state (epoch) the
+    /// script ran in and the changes it recorded (sequence number, names). The call is counted
+    /// as [`Locks::run`] counts it, with those changes once its reply is read (see
+    /// [`Locks::own_changes`]); unknown when it fails before that.
+    async fn run_noting<R: redis::FromRedisValue, T>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+        read: impl FnOnce(R) -> Result<(T, String, Vec<(u64, Vec<String>)>), Error>,
+    ) -> Result<T, Error> {
+        let sent = std::time::Instant::now();
+        let mut made = Made::new(&self.known);
+        let (answer, epoch, changes) = read(self.run_reading(invocation).await?)?;
+        made.noted = Some(changes::Noted::new(epoch, sent, changes));
+        Ok(answer)
+    }
+
     /// Runs one prepared script invocation that changes nothing a scan hint relies on (it
     /// reads, takes locks, or keeps a lease alive), with the timeout, counting it as one Redis
     /// call.

@@ -263,16 +263,14 @@ impl Locks {
         for name in names {
             invocation.arg(*name);
         }
-        let sent = std::time::Instant::now();
-        // Counted as a change when it ends; with what it recorded once its reply is read.
-        let mut made = Made::new(&self.known);
-        let (seq, epoch): (i64, String) = self.run_reading(&invocation).await?;
-        let noted = match u64::try_from(seq) {
-            Ok(seq) if seq > 0 => vec![(seq, names.iter().map(|n| n.to_string()).collect())],
-            _ => Vec::new(),
-        };
-        made.noted = Some(Noted::new(epoch, sent, noted));
-        Ok(())
+        self.run_noting(&invocation, |(seq, epoch): (i64, String)| {
+            let noted = match u64::try_from(seq) {
+                Ok(seq) if seq > 0 => vec![(seq, names.iter().map(|n| n.to_string()).collect())],
+                _ => Vec::new(),
+            };
+            Ok(((), epoch, noted))
+        })
+        .await
     }
 
     /// The change counter: bumped by every release, cancel and requeue, through any replica.

@@ -385,34 +385,32 @@ impl Locks {
                 .arg(fencing_token.to_string())
                 .arg(if finished { "1" } else { "0" });
         }
-        let sent = std::time::Instant::now();
-        // Counted as a change when it ends; with what it recorded once its reply is read.
-        let mut made = Made::new(&self.known);
-        let mut flat: Vec<Value> = self.run_reading(&invocation).await?;
-        // The epoch the script ran in, which its sequence numbers belong to.
-        let epoch = text(flat.pop().as_ref()).unwrap_or_default();
-        if flat.len() != 4 * held.len() {
-            return Err(protocol("release", &flat));
-        }
-        let mut released = Vec::with_capacity(held.len());
-        let mut noted = Vec::new();
-        for reply in flat.chunks(4) {
-            let code = int(reply.first()).ok_or_else(|| protocol("release", &reply))?;
-            let app_status = text(reply.get(1)).unwrap_or_default();
-            released.push((release_code("release", code)?, app_status));
-            let seq = int(reply.get(2)).ok_or_else(|| protocol("release", &reply))?;
-            if seq > 0 {
-                let names = match reply.get(3) {
-                    Some(Value::Array(names)) => {
-                        names.iter().filter_map(|n| text(Some(n))).collect()
-                    }
-                    _ => Vec::new(),
-                };
-                noted.push((seq as u64, names));
+        self.run_noting(&invocation, |mut flat: Vec<Value>| {
+            // The epoch the script ran in, which its sequence numbers belong to.
+            let epoch = text(flat.pop().as_ref()).unwrap_or_default();
+            if flat.len() != 4 * held.len() {
+                return Err(protocol("release", &flat));
             }
-        }
-        made.noted = Some(changes::Noted::new(epoch, sent, noted));
-        Ok(released)
+            let mut released = Vec::with_capacity(held.len());
+            let mut noted = Vec::new();
+            for reply in flat.chunks(4) {
+                let code = int(reply.first()).ok_or_else(|| protocol("release", &reply))?;
+                let app_status = text(reply.get(1)).unwrap_or_default();
+                released.push((release_code("release", code)?, app_status));
+                let seq = int(reply.get(2)).ok_or_else(|| protocol("release", &reply))?;
+                if seq > 0 {
+                    let names = match reply.get(3) {
+                        Some(Value::Array(names)) => {
+                            names.iter().filter_map(|n| text(Some(n))).collect()
+                        }
+                        _ => Vec::new(),
+                    };
+                    noted.push((seq as u64, names));
+                }
+            }
+            Ok((released, epoch, noted))
+        })
+        .await
     }
 
     /// [`Locks::release`], tried three times with a short backoff (50, then 100 ms) while it
