@@ -691,22 +691,14 @@ class Worker:
             self._held.pop(task.task_id, None)
             self._ending.append(task)
 
+        def not_lost() -> None:
+            # Checked before every call: a reopen that did not take the task over ends it here,
+            # not with one more call under the new lease and the old token.
+            if task._lost:
+                raise TaskLost(task.task_id)
+
         def attempt() -> T:
-            reopened = False
-            while True:
-                # Checked before every call: a reopen that did not take the task over ends it
-                # here, not with one more call under the new lease and the old token.
-                if task._lost:
-                    raise TaskLost(task.task_id)
-                with self._lock:
-                    lease_id, generation = self._lease_id, self._generation
-                try:
-                    return self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout))
-                except BrokerError as e:
-                    if not e.is_lease_not_found or reopened or self._closing.is_set():
-                        raise
-                    self._reopen(generation, method)
-                    reopened = True
+            return self._with_lease(method, fn, check=not_lost)[0]
 
         def done() -> None:
             with self._lock:
@@ -749,12 +741,20 @@ class Worker:
                 done()
 
     def _with_lease(
-        self, method: str, fn: Callable[[pb_grpc.BrokerStub, str, float], T], wait: float = 0.0
+        self,
+        method: str,
+        fn: Callable[[pb_grpc.BrokerStub, str, float], T],
+        wait: float = 0.0,
+        check: Callable[[], None] | None = None,
     ) -> tuple[T, int]:
         """A call made with the current lease id; when the broker no longer knows the lease, opens a
-        new one (once) and makes the call again. Returns the reply and the lease generation used."""
+        new one (once) and makes the call again. ``check`` runs before each call (also the one
+        after a reopen) and may raise to end it. Returns the reply and the lease generation
+        used."""
         reopened = False
         while True:
+            if check is not None:
+                check()
             with self._lock:
                 lease_id, generation = self._lease_id, self._generation
             try:

@@ -677,6 +677,22 @@ impl Shared {
         &self,
         method: &'static str,
         wait: Duration,
+        f: F,
+    ) -> Result<(T, u64), WorkerError>
+    where
+        F: FnMut(Client, String) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.with_lease_checked(method, wait, || Ok(()), f).await
+    }
+
+    /// [`Shared::with_lease`], with `check` before each call (also the one after a reopen): its
+    /// error ends the call instead.
+    async fn with_lease_checked<T, F, Fut>(
+        &self,
+        method: &'static str,
+        wait: Duration,
+        check: impl Fn() -> Result<(), WorkerError>,
         mut f: F,
     ) -> Result<(T, u64), WorkerError>
     where
@@ -685,6 +701,7 @@ impl Shared {
     {
         let mut reopened = false;
         loop {
+            check()?;
             let lease = self.current();
             match self
                 .call(method, wait, self.config.retry, |c| {
@@ -1203,34 +1220,20 @@ impl Going {
         F: FnMut(Client, String, u64) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let shared = &self.shared;
-        let mut reopened = false;
-        loop {
-            // Checked before every call: a reopen that did not take the task over ends it here,
-            // not with one more call under the new lease and the old token.
-            if self.held.lost.load(Ordering::SeqCst) {
-                return Err(WorkerError::Lost {
-                    task_id: self.task_id.clone(),
-                });
-            }
-            let lease = shared.current();
-            let result = shared
-                .call(method, Duration::ZERO, shared.config.retry, |c| {
-                    f(
-                        c,
-                        lease.lease_id.clone(),
-                        self.held.token.load(Ordering::SeqCst),
-                    )
-                })
-                .await;
-            match result {
-                Err(e) if e.is_lease_not_found() && !reopened && !shared.closing.is_cancelled() => {
-                    shared.reopen(lease.generation, method).await?;
-                    reopened = true;
-                }
-                other => return other,
-            }
-        }
+        // Checked before every call: a reopen that did not take the task over ends it here, not
+        // with one more call under the new lease and the old token.
+        let not_lost = || match self.held.lost.load(Ordering::SeqCst) {
+            true => Err(WorkerError::Lost {
+                task_id: self.task_id.clone(),
+            }),
+            false => Ok(()),
+        };
+        self.shared
+            .with_lease_checked(method, Duration::ZERO, not_lost, |c, lease_id| {
+                f(c, lease_id, self.held.token.load(Ordering::SeqCst))
+            })
+            .await
+            .map(|(reply, _)| reply)
     }
 
     async fn finish(&self) -> Result<proto::FinishTaskResponse, WorkerError> {
