@@ -749,16 +749,7 @@ async fn a_carried_task_taken_or_canceled_since_its_page_was_read_is_passed_by()
 /// hint that relies on the released lock.
 #[tokio::test]
 async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_released() {
-    for read_back in [false, true] {
-        let (mut env, w, hidden, _) = carried_past_a_release(true, true, read_back).await;
-        let next = env.fetch(&w).await.expect("a task");
-        assert_eq!(
-            Some(id(&next)),
-            hidden,
-            "the task on x, the oldest ready now (read back: {read_back})"
-        );
-        env.shutdown().await;
-    }
+    the_hidden_task_goes_out_next(true).await;
 }
 
 /// Without the resource queues to say whether the released lock hid a task among the carried
@@ -767,8 +758,14 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_its_lock_is_rel
 /// Postgres is asked.)
 #[tokio::test]
 async fn without_resource_queues_a_task_hidden_among_the_carried_ones_is_handed_out() {
+    the_hidden_task_goes_out_next(false).await;
+}
+
+/// [`carried_past_a_release`] with a hidden task, both ways: the next fetch hands it out.
+async fn the_hidden_task_goes_out_next(resource_queues: bool) {
     for read_back in [false, true] {
-        let (mut env, w, hidden, _) = carried_past_a_release(false, true, read_back).await;
+        let (mut env, w, hidden, _) =
+            carried_past_a_release(resource_queues, true, read_back).await;
         let next = env.fetch(&w).await.expect("a task");
         assert_eq!(
             Some(id(&next)),

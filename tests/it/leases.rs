@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::support::{id, Env};
+use crate::support::{id, lease_request, Env};
 use dispatch_broker::proto::*;
 
 #[tokio::test]
@@ -208,10 +208,8 @@ async fn a_pulp_worker_can_bring_its_own_app_status_row() {
     let lease = env
         .client
         .open_lease(OpenLeaseRequest {
-            worker_name: "pulp-worker".into(),
-            versions: Default::default(),
-            ttl: None,
             app_status_id: own.to_string(),
+            ..lease_request("pulp-worker")
         })
         .await
         .unwrap()
@@ -539,10 +537,8 @@ async fn every_lease_that_beat_with_a_deleted_row_is_ended() {
         leases.push(
             env.client
                 .open_lease(OpenLeaseRequest {
-                    worker_name: "pulp-worker".into(),
-                    versions: Default::default(),
-                    ttl: None,
                     app_status_id: own.to_string(),
+                    ..lease_request("pulp-worker")
                 })
                 .await
                 .unwrap()

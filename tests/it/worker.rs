@@ -271,12 +271,8 @@ async fn a_worker_whose_own_row_is_gone_reopens_under_the_row_it_is_given() {
 async fn after_redis_loses_its_state_the_reopened_lease_adopts_the_running_task() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
-    // The worker's own core_appstatus row (as a Pulp worker has): reopening reuses it.
-    let row = env.app_status("worker", "w").await;
-    let mut with_row = config("w");
-    with_row.app_status_id = Some(row.to_string());
-    let worker = Worker::connect(endpoint(&env), with_row).await.unwrap();
-    let mut events = worker.events();
+    // Its heartbeats (a short TTL) meet the lost lease first.
+    let (worker, mut events) = with_own_row(&env, "w", config("w").ttl).await;
     let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
     guard.start().await.unwrap();
     let token = guard.fencing_token();
@@ -559,19 +555,29 @@ async fn a_task_the_worker_holds_is_never_handed_back() {
     env.shutdown().await;
 }
 
-/// A worker with its own row and a TTL long enough that no heartbeat reopens its lease while the
-/// test runs: only the call under test meets a lease the broker no longer knows.
-async fn long_lived(
+/// A worker with its own core_appstatus row (as a Pulp worker has: reopening reuses it) and
+/// lease TTL `ttl`, and its events.
+async fn with_own_row(
     env: &Env,
     name: &str,
+    ttl: Duration,
 ) -> (Worker, tokio::sync::broadcast::Receiver<WorkerEvent>) {
     let row = env.app_status("worker", name).await;
     let mut with_row = config(name);
     with_row.app_status_id = Some(row.to_string());
-    with_row.ttl = Duration::from_secs(60);
+    with_row.ttl = ttl;
     let worker = Worker::connect(endpoint(env), with_row).await.unwrap();
     let events = worker.events();
     (worker, events)
+}
+
+/// [`with_own_row`] with a TTL long enough that no heartbeat reopens its lease while the test
+/// runs: only the call under test meets a lease the broker no longer knows.
+async fn long_lived(
+    env: &Env,
+    name: &str,
+) -> (Worker, tokio::sync::broadcast::Receiver<WorkerEvent>) {
+    with_own_row(env, name, Duration::from_secs(60)).await
 }
 
 #[tokio::test]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -344,27 +346,35 @@ def _flush_redis(redis_url: str) -> None:
         assert conn.recv(64).startswith(b"+OK"), "FLUSHALL"
 
 
-def test_a_finish_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(db: Db, resource: str) -> None:
+@contextlib.contextmanager
+def _rebuilt_worker(resource: str) -> Iterator[tuple[Db, str, Worker, Sandbox]]:
+    """A broker of its own (the test empties its Redis), a waiting task on ``resource``, and a
+    worker with its own core_appstatus row and a TTL long enough that no heartbeat reopens its
+    lease while the test runs: yields the database, the task, the worker and the sandbox."""
     box = start_sandbox()
+    own = Db(box.postgres_url)
     try:
-        own = Db(box.postgres_url)
         task_id = own.task(resource)
         row = _app_status(own, "py-rebuilt")
-        # A TTL long enough that no heartbeat reopens the lease before the finish does.
         with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
-            task = w.fetch()
-            assert task is not None
-            task.start()
-            token = task.fencing_token
-            _flush_redis(box.redis_url)
-            assert task.finish("completed") == "completed"
-            assert task.fencing_token > token, "finished under the token the rebuilt lease gave"
-            assert own.state(task_id) == "completed"
-            event = next_event(w, LeaseReopened)
-            assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
-        own.conn.close()
+            yield own, task_id, w, box
     finally:
+        own.conn.close()
         stop_sandbox(box)
+
+
+def test_a_finish_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(resource: str) -> None:
+    with _rebuilt_worker(resource) as (own, task_id, w, box):
+        task = w.fetch()
+        assert task is not None
+        task.start()
+        token = task.fencing_token
+        _flush_redis(box.redis_url)
+        assert task.finish("completed") == "completed"
+        assert task.fencing_token > token, "finished under the token the rebuilt lease gave"
+        assert own.state(task_id) == "completed"
+        event = next_event(w, LeaseReopened)
+        assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
 
 
 def test_a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost(sandbox: Sandbox, db: Db, resource: str) -> None:
@@ -381,24 +391,16 @@ def test_a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost(sandbox:
         assert db.state(task_id) == "failed", "closing the lease failed it"
 
 
-def test_a_release_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(db: Db, resource: str) -> None:
-    box = start_sandbox()
-    try:
-        own = Db(box.postgres_url)
-        task_id = own.task(resource)
-        row = _app_status(own, "py-rebuilt")
-        with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
-            # Claimed, never started: the rebuild locks it again for the worker's row.
-            task = w.fetch()
-            assert task is not None
-            _flush_redis(box.redis_url)
-            assert task.release(), "released under the token the rebuilt lease gave"
-            assert own.state(task_id) == "waiting" and own.app_lock(task_id) is None, "back in the queue"
-            event = next_event(w, LeaseReopened)
-            assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
-        own.conn.close()
-    finally:
-        stop_sandbox(box)
+def test_a_release_made_while_redis_lost_its_state_goes_through_under_the_adopted_token(resource: str) -> None:
+    with _rebuilt_worker(resource) as (own, task_id, w, box):
+        # Claimed, never started: the rebuild locks it again for the worker's row.
+        task = w.fetch()
+        assert task is not None
+        _flush_redis(box.redis_url)
+        assert task.release(), "released under the token the rebuilt lease gave"
+        assert own.state(task_id) == "waiting" and own.app_lock(task_id) is None, "back in the queue"
+        event = next_event(w, LeaseReopened)
+        assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
 
 
 def test_stop_ends_a_long_poll_at_once(sandbox: Sandbox, db: Db, resource: str) -> None:
@@ -417,34 +419,26 @@ def test_stop_ends_a_long_poll_at_once(sandbox: Sandbox, db: Db, resource: str) 
 
 
 def test_a_finish_without_an_answer_is_retried_in_the_background_under_the_token_a_rebuild_gave(
-    db: Db, resource: str
+    resource: str,
 ) -> None:
-    box = start_sandbox()
-    try:
-        own = Db(box.postgres_url)
-        task_id = own.task(resource)
-        row = _app_status(own, "py-rebuilt")
-        with worker(box, "py-rebuilt", ttl=30.0, app_status_id=row) as w:
-            task = w.fetch()
-            assert task is not None
-            task.start()
-            token = task.fencing_token
-            _flush_redis(box.redis_url)
-            # A fetch meets the lease the broker no longer knows: the new lease adopts the task.
-            assert w.fetch() is None
-            assert task.fencing_token > token
-            # The finish gets no answer in time: DEADLINE_EXCEEDED from the client, or CANCELLED
-            # ("Timeout expired") when the deadline passed at the broker first. Either way it is
-            # retried in the background, under the new token.
-            w.call_timeout = 0.0001
-            with pytest.raises(BrokerError) as failed:
-                task.finish("completed")
-            assert failed.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), failed.value
-            w.call_timeout = 10.0
-            deadline = time.monotonic() + LONG
-            while own.state(task_id) != "completed" and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert own.state(task_id) == "completed", "the background retry recorded the outcome"
-        own.conn.close()
-    finally:
-        stop_sandbox(box)
+    with _rebuilt_worker(resource) as (own, task_id, w, box):
+        task = w.fetch()
+        assert task is not None
+        task.start()
+        token = task.fencing_token
+        _flush_redis(box.redis_url)
+        # A fetch meets the lease the broker no longer knows: the new lease adopts the task.
+        assert w.fetch() is None
+        assert task.fencing_token > token
+        # The finish gets no answer in time: DEADLINE_EXCEEDED from the client, or CANCELLED
+        # ("Timeout expired") when the deadline passed at the broker first. Either way it is
+        # retried in the background, under the new token.
+        w.call_timeout = 0.0001
+        with pytest.raises(BrokerError) as failed:
+            task.finish("completed")
+        assert failed.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), failed.value
+        w.call_timeout = 10.0
+        deadline = time.monotonic() + LONG
+        while own.state(task_id) != "completed" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert own.state(task_id) == "completed", "the background retry recorded the outcome"
