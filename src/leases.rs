@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::ids::{FencingToken, LeaseId, TaskId};
-use crate::locks::{Locks, NewLease};
+use crate::locks::{Locks, NewLease, Opened, Opening};
 use crate::metrics::Stats;
 use crate::tasks::Tasks;
 
@@ -42,6 +42,8 @@ pub struct OpenLease {
     pub ttl: Option<Duration>,
     /// The worker's own `core_appstatus` row, if it has one.
     pub app_status_id: Option<Uuid>,
+    /// The client's id for this open, the same in its retries of it.
+    pub open_id: Option<Uuid>,
 }
 
 /// A granted lease.
@@ -176,38 +178,61 @@ impl Leases {
                 app_status_id: &app_status_id.to_string(),
                 owns_app_status: owned,
                 versions: &request.versions,
+                adopt: !owned,
+                open_id: request.open_id,
             })
             .await;
-        let expires_at_ms = match opened {
-            Ok(ms) => ms,
-            Err(e) => {
+        let opened = match opened {
+            Ok(Opening::Opened(opened)) if !opened.again => opened,
+            other => {
                 if owned {
-                    // The lease never existed: remove the row created for it.
+                    // No lease was opened on the row created for this call: remove it.
                     if let Err(cleanup) = self.tasks.delete_app_status(app_status_id).await {
-                        tracing::warn!(%app_status_id, error = %cleanup, "could not remove the core_appstatus row of a lease that failed to open");
+                        tracing::warn!(%app_status_id, error = %cleanup, "could not remove the core_appstatus row of a lease that was not opened");
                     }
                 }
-                return Err(e.into());
+                match other? {
+                    Opening::Opened(again) => return self.opened_before(again, &request),
+                    Opening::OtherRow(row) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "open_id {} already opened a lease for core_appstatus row {row}; \
+                             use a new open_id for every open (the same one only to retry it)",
+                            request.open_id.map(|id| id.to_string()).unwrap_or_default()
+                        )))
+                    }
+                }
             }
         };
-        let adopted = if owned {
-            Vec::new()
-        } else {
-            self.locks
-                .adopt(&app_status_id.to_string(), lease_id)
-                .await?
-        };
-        if !adopted.is_empty() {
-            tracing::warn!(%lease_id, %app_status_id, tasks = adopted.len(), "new lease took over locks rebuilt after redis lost its state");
+        if !opened.tasks.is_empty() {
+            tracing::warn!(%lease_id, %app_status_id, tasks = opened.tasks.len(), "new lease took over locks rebuilt after redis lost its state");
         }
         self.stats.lease_opened();
         tracing::info!(%lease_id, worker = %request.worker_name, %app_status_id, ?ttl, "lease opened");
         Ok(Lease {
             lease_id,
-            expires_at: from_ms(expires_at_ms),
+            expires_at: from_ms(opened.expires_at_ms),
             ttl,
             app_status_id,
-            adopted,
+            adopted: opened.tasks,
+        })
+    }
+
+    /// The answer to a retry of an open whose first call opened `again`: that lease, with every
+    /// task it holds as adopted (no one has used it: its id was never told to anyone).
+    fn opened_before(&self, again: Opened, request: &OpenLease) -> Result<Lease> {
+        let app_status_id: Uuid = again.app_status_id.parse().map_err(|_| {
+            Error::Redis(crate::locks::Error::Protocol {
+                script: "open_lease",
+                reply: format!("lease {} has row {:?}", again.lease_id, again.app_status_id),
+            })
+        })?;
+        tracing::info!(lease_id = %again.lease_id, worker = %request.worker_name, %app_status_id, tasks = again.tasks.len(), "OpenLease retried: answering the lease its first call opened");
+        Ok(Lease {
+            lease_id: again.lease_id,
+            expires_at: from_ms(again.expires_at_ms),
+            ttl: again.ttl,
+            app_status_id,
+            adopted: again.tasks,
         })
     }
 

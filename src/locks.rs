@@ -36,7 +36,7 @@ use crate::ready::Resources;
 pub use changes::{Change, Changes, OwnChanges, LEFT_PREFIX, REQUEUED_PREFIX};
 pub use grants::{Acquire, Admission, Release, Wanted};
 pub use keys::Keys;
-pub use leases::{Beaten, Ending, LeaseRecord, NewLease};
+pub use leases::{Beaten, Ending, LeaseRecord, NewLease, Opened, Opening};
 use scripts::Scripts;
 pub use views::{HeldLock, LeasePage, LeaseView};
 

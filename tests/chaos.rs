@@ -248,6 +248,7 @@ impl Lease {
                 versions: Default::default(),
                 ttl: Some(TTL.try_into().unwrap()),
                 app_status_id: String::new(),
+                open_id: String::new(),
             })
             .await
             .ok()?

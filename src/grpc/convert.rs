@@ -122,11 +122,17 @@ pub fn open_lease(
     } else {
         Some(parse_id("app_status_id", &request.app_status_id)?)
     };
+    let open_id = if request.open_id.is_empty() {
+        None
+    } else {
+        Some(parse_id("open_id", &request.open_id)?)
+    };
     Ok(OpenLease {
         worker_name,
         versions,
         ttl,
         app_status_id,
+        open_id,
     })
 }
 
@@ -291,6 +297,7 @@ mod tests {
                 versions: versions.clone().into_iter().collect(),
                 ttl: ttl.map(|(seconds, nanos)| prost_types::Duration { seconds, nanos }),
                 app_status_id: app_status_id.clone(),
+                open_id: String::new(),
             };
             match open_lease(request, &limits) {
                 Ok(open) => {

@@ -13,7 +13,7 @@
 //! took over. A rebuild that dies half-way leaves its epoch marked; once its lock expires, the
 //! next check starts over. A live worker whose
 //! heartbeat then gets NOT_FOUND reopens with its `app_status_id` and takes its locks back
-//! (`adopt.lua`).
+//! (`open_lease.lua`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -177,6 +177,8 @@ impl Recovery {
                                 app_status_id: &app_status,
                                 owns_app_status: false,
                                 versions: &task.worker_versions,
+                                adopt: false,
+                                open_id: None,
                             },
                         )
                         .await?;

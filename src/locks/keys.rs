@@ -85,6 +85,11 @@ impl Keys {
         format!("{}:recovered:{app_status_id}", self.tag)
     }
 
+    /// The lease an OpenLease with this open id opened (expires with the lease's TTL).
+    pub fn open(&self, open_id: &str) -> String {
+        format!("{}:open:{open_id}", self.tag)
+    }
+
     /// The shared lane count: hash {value, at}.
     pub fn lanes(&self) -> String {
         format!("{}:lanes", self.tag)

@@ -2,6 +2,7 @@
 //! expired or revoked) and the sweeper's list of expired ones.
 
 use super::*;
+use uuid::Uuid;
 
 /// A lease as the lock store keeps it.
 #[derive(Debug, Clone)]
@@ -44,6 +45,38 @@ pub struct NewLease<'a> {
     pub owns_app_status: bool,
     /// The worker's component versions.
     pub versions: &'a BTreeMap<String, String>,
+    /// Whether it takes over the locks a rebuild of lost lock state made for its row.
+    pub adopt: bool,
+    /// The client's id for this open, the same in its retries: a retry answers the lease the
+    /// first call opened, while it lives.
+    pub open_id: Option<Uuid>,
+}
+
+/// What opening a lease came to.
+#[derive(Debug, Clone)]
+pub enum Opening {
+    /// A lease, new or (for a retry of the same open) the one opened before.
+    Opened(Opened),
+    /// The open id opened a lease for another `core_appstatus` row (this one's).
+    OtherRow(String),
+}
+
+/// An open lease, as [`Locks::open_lease`] answers it.
+#[derive(Debug, Clone)]
+pub struct Opened {
+    /// Its id: the new one, or the one an earlier call with the same open id opened.
+    pub lease_id: LeaseId,
+    /// True when it is the lease an earlier call with the same open id opened.
+    pub again: bool,
+    /// Its expiry in ms since the epoch, by Redis server time.
+    pub expires_at_ms: i64,
+    /// The `core_appstatus` row it claims tasks for.
+    pub app_status_id: String,
+    /// Its TTL.
+    pub ttl: Duration,
+    /// (task, fencing token): the locks it took over from a rebuild; for a retry, every lock it
+    /// holds (it has been used by no one else).
+    pub tasks: Vec<(String, u64)>,
 }
 
 /// A lease whose life was just ended, and what must be cleaned up after it.
@@ -58,68 +91,77 @@ pub struct Ending {
 }
 
 impl Locks {
-    /// Registers a new lease; returns its expiry (ms since the epoch, Redis server time).
-    /// `epoch` is the lock state to open it in (the known one, or a rebuild's).
-    pub async fn open_lease_in(&self, epoch: &str, lease: &NewLease<'_>) -> Result<i64, Error> {
+    /// Registers a new lease (taking over the locks a rebuild made for its row when
+    /// `lease.adopt`), or answers a retry of the same open (`lease.open_id`) with the live lease it
+    /// opened. `epoch` is the lock state to open it in (the known one, or a rebuild's).
+    pub async fn open_lease_in(&self, epoch: &str, lease: &NewLease<'_>) -> Result<Opening, Error> {
         let versions = serde_json::to_string(lease.versions).unwrap_or_else(|_| "{}".into());
         let ttl_ms = lease.ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-        let expires: i64 = self
-            .run_reading(
-                self.scripts
-                    .open_lease
-                    .key(self.keys.epoch())
-                    .key(self.keys.leases())
-                    .key(self.keys.lease(lease.lease_id))
-                    .arg(epoch)
-                    .arg(lease.lease_id)
-                    .arg(ttl_ms)
-                    .arg(lease.worker_name)
-                    .arg(lease.app_status_id)
-                    .arg(if lease.owns_app_status { "1" } else { "0" })
-                    .arg(versions),
-            )
-            .await?;
-        match expires {
-            -2 => Err(self.state_lost()),
-            -1 => Err(Error::Protocol {
+        let open_id = lease.open_id.map(|id| id.to_string());
+        let mut invocation = self.scripts.open_lease.key(self.keys.epoch());
+        invocation
+            .key(self.keys.leases())
+            .key(self.keys.lease(lease.lease_id))
+            .key(self.keys.lease_tasks(lease.lease_id))
+            .key(self.keys.recovered(lease.app_status_id))
+            .key(self.keys.open(open_id.as_deref().unwrap_or("-")))
+            .arg(epoch)
+            .arg(lease.lease_id)
+            .arg(ttl_ms)
+            .arg(lease.worker_name)
+            .arg(lease.app_status_id)
+            .arg(if lease.owns_app_status { "1" } else { "0" })
+            .arg(versions)
+            .arg(self.keys.tag())
+            .arg(if lease.adopt { "1" } else { "0" })
+            .arg(if open_id.is_some() { "1" } else { "0" });
+        // Taking over rebuilt locks changes lock state: counted as such (see `Locks::run`).
+        let reply: Vec<Value> = if lease.adopt {
+            self.run(&invocation).await?
+        } else {
+            self.run_reading(&invocation).await?
+        };
+        let bad = || protocol("open_lease", &reply);
+        match reply.first() {
+            Some(Value::Int(-1)) => Err(Error::Protocol {
                 script: "open_lease",
                 reply: format!("lease id {} already exists", lease.lease_id),
             }),
-            ms => Ok(ms),
+            Some(Value::Int(-2)) => Err(self.state_lost()),
+            Some(Value::Int(-3)) => Ok(Opening::OtherRow(text(reply.get(1)).unwrap_or_default())),
+            Some(_) => {
+                let expires_at_ms = int(reply.first()).ok_or_else(bad)?;
+                let lease_id = text(reply.get(1))
+                    .and_then(|id| id.parse().ok())
+                    .map(LeaseId)
+                    .ok_or_else(bad)?;
+                let app_status_id = text(reply.get(2)).ok_or_else(bad)?;
+                let ttl_ms = int(reply.get(3)).ok_or_else(bad)?;
+                let tasks = reply[4.min(reply.len())..]
+                    .chunks(2)
+                    .map(|pair| {
+                        let task = text(pair.first())?;
+                        let token = int(pair.get(1)).and_then(|t| u64::try_from(t).ok())?;
+                        Some((task, token))
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(bad)?;
+                Ok(Opening::Opened(Opened {
+                    again: lease_id != lease.lease_id,
+                    lease_id,
+                    expires_at_ms,
+                    app_status_id,
+                    ttl: Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(0)),
+                    tasks,
+                }))
+            }
+            None => Err(bad()),
         }
     }
 
-    /// Registers a new lease in the known lock state.
-    pub async fn open_lease(&self, lease: &NewLease<'_>) -> Result<i64, Error> {
+    /// [`Locks::open_lease_in`] in the known lock state.
+    pub async fn open_lease(&self, lease: &NewLease<'_>) -> Result<Opening, Error> {
         self.open_lease_in(&self.epoch(), lease).await
-    }
-
-    /// Hands the locks rebuilt for `app_status_id` to `lease_id`; returns (task id, token) pairs.
-    pub async fn adopt(
-        &self,
-        app_status_id: &str,
-        lease_id: LeaseId,
-    ) -> Result<Vec<(String, u64)>, Error> {
-        let flat: Vec<String> = self
-            .run(
-                self.scripts
-                    .adopt
-                    .key(self.keys.recovered(app_status_id))
-                    .key(self.keys.leases())
-                    .key(self.keys.lease_tasks(lease_id))
-                    .key(self.keys.epoch())
-                    .arg(self.keys.tag())
-                    .arg(lease_id)
-                    .arg(self.epoch()),
-            )
-            .await?;
-        Ok(flat
-            .chunks(2)
-            .filter_map(|pair| match pair {
-                [task, token] => Some((task.clone(), token.parse().ok()?)),
-                _ => None,
-            })
-            .collect())
     }
 
     /// Extends a live lease by its TTL; `None` when the lease is unknown or expired.

@@ -27,7 +27,6 @@ pub(super) struct Scripts {
     pub holder: Script,
     pub expired: Script,
     pub expire_now: Script,
-    pub adopt: Script,
     pub abort: Script,
     pub lanes_cache: Script,
     pub store_lanes: Script,
@@ -56,7 +55,6 @@ impl Scripts {
             holder: script!("holder.lua"),
             expired: script!("expired.lua"),
             expire_now: script!("expire_now.lua"),
-            adopt: script!("adopt.lua"),
             abort: script!("abort.lua"),
             lanes_cache: script!("lanes_cache.lua"),
             store_lanes: script!("store_lanes.lua"),
@@ -73,7 +71,7 @@ impl Scripts {
         }
     }
 
-    pub fn all(&self) -> [&Script; 24] {
+    pub fn all(&self) -> [&Script; 23] {
         [
             &self.open_lease,
             &self.heartbeat,
@@ -85,7 +83,6 @@ impl Scripts {
             &self.holder,
             &self.expired,
             &self.expire_now,
-            &self.adopt,
             &self.abort,
             &self.lanes_cache,
             &self.store_lanes,

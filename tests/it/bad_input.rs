@@ -80,6 +80,7 @@ fn open(name: &str) -> OpenLeaseRequest {
         versions: [("core".to_string(), "3.123.1".to_string())].into(),
         ttl: None,
         app_status_id: String::new(),
+        open_id: String::new(),
     }
 }
 
@@ -292,6 +293,16 @@ async fn every_rpc_refuses_bad_input_with_the_right_status_and_changes_nothing()
         "is not a UUID",
         c.open_lease(OpenLeaseRequest {
             app_status_id: "x".into(),
+            ..open("w")
+        })
+    );
+    case!(
+        "OpenLease",
+        "open_id \"x\"",
+        Code::InvalidArgument,
+        "open_id \"x\" is not a UUID",
+        c.open_lease(OpenLeaseRequest {
+            open_id: "x".into(),
             ..open("w")
         })
     );

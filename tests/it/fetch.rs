@@ -136,6 +136,7 @@ async fn incompatible_and_skipped_tasks_are_passed_over_without_locks() {
             versions: [("core".into(), "3.200.1".into())].into(),
             ttl: None,
             app_status_id: String::new(),
+            open_id: String::new(),
         })
         .await
         .unwrap()

@@ -447,6 +447,7 @@ async fn redis_restarted_empty_rebuilds_running_locks_before_dispatch_resumes() 
             versions: Default::default(),
             ttl: None,
             app_status_id: worker.app_status_id.clone(),
+            open_id: String::new(),
         })
         .await
         .unwrap()
@@ -474,6 +475,88 @@ async fn redis_restarted_empty_rebuilds_running_locks_before_dispatch_resumes() 
         env.broker().background_stats.snapshot().rebuilds,
         rebuilds_before + 1
     );
+    env.shutdown().await;
+}
+
+/// After Redis restarted empty, a worker's reopen whose answer was lost is retried with the same
+/// `open_id`: the retry gets the lease that took over the rebuilt locks, with the task and its
+/// token, and the task finishes under it (before, the retry opened a second lease that adopted
+/// nothing: the task was reported lost and stayed locked by a lease nobody knew until it
+/// expired, when the sweeper failed it).
+#[tokio::test]
+async fn a_reopen_retried_after_its_answer_was_lost_gets_the_lease_that_adopted_the_tasks() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let running = env.task(&["a"]).await;
+    let behind = env.task(&["a"]).await;
+    let own = env.app_status("worker", "w").await;
+    let worker = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            app_status_id: own.to_string(),
+            ..support::lease_request("w")
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let t = env.fetch(&worker.lease_id).await.unwrap();
+    assert_eq!(id(&t), running);
+    env.start(&worker.lease_id, &t).await;
+    env.redis.restart().unwrap();
+    let client = env.client.clone();
+    let lease = worker.lease_id.clone();
+    let gone =
+        eventually(Duration::from_secs(10), || {
+            let mut client = client.clone();
+            let request = support::fetch_request(lease.clone());
+            async move {
+                matches!(client.fetch_task(request).await, Err(s) if s.code() == Code::NotFound)
+            }
+        })
+        .await;
+    assert!(
+        gone.is_some(),
+        "the old lease is gone once the locks are rebuilt"
+    );
+
+    let reopen = OpenLeaseRequest {
+        app_status_id: own.to_string(),
+        open_id: uuid::Uuid::new_v4().to_string(),
+        ..support::lease_request("w")
+    };
+    // The first answer is lost on the way; the worker sends the same request again.
+    let unseen = env
+        .client
+        .open_lease(reopen.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let retried = env.client.open_lease(reopen).await.unwrap().into_inner();
+    assert_eq!(retried.lease_id, unseen.lease_id);
+    let adopted: Vec<_> = retried
+        .adopted_tasks
+        .iter()
+        .map(|h| (h.task_id.clone(), h.fencing_token))
+        .collect();
+    assert_eq!(
+        adopted,
+        unseen
+            .adopted_tasks
+            .iter()
+            .map(|h| (h.task_id.clone(), h.fencing_token))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(adopted.len(), 1);
+    assert_eq!(adopted[0].0, running.to_string());
+    let held = Task {
+        fencing_token: adopted[0].1,
+        ..t.clone()
+    };
+    let done = env.finish(&retried.lease_id, &held, "completed").await;
+    assert!(done.released);
+    assert_eq!(env.state(running).await, "completed");
+    let next = env.fetch(&retried.lease_id).await.unwrap();
+    assert_eq!(id(&next), behind);
+    env.assert_locks(&[&next]).await;
     env.shutdown().await;
 }
 

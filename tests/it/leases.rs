@@ -22,6 +22,7 @@ async fn open_creates_a_worker_row_that_pulp_would_accept_and_close_removes_it()
                 nanos: 0,
             }),
             app_status_id: String::new(),
+            open_id: String::new(),
         })
         .await
         .unwrap()
@@ -201,6 +202,102 @@ async fn releasing_a_claimed_task_that_never_started_puts_it_back_in_the_queue()
     env.shutdown().await;
 }
 
+/// A retry of an OpenLease whose answer was lost (same `open_id`) gets the lease the first call
+/// opened, not a second one; the row made for the retry is removed; the id cannot be reused for
+/// another row; once that lease ended, the same id opens a new one.
+#[tokio::test]
+async fn an_open_lease_retried_with_its_open_id_answers_the_lease_the_first_call_opened() {
+    let mut env = Env::new().await;
+    let open_id = uuid::Uuid::new_v4().to_string();
+    let request = OpenLeaseRequest {
+        open_id: open_id.clone(),
+        ..lease_request("w")
+    };
+    let first = env
+        .client
+        .open_lease(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let again = env
+        .client
+        .open_lease(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.lease_id, first.lease_id);
+    assert_eq!(again.app_status_id, first.app_status_id);
+    assert!(again.adopted_tasks.is_empty());
+    let rows: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM core_appstatus", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1, "the row made for the retry is removed");
+    async fn leases(env: &Env) -> u64 {
+        env.broker()
+            .locks
+            .lease_table("", true, "", 100, false)
+            .await
+            .unwrap()
+            .total
+    }
+    assert_eq!(leases(&env).await, 1);
+
+    // The lease answered to both works as one.
+    let task = env.task(&["a"]).await;
+    let t = env.fetch(&again.lease_id).await.unwrap();
+    assert_eq!(id(&t), task);
+    // A retry after the lease was used answers it with what it holds.
+    let third = env
+        .client
+        .open_lease(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(third.lease_id, first.lease_id);
+    assert_eq!(
+        third
+            .adopted_tasks
+            .iter()
+            .map(|h| (h.task_id.clone(), h.fencing_token))
+            .collect::<Vec<_>>(),
+        vec![(task.to_string(), t.fencing_token)]
+    );
+    env.finish(&first.lease_id, &t, "completed").await;
+
+    // The same id naming another row is refused, and changes nothing.
+    let own = env.app_status("worker", "own").await;
+    let refused = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            app_status_id: own.to_string(),
+            ..request.clone()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("open_id") && refused.message().contains(&first.app_status_id),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(leases(&env).await, 1);
+
+    // Once the lease ended, the id opens a new one.
+    env.client
+        .close_lease(CloseLeaseRequest {
+            lease_id: first.lease_id.clone(),
+        })
+        .await
+        .unwrap();
+    let after = env.client.open_lease(request).await.unwrap().into_inner();
+    assert_ne!(after.lease_id, first.lease_id);
+    assert_ne!(after.app_status_id, first.app_status_id);
+    env.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_pulp_worker_can_bring_its_own_app_status_row() {
     let mut env = Env::new().await;
@@ -266,6 +363,7 @@ async fn lease_and_row(env: &mut Env, name: &str) -> (String, uuid::Uuid) {
                 nanos: 0,
             }),
             app_status_id: String::new(),
+            open_id: String::new(),
         })
         .await
         .unwrap()

@@ -271,6 +271,7 @@ async fn the_row_of_a_lease_that_expired_while_postgres_was_down_is_not_written(
                 nanos: 0,
             }),
             app_status_id: row.to_string(),
+            open_id: String::new(),
         })
         .await
         .unwrap()

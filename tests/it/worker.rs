@@ -695,3 +695,67 @@ async fn a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost() {
     env.assert_locks(&[]).await;
     worker.close().await.unwrap();
 }
+
+/// A reopen after Redis lost its state whose answer is lost (the broker adopted the rebuilt task
+/// into the new lease; the worker gave up waiting) is retried with the same open id: the retry
+/// gets that lease and the task, and the finish goes through. Without it the retry opened a
+/// second lease that adopted nothing: the task was reported lost and stayed locked by a lease
+/// nobody knew until the sweeper failed it.
+#[tokio::test]
+async fn a_reopen_whose_answer_was_lost_still_gets_the_adopted_task() {
+    let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
+    let task = env.task(&["a"]).await;
+    let row = env.app_status("worker", "w").await;
+    let mut impatient = config("w");
+    impatient.app_status_id = Some(row.to_string());
+    impatient.ttl = Duration::from_secs(60);
+    impatient.call_timeout = Duration::from_secs(1);
+    let worker = Worker::connect(endpoint(&env), impatient).await.unwrap();
+    let mut events = worker.events();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    guard.start().await.unwrap();
+
+    // Redis comes back empty and the broker rebuilds the task's locks for the worker's row.
+    env.redis.restart().unwrap();
+    let client = env.client.clone();
+    let lease = worker.lease_id();
+    let rebuilt =
+        eventually(LONG, || {
+            let mut client = client.clone();
+            let request = crate::support::fetch_request(lease.clone());
+            async move {
+                matches!(client.fetch_task(request).await, Err(s) if s.code() == Code::NotFound)
+            }
+        })
+        .await;
+    assert!(rebuilt.is_some(), "the locks were rebuilt");
+
+    // The worker's reopen is held in Postgres (its row is checked first) ...
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute("BEGIN; LOCK TABLE core_appstatus IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let finishing = tokio::spawn(async move { guard.finish(FinalState::Completed, None).await });
+    crate::support::sessions_wait_on_locks(&env, 1).await;
+    // ... then reaches a Redis that answers only after the worker gave up on the call: the lease
+    // is opened and adopts the task, and the answer goes nowhere.
+    env.redis.pause();
+    db.batch_execute("ROLLBACK").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    env.redis.resume();
+
+    let done = finishing.await.unwrap().expect("the finish went through");
+    assert_eq!(done.state, "completed");
+    assert_eq!(env.state(task).await, "completed");
+    let adopted = next_event(&mut events, |e| match e {
+        WorkerEvent::LeaseReopened { adopted_tasks, .. } => Some(adopted_tasks),
+        _ => None,
+    })
+    .await;
+    assert_eq!(adopted, vec![task.to_string()]);
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}

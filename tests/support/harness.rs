@@ -276,6 +276,7 @@ impl Env {
                     .collect(),
                 ttl: ttl.map(|t| t.try_into().unwrap()),
                 app_status_id: String::new(),
+                open_id: String::new(),
             })
             .await
             .expect("open lease")
@@ -718,6 +719,7 @@ pub fn lease_request(worker_name: impl Into<String>) -> OpenLeaseRequest {
         versions: Default::default(),
         ttl: None,
         app_status_id: String::new(),
+        open_id: String::new(),
     }
 }
 

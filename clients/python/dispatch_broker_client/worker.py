@@ -25,6 +25,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timezone
 from types import TracebackType
@@ -51,6 +52,10 @@ TRANSIENT = (
 )
 # Retried with backoff: unreachable, or a limit of the broker (it did nothing; back off).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Retried for a call that may be made again when its answer was lost (OpenLease, which carries an
+# open id): RETRYABLE, and no answer in time (the broker answers CANCELLED, "Timeout expired",
+# when the deadline passed there).
+REPEATABLE = RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 FINAL_STATES = ("completed", "failed", "canceled", "skipped")
 
 T = TypeVar("T")
@@ -652,8 +657,9 @@ class Worker:
         return task
 
     def _call(self, method: str, fn: Callable[[pb_grpc.BrokerStub, float], T], wait: float = 0.0,
-              retry: RetryPolicy | None = None) -> T:
-        """One RPC with a deadline, retrying UNAVAILABLE per the retry policy."""
+              retry: RetryPolicy | None = None, retried: tuple[grpc.StatusCode, ...] = RETRYABLE) -> T:
+        """One RPC with a deadline, retrying the codes ``retried`` (by default UNAVAILABLE and
+        RESOURCE_EXHAUSTED) per the retry policy."""
         policy = retry or self.retry
         timeout = self.call_timeout + wait
         stub = _Authed(self._stub, self._metadata)
@@ -669,7 +675,7 @@ class Worker:
                     if key == NOT_FOUND_KEY:
                         not_found = value
                 error = BrokerError(method, code, message, not_found)
-                if code not in RETRYABLE or self._closed.is_set():
+                if code not in retried or self._closed.is_set():
                     raise error from None
                 delay = policy.delay(attempt, slept, random.random())
                 if delay is None:
@@ -772,8 +778,12 @@ class Worker:
             versions=self.versions,
             ttl=_duration(self.ttl),
             app_status_id=app_status_id or "",
+            # One id for this open and its retries: a retry after a lost answer gets the lease the
+            # first call opened (and the tasks it adopted), not a second one.
+            open_id=str(uuid.uuid4()),
         )
-        lease: pb.Lease = self._call("OpenLease", lambda stub, timeout: stub.OpenLease(request, timeout=timeout))
+        lease: pb.Lease = self._call("OpenLease", lambda stub, timeout: stub.OpenLease(request, timeout=timeout),
+                                     retried=REPEATABLE)
         return lease
 
     def _install(self, lease: pb.Lease) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import signal
 import socket
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 
 import grpc
+import psycopg
 import pytest
 
 from conftest import REPO, Db, Sandbox, start_sandbox, stop_sandbox
@@ -335,15 +337,29 @@ def test_without_a_replacement_a_worker_whose_own_row_is_gone_cannot_reopen(sand
         assert raised.value.code == grpc.StatusCode.NOT_FOUND and raised.value.not_found == "app-status"
 
 
-def _flush_redis(redis_url: str) -> None:
-    """Empties Redis (FLUSHALL) as a restart without persistence would: the broker finds its lock
-    state lost at the next call and rebuilds it from Postgres. (The sandbox's Redis has no
-    password or TLS.)"""
+def _redis(redis_url: str, *command: str) -> bytes:
+    """Sends one command to the sandbox's Redis (no password or TLS); returns the first bytes of
+    its reply."""
     address = redis_url.split("://", 1)[1].split("/", 1)[0]
     host, port = address.rsplit(":", 1)
+    request = f"*{len(command)}\r\n" + "".join(f"${len(part)}\r\n{part}\r\n" for part in command)
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"*1\r\n$8\r\nFLUSHALL\r\n")
-        assert conn.recv(64).startswith(b"+OK"), "FLUSHALL"
+        conn.sendall(request.encode())
+        return conn.recv(65536)
+
+
+def _flush_redis(redis_url: str) -> None:
+    """Empties Redis (FLUSHALL) as a restart without persistence would: the broker finds its lock
+    state lost at the next call and rebuilds it from Postgres."""
+    assert _redis(redis_url, "FLUSHALL").startswith(b"+OK"), "FLUSHALL"
+
+
+def _redis_pid(redis_url: str) -> int:
+    """The process id of the sandbox's Redis (from INFO), to freeze it with SIGSTOP."""
+    for line in _redis(redis_url, "INFO", "server").decode().splitlines():
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    raise AssertionError("INFO server named no process_id")
 
 
 @contextlib.contextmanager
@@ -442,3 +458,56 @@ def test_a_finish_without_an_answer_is_retried_in_the_background_under_the_token
         while own.state(task_id) != "completed" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert own.state(task_id) == "completed", "the background retry recorded the outcome"
+
+
+def test_a_reopen_whose_answer_was_lost_still_gets_the_adopted_task(resource: str) -> None:
+    """The reopen after a Redis loss gets no answer in time (the broker adopted the task into the
+    new lease, the worker gave up waiting): it is retried with the same open id, gets that lease
+    and the task, and the finish goes through. Without the open id the retry opened a second
+    lease that adopted nothing, and the task was reported lost."""
+    with _rebuilt_worker(resource) as (own, task_id, w, box):
+        task = w.fetch()
+        assert task is not None
+        task.start()
+        _flush_redis(box.redis_url)
+        # The broker rebuilds the task's locks for the worker's row (seen by a call of its own).
+        with grpc.insecure_channel(box.address) as channel:
+            stub = pb_grpc.BrokerStub(channel)
+            deadline = time.monotonic() + LONG
+            while True:
+                try:
+                    stub.FetchTask(pb.FetchTaskRequest(lease_id=w.lease_id), timeout=10)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        break
+                assert time.monotonic() < deadline, "the locks were not rebuilt"
+                time.sleep(0.05)
+        # The worker's reopen is held in Postgres (its row is checked first) ...
+        blocker = psycopg.connect(box.postgres_url)
+        blocker.execute("LOCK TABLE core_appstatus IN ACCESS EXCLUSIVE MODE")
+        w.call_timeout = 1.0
+        outcome: list[object] = []
+        finishing = threading.Thread(target=lambda: outcome.append(task.finish("completed")))
+        finishing.start()
+        deadline = time.monotonic() + LONG
+        while own.conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone() != (1,):
+            assert time.monotonic() < deadline, "the reopen did not reach Postgres"
+            time.sleep(0.02)
+        # ... then reaches a Redis that answers only after the worker gave up on the call: the
+        # lease is opened and adopts the task, and the answer goes nowhere. (Frozen, not paused
+        # with CLIENT PAUSE: a paused server drops the command of a connection that closed.)
+        redis_pid = _redis_pid(box.redis_url)
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            blocker.rollback()
+            blocker.close()
+            time.sleep(1.5)
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        finishing.join(timeout=LONG)
+        assert outcome == ["completed"], "the finish went through"
+        assert own.state(task_id) == "completed"
+        event = next_event(w, LeaseReopened)
+        assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]

@@ -641,6 +641,23 @@ impl Shared {
         method: &'static str,
         wait: Duration,
         policy: RetryPolicy,
+        f: F,
+    ) -> Result<T, WorkerError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.call_retrying(method, wait, policy, retry::retryable, f)
+            .await
+    }
+
+    /// [`Shared::call`], retrying the codes `retried` names.
+    async fn call_retrying<T, F, Fut>(
+        &self,
+        method: &'static str,
+        wait: Duration,
+        policy: RetryPolicy,
+        retried: fn(Code) -> bool,
         mut f: F,
     ) -> Result<T, WorkerError>
     where
@@ -658,7 +675,7 @@ impl Shared {
                     "no answer within {deadline:?} (call_timeout plus the wait)"
                 )),
             };
-            if !retry::retryable(status.code()) || self.closed.is_cancelled() {
+            if !retried(status.code()) || self.closed.is_cancelled() {
                 return Err(WorkerError::Rpc { method, status });
             }
             let Some(delay) = policy.delay(attempt, slept, rand::random()) else {
@@ -725,11 +742,21 @@ impl Shared {
             versions: self.config.versions.clone().into_iter().collect(),
             ttl: prost_types::Duration::try_from(self.config.ttl).ok(),
             app_status_id: app_status_id.unwrap_or_default(),
+            // One id for this open and its retries: a retry after a lost answer gets the lease
+            // the first call opened (and the tasks it adopted), not a second one.
+            open_id: uuid::Uuid::new_v4().to_string(),
         };
-        self.call("OpenLease", Duration::ZERO, self.config.retry, |mut c| {
-            let request = request.clone();
-            async move { c.open_lease(request).await }
-        })
+        // Also retried when no answer came: the same open id gets the same lease.
+        self.call_retrying(
+            "OpenLease",
+            Duration::ZERO,
+            self.config.retry,
+            retry::repeatable,
+            |mut c| {
+                let request = request.clone();
+                async move { c.open_lease(request).await }
+            },
+        )
         .await
     }
 

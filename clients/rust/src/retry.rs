@@ -70,6 +70,13 @@ pub fn retryable(code: Code) -> bool {
     matches!(code, Code::Unavailable | Code::ResourceExhausted)
 }
 
+/// Retried for a call that may be made again when its answer was lost (OpenLease, which carries
+/// an open id): what [`retryable`] names, and `DEADLINE_EXCEEDED` and `CANCELLED` (no answer in
+/// time; the broker answers `CANCELLED`, "Timeout expired", when the deadline passed there).
+pub fn repeatable(code: Code) -> bool {
+    retryable(code) || matches!(code, Code::DeadlineExceeded | Code::Cancelled)
+}
+
 /// `period` moved by up to ±10% (`jitter` in [0, 1)), so a fleet's heartbeats spread out.
 pub fn jitter(period: Duration, jitter: f64) -> Duration {
     period.mul_f64(0.9 + 0.2 * jitter.clamp(0.0, 1.0))
@@ -93,6 +100,27 @@ mod tests {
             Code::Internal,
         ] {
             assert!(!retryable(code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn a_repeatable_call_is_also_retried_when_no_answer_came() {
+        for code in [
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::DeadlineExceeded,
+            Code::Cancelled,
+        ] {
+            assert!(repeatable(code), "{code:?}");
+        }
+        for code in [
+            Code::FailedPrecondition,
+            Code::NotFound,
+            Code::InvalidArgument,
+            Code::Unknown,
+            Code::Internal,
+        ] {
+            assert!(!repeatable(code), "{code:?}");
         }
     }
 

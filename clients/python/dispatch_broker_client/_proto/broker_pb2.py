@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ispatch/v1/broker.proto\x12\x0b\x64ispatch.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd6\x01\n\x10OpenLeaseRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12=\n\x08versions\x18\x02 \x03(\x0b\x32+.dispatch.v1.OpenLeaseRequest.VersionsEntry\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rapp_status_id\x18\x04 \x01(\t\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rapp_status_id\x18\x04 \x01(\t\x12,\n\radopted_tasks\x18\x05 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"2\n\x08HeldTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"P\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12*\n\x0bundelivered\x18\x02 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"\x87\x01\n\x11HeartbeatResponse\x12.\n\nexpires_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0f\x63\x61ncel_task_ids\x18\x02 \x03(\t\x12)\n\nheld_tasks\x18\x03 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"%\n\x11\x43loseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"Z\n\x12\x43loseLeaseResponse\x12\x16\n\x0ereleased_locks\x18\x01 \x01(\r\x12\x16\n\x0erequeued_tasks\x18\x02 \x01(\r\x12\x14\n\x0c\x66\x61iled_tasks\x18\x03 \x01(\r\"s\n\x10\x46\x65tchTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x04wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rskip_task_ids\x18\x03 \x03(\t\x12\r\n\x05start\x18\x04 \x01(\x08\"\xe6\x01\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1b\n\x13\x65xclusive_resources\x18\x03 \x03(\t\x12\x18\n\x10shared_resources\x18\x04 \x03(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x04\x12\x11\n\timmediate\x18\x06 \x01(\x08\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x11\x46\x65tchTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.dispatch.v1.Task\"5\n\x10\x43laimTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"L\n\x10StartTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"C\n\x11StartTaskResponse\x12.\n\nstarted_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x11\x46inishTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\x12\r\n\x05state\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"5\n\x12\x46inishTaskResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x10\n\x08released\x18\x02 \x01(\x08\"O\n\x13ReleaseLocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"(\n\x14ReleaseLocksResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"<\n\x12\x43\x61ncelTaskResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fholder_notified\x18\x02 \x01(\x08\x32\xba\x05\n\x06\x42roker\x12>\n\tOpenLease\x12\x1d.dispatch.v1.OpenLeaseRequest\x1a\x12.dispatch.v1.Lease\x12J\n\tHeartbeat\x12\x1d.dispatch.v1.HeartbeatRequest\x1a\x1e.dispatch.v1.HeartbeatResponse\x12M\n\nCloseLease\x12\x1e.dispatch.v1.CloseLeaseRequest\x1a\x1f.dispatch.v1.CloseLeaseResponse\x12J\n\tFetchTask\x12\x1d.dispatch.v1.FetchTaskRequest\x1a\x1e.dispatch.v1.FetchTaskResponse\x12J\n\tClaimTask\x12\x1d.dispatch.v1.ClaimTaskRequest\x1a\x1e.dispatch.v1.FetchTaskResponse\x12J\n\tStartTask\x12\x1d.dispatch.v1.StartTaskRequest\x1a\x1e.dispatch.v1.StartTaskResponse\x12M\n\nFinishTask\x12\x1e.dispatch.v1.FinishTaskRequest\x1a\x1f.dispatch.v1.FinishTaskResponse\x12S\n\x0cReleaseLocks\x12 .dispatch.v1.ReleaseLocksRequest\x1a!.dispatch.v1.ReleaseLocksResponse\x12M\n\nCancelTask\x12\x1e.dispatch.v1.CancelTaskRequest\x1a\x1f.dispatch.v1.CancelTaskResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ispatch/v1/broker.proto\x12\x0b\x64ispatch.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe7\x01\n\x10OpenLeaseRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12=\n\x08versions\x18\x02 \x03(\x0b\x32+.dispatch.v1.OpenLeaseRequest.VersionsEntry\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rapp_status_id\x18\x04 \x01(\t\x12\x0f\n\x07open_id\x18\x05 \x01(\t\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rapp_status_id\x18\x04 \x01(\t\x12,\n\radopted_tasks\x18\x05 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"2\n\x08HeldTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"P\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12*\n\x0bundelivered\x18\x02 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"\x87\x01\n\x11HeartbeatResponse\x12.\n\nexpires_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0f\x63\x61ncel_task_ids\x18\x02 \x03(\t\x12)\n\nheld_tasks\x18\x03 \x03(\x0b\x32\x15.dispatch.v1.HeldTask\"%\n\x11\x43loseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"Z\n\x12\x43loseLeaseResponse\x12\x16\n\x0ereleased_locks\x18\x01 \x01(\r\x12\x16\n\x0erequeued_tasks\x18\x02 \x01(\r\x12\x14\n\x0c\x66\x61iled_tasks\x18\x03 \x01(\r\"s\n\x10\x46\x65tchTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\'\n\x04wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rskip_task_ids\x18\x03 \x03(\t\x12\r\n\x05start\x18\x04 \x01(\x08\"\xe6\x01\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1b\n\x13\x65xclusive_resources\x18\x03 \x03(\t\x12\x18\n\x10shared_resources\x18\x04 \x03(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x04\x12\x11\n\timmediate\x18\x06 \x01(\x08\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x11\x46\x65tchTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.dispatch.v1.Task\"5\n\x10\x43laimTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"L\n\x10StartTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"C\n\x11StartTaskResponse\x12.\n\nstarted_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"k\n\x11\x46inishTaskRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\x12\r\n\x05state\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"5\n\x12\x46inishTaskResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x10\n\x08released\x18\x02 \x01(\x08\"O\n\x13ReleaseLocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"(\n\x14ReleaseLocksResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"<\n\x12\x43\x61ncelTaskResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fholder_notified\x18\x02 \x01(\x08\x32\xba\x05\n\x06\x42roker\x12>\n\tOpenLease\x12\x1d.dispatch.v1.OpenLeaseRequest\x1a\x12.dispatch.v1.Lease\x12J\n\tHeartbeat\x12\x1d.dispatch.v1.HeartbeatRequest\x1a\x1e.dispatch.v1.HeartbeatResponse\x12M\n\nCloseLease\x12\x1e.dispatch.v1.CloseLeaseRequest\x1a\x1f.dispatch.v1.CloseLeaseResponse\x12J\n\tFetchTask\x12\x1d.dispatch.v1.FetchTaskRequest\x1a\x1e.dispatch.v1.FetchTaskResponse\x12J\n\tClaimTask\x12\x1d.dispatch.v1.ClaimTaskRequest\x1a\x1e.dispatch.v1.FetchTaskResponse\x12J\n\tStartTask\x12\x1d.dispatch.v1.StartTaskRequest\x1a\x1e.dispatch.v1.StartTaskResponse\x12M\n\nFinishTask\x12\x1e.dispatch.v1.FinishTaskRequest\x1a\x1f.dispatch.v1.FinishTaskResponse\x12S\n\x0cReleaseLocks\x12 .dispatch.v1.ReleaseLocksRequest\x1a!.dispatch.v1.ReleaseLocksResponse\x12M\n\nCancelTask\x12\x1e.dispatch.v1.CancelTaskRequest\x1a\x1f.dispatch.v1.CancelTaskResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,45 +37,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._loaded_options = None
   _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_OPENLEASEREQUEST']._serialized_start=107
-  _globals['_OPENLEASEREQUEST']._serialized_end=321
-  _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._serialized_start=274
-  _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._serialized_end=321
-  _globals['_LEASE']._serialized_start=324
-  _globals['_LEASE']._serialized_end=506
-  _globals['_HELDTASK']._serialized_start=508
-  _globals['_HELDTASK']._serialized_end=558
-  _globals['_HEARTBEATREQUEST']._serialized_start=560
-  _globals['_HEARTBEATREQUEST']._serialized_end=640
-  _globals['_HEARTBEATRESPONSE']._serialized_start=643
-  _globals['_HEARTBEATRESPONSE']._serialized_end=778
-  _globals['_CLOSELEASEREQUEST']._serialized_start=780
-  _globals['_CLOSELEASEREQUEST']._serialized_end=817
-  _globals['_CLOSELEASERESPONSE']._serialized_start=819
-  _globals['_CLOSELEASERESPONSE']._serialized_end=909
-  _globals['_FETCHTASKREQUEST']._serialized_start=911
-  _globals['_FETCHTASKREQUEST']._serialized_end=1026
-  _globals['_TASK']._serialized_start=1029
-  _globals['_TASK']._serialized_end=1259
-  _globals['_FETCHTASKRESPONSE']._serialized_start=1261
-  _globals['_FETCHTASKRESPONSE']._serialized_end=1313
-  _globals['_CLAIMTASKREQUEST']._serialized_start=1315
-  _globals['_CLAIMTASKREQUEST']._serialized_end=1368
-  _globals['_STARTTASKREQUEST']._serialized_start=1370
-  _globals['_STARTTASKREQUEST']._serialized_end=1446
-  _globals['_STARTTASKRESPONSE']._serialized_start=1448
-  _globals['_STARTTASKRESPONSE']._serialized_end=1515
-  _globals['_FINISHTASKREQUEST']._serialized_start=1517
-  _globals['_FINISHTASKREQUEST']._serialized_end=1624
-  _globals['_FINISHTASKRESPONSE']._serialized_start=1626
-  _globals['_FINISHTASKRESPONSE']._serialized_end=1679
-  _globals['_RELEASELOCKSREQUEST']._serialized_start=1681
-  _globals['_RELEASELOCKSREQUEST']._serialized_end=1760
-  _globals['_RELEASELOCKSRESPONSE']._serialized_start=1762
-  _globals['_RELEASELOCKSRESPONSE']._serialized_end=1802
-  _globals['_CANCELTASKREQUEST']._serialized_start=1804
-  _globals['_CANCELTASKREQUEST']._serialized_end=1840
-  _globals['_CANCELTASKRESPONSE']._serialized_start=1842
-  _globals['_CANCELTASKRESPONSE']._serialized_end=1902
-  _globals['_BROKER']._serialized_start=1905
-  _globals['_BROKER']._serialized_end=2603
+  _globals['_OPENLEASEREQUEST']._serialized_end=338
+  _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._serialized_start=291
+  _globals['_OPENLEASEREQUEST_VERSIONSENTRY']._serialized_end=338
+  _globals['_LEASE']._serialized_start=341
+  _globals['_LEASE']._serialized_end=523
+  _globals['_HELDTASK']._serialized_start=525
+  _globals['_HELDTASK']._serialized_end=575
+  _globals['_HEARTBEATREQUEST']._serialized_start=577
+  _globals['_HEARTBEATREQUEST']._serialized_end=657
+  _globals['_HEARTBEATRESPONSE']._serialized_start=660
+  _globals['_HEARTBEATRESPONSE']._serialized_end=795
+  _globals['_CLOSELEASEREQUEST']._serialized_start=797
+  _globals['_CLOSELEASEREQUEST']._serialized_end=834
+  _globals['_CLOSELEASERESPONSE']._serialized_start=836
+  _globals['_CLOSELEASERESPONSE']._serialized_end=926
+  _globals['_FETCHTASKREQUEST']._serialized_start=928
+  _globals['_FETCHTASKREQUEST']._serialized_end=1043
+  _globals['_TASK']._serialized_start=1046
+  _globals['_TASK']._serialized_end=1276
+  _globals['_FETCHTASKRESPONSE']._serialized_start=1278
+  _globals['_FETCHTASKRESPONSE']._serialized_end=1330
+  _globals['_CLAIMTASKREQUEST']._serialized_start=1332
+  _globals['_CLAIMTASKREQUEST']._serialized_end=1385
+  _globals['_STARTTASKREQUEST']._serialized_start=1387
+  _globals['_STARTTASKREQUEST']._serialized_end=1463
+  _globals['_STARTTASKRESPONSE']._serialized_start=1465
+  _globals['_STARTTASKRESPONSE']._serialized_end=1532
+  _globals['_FINISHTASKREQUEST']._serialized_start=1534
+  _globals['_FINISHTASKREQUEST']._serialized_end=1641
+  _globals['_FINISHTASKRESPONSE']._serialized_start=1643
+  _globals['_FINISHTASKRESPONSE']._serialized_end=1696
+  _globals['_RELEASELOCKSREQUEST']._serialized_start=1698
+  _globals['_RELEASELOCKSREQUEST']._serialized_end=1777
+  _globals['_RELEASELOCKSRESPONSE']._serialized_start=1779
+  _globals['_RELEASELOCKSRESPONSE']._serialized_end=1819
+  _globals['_CANCELTASKREQUEST']._serialized_start=1821
+  _globals['_CANCELTASKREQUEST']._serialized_end=1857
+  _globals['_CANCELTASKRESPONSE']._serialized_start=1859
+  _globals['_CANCELTASKRESPONSE']._serialized_end=1919
+  _globals['_BROKER']._serialized_start=1922
+  _globals['_BROKER']._serialized_end=2620
 # @@protoc_insertion_point(module_scope)

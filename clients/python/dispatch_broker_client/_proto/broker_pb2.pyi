@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenLeaseRequest(_message.Message):
-    __slots__ = ("worker_name", "versions", "ttl", "app_status_id")
+    __slots__ = ("worker_name", "versions", "ttl", "app_status_id", "open_id")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,11 +24,13 @@ class OpenLeaseRequest(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     APP_STATUS_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ID_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     versions: _containers.ScalarMap[str, str]
     ttl: _duration_pb2.Duration
     app_status_id: str
-    def __init__(self, worker_name: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., app_status_id: _Optional[str] = ...) -> None: ...
+    open_id: str
+    def __init__(self, worker_name: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., app_status_id: _Optional[str] = ..., open_id: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "expires_at", "ttl", "app_status_id", "adopted_tasks")
