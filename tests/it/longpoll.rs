@@ -1111,3 +1111,83 @@ async fn a_stalled_pass_lets_go_of_the_waiters_it_recruited() {
 async fn a_wake_up_passes_over_a_waiter_busy_in_a_held_up_pass() {
     waiters_behind_a_stalled_pass(true, 4).await;
 }
+
+/// A round whose holder check fails (Redis frozen right after the claim) undoes all of it: the
+/// task it claimed goes back to the queue and its locks are released, and so are the locks of the
+/// task it left to be claimed on its own (another transaction held that task's row). Nothing
+/// stays locked for a task no worker has, long before the reconciler would look.
+#[tokio::test]
+async fn a_round_whose_holder_check_fails_lets_go_of_every_task_it_locked() {
+    let mut env = Env::with(|a| {
+        a.fetch.recheck = NEVER;
+        a.fetch.wake_poll = NEVER;
+        a.sweep_interval = NEVER;
+        a.backend_timeout = Duration::from_millis(500);
+    })
+    .await;
+    // Two tasks wait behind a head that holds their resource: both are ready once it finishes,
+    // and one pass hands them to the two waiters in one round.
+    let head_lease = env.open("head").await;
+    env.task(&["h"]).await;
+    let head = env.fetch(&head_lease).await.unwrap();
+    env.start(&head_lease, &head).await;
+    let t1 = env.task(&["shared:h", "r1"]).await;
+    let t2 = env.task(&["shared:h", "r2"]).await;
+    let waiters = queue_of_waiters(&mut env, 2).await;
+    // t2's row is held by another transaction: the round leaves it to be claimed on its own.
+    let row_held = support::RowLock::take(&env.db_url, t2).await;
+    // The first waiter's core_appstatus row is locked too: the round's claim of t1 (its foreign
+    // key check) waits for it, so the test knows when the claim is under way.
+    let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.batch_execute("BEGIN; SELECT 1 FROM core_appstatus WHERE name = 'w0' FOR UPDATE")
+        .await
+        .unwrap();
+    env.finish(&head_lease, &head, "completed").await;
+    sessions_wait_on_locks(&env, 1).await;
+    // Redis stops answering before the claim ends: the holder check fails.
+    env.redis.pause();
+    db.batch_execute("ROLLBACK").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    env.redis.resume();
+    env.broker().passes.idle().await;
+
+    // Whatever the waiters heard, nothing stays locked that no worker was given, and t1 is not
+    // left claimed by a waiter that never got it.
+    let mut given = Vec::new();
+    for waiter in waiters {
+        if let Ok(Ok(Some(task))) = tokio::time::timeout(Duration::from_millis(100), waiter)
+            .await
+            .map(|joined| joined.unwrap())
+        {
+            given.push(task);
+        }
+    }
+    assert!(
+        given.iter().all(|t| id(t) != t2),
+        "t2's row was held: it could not be claimed"
+    );
+    let settled = eventually(LONG, || async {
+        let locked = env.locked_tasks().await;
+        given.iter().all(|t| locked.contains(&t.task_id)) && locked.len() == given.len()
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "locks left for tasks nobody was given: {:?} (given {:?})",
+        env.locked_tasks().await,
+        given.iter().map(id).collect::<Vec<_>>()
+    );
+    if !given.iter().any(|t| id(t) == t1) {
+        assert_eq!(env.state(t1).await, "waiting");
+        assert_eq!(env.app_lock(t1).await, None, "t1 went back to the queue");
+    }
+    row_held.rollback().await;
+    assert_eq!(env.state(t2).await, "waiting");
+    assert_eq!(env.app_lock(t2).await, None);
+    let refs: Vec<&Task> = given.iter().collect();
+    env.assert_locks(&refs).await;
+    env.shutdown().await;
+}
