@@ -19,6 +19,8 @@
 --                                   "*" stands for "anything may have changed"
 --   PREFIX:changeseq                the sequence counter of PREFIX:changes
 --   PREFIX:changefloor              changes at or below this sequence were trimmed away
+--   PREFIX:recovered:<app_status>   string: the lease a rebuild made for that worker row
+--   PREFIX:open:<open_id>           string: the lease an OpenLease with that open id opened
 -- PREFIX carries the hash tag ("{dispatch}"), so every key a script builds hashes to the same
 -- Redis Cluster slot as the keys it was given.
 --

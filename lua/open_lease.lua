@@ -15,7 +15,8 @@
 --          task_id, fencing_token, ...}: the new lease with the tasks it adopted, or, for a
 --          retry, the live lease the open id opened with every task it holds;
 --          {-1} when the id is taken; {-2} when the lock state is not the expected one (lost or
---          being rebuilt); {-3, app_status_id} when the open id opened a lease for another row.
+--          being rebuilt); {-3, app_status_id} when the open id opened a lease for another row
+--          (another named row, or a named row where this call names none, or the other way).
 -- Never    overwrites an existing lease, never writes into lock state it does not recognise,
 --          never moves locks of a lease that is not a rebuilt one or of a rebuilt lease that
 --          already expired (the sweeper owns those), never opens two leases for one open id
@@ -43,9 +44,11 @@ if ARGV[10] == '1' then
   local earlier = redis.call('GET', KEYS[6])
   local expires = earlier and redis.call('ZSCORE', KEYS[2], earlier)
   if expires and tonumber(expires) > now then
-    local lease = redis.call('HMGET', prefix .. ':lease:' .. earlier, 'app_status', 'ttl_ms')
-    if ARGV[6] == '0' and lease[1] ~= ARGV[5] then
-      return {-3, lease[1]}
+    local lease = redis.call('HMGET', prefix .. ':lease:' .. earlier, 'app_status', 'ttl_ms', 'owned')
+    -- A named row must be the same row; a row the broker made for the earlier call stands for
+    -- the one it made for this call.
+    if (ARGV[6] == '0' and lease[1] ~= ARGV[5]) or (ARGV[6] == '1' and lease[3] ~= '1') then
+      return {-3, lease[1] or ''}
     end
     return holding(earlier, {tonumber(expires), earlier, lease[1], lease[2]})
   end

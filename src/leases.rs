@@ -169,19 +169,18 @@ impl Leases {
                 (id, true)
             }
         };
-        let opened = self
-            .locks
-            .open_lease(&NewLease {
-                lease_id,
-                ttl,
-                worker_name: &request.worker_name,
-                app_status_id: &app_status_id.to_string(),
-                owns_app_status: owned,
-                versions: &request.versions,
-                adopt: !owned,
-                open_id: request.open_id,
-            })
-            .await;
+        let row = app_status_id.to_string();
+        let new = NewLease {
+            lease_id,
+            ttl,
+            worker_name: &request.worker_name,
+            app_status_id: &row,
+            owns_app_status: owned,
+            versions: &request.versions,
+            adopt: !owned,
+            open_id: request.open_id,
+        };
+        let opened = self.open_usable(&new).await;
         let opened = match opened {
             Ok(Opening::Opened(opened)) if !opened.again => opened,
             other => {
@@ -215,6 +214,32 @@ impl Leases {
             app_status_id,
             adopted: opened.tasks,
         })
+    }
+
+    /// Opens `new`, or finds the lease an earlier call with its open id opened. That lease is
+    /// of no use when the broker made its row and the row is gone: the earlier call, which could
+    /// not tell whether its script ran (Redis timed out), removed it. It is ended then, and this
+    /// call's lease opened on the row made for it.
+    async fn open_usable(&self, new: &NewLease<'_>) -> Result<Opening> {
+        let opened = self.locks.open_lease(new).await?;
+        let Opening::Opened(again) = &opened else {
+            return Ok(opened);
+        };
+        if !again.again || !new.owns_app_status {
+            return Ok(opened);
+        }
+        let row: Uuid = again.app_status_id.parse().map_err(|_| {
+            Error::Redis(crate::locks::Error::Protocol {
+                script: "open_lease",
+                reply: format!("lease {} has row {:?}", again.lease_id, again.app_status_id),
+            })
+        })?;
+        if self.tasks.app_status_exists(row).await? {
+            return Ok(opened);
+        }
+        tracing::warn!(lease_id = %again.lease_id, %row, "OpenLease retried: the lease its first call opened lost its row when that call failed; ending it and opening another");
+        self.locks.expire_now(again.lease_id, false).await?;
+        Ok(self.locks.open_lease(new).await?)
     }
 
     /// The answer to a retry of an open whose first call opened `again`: that lease, with every

@@ -166,6 +166,7 @@ mod tests {
             k.sweeper(),
             k.recovery(),
             k.recovered("a"),
+            k.open("a"),
             k.lanes(),
             k.lanes_lock(),
             k.changes(),

@@ -284,6 +284,23 @@ async fn an_open_lease_retried_with_its_open_id_answers_the_lease_the_first_call
         refused.message()
     );
     assert_eq!(leases(&env).await, 1);
+    // So is an id that opened a lease on a named row, sent again naming none.
+    let named = OpenLeaseRequest {
+        app_status_id: own.to_string(),
+        open_id: uuid::Uuid::new_v4().to_string(),
+        ..lease_request("own")
+    };
+    env.client.open_lease(named.clone()).await.unwrap();
+    let refused = env
+        .client
+        .open_lease(OpenLeaseRequest {
+            app_status_id: String::new(),
+            ..named
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert_eq!(leases(&env).await, 2);
 
     // Once the lease ended, the id opens a new one.
     env.client
@@ -295,6 +312,58 @@ async fn an_open_lease_retried_with_its_open_id_answers_the_lease_the_first_call
     let after = env.client.open_lease(request).await.unwrap().into_inner();
     assert_ne!(after.lease_id, first.lease_id);
     assert_ne!(after.app_status_id, first.app_status_id);
+    env.shutdown().await;
+}
+
+/// An open whose Redis call timed out (the broker removed the row it made, not knowing whether
+/// the lease was opened) whose script ran all the same once Redis woke: the retry with the same
+/// open id is not handed that lease, whose row is gone, but one that works; the other is ended.
+#[tokio::test]
+async fn a_retry_of_an_open_that_timed_out_in_redis_gets_a_lease_whose_row_exists() {
+    let mut env = Env::with(|a| a.backend_timeout = Duration::from_millis(300)).await;
+    let request = OpenLeaseRequest {
+        open_id: uuid::Uuid::new_v4().to_string(),
+        ..lease_request("w")
+    };
+    env.redis.pause();
+    let failed = env
+        .client
+        .open_lease(request.clone())
+        .await
+        .expect_err("redis is frozen");
+    assert_eq!(failed.code(), tonic::Code::Unavailable, "{failed:?}");
+    env.redis.resume();
+    async fn leases(env: &Env) -> u64 {
+        env.broker()
+            .locks
+            .lease_table("", false, "", 100, false)
+            .await
+            .unwrap()
+            .total
+    }
+    // The first call's script ran once Redis woke: a lease nobody knows, on a row that is gone.
+    let ran = crate::support::eventually(Duration::from_secs(10), || async {
+        leases(&env).await == 1
+    })
+    .await;
+    assert!(ran.is_some(), "the timed-out open's script ran");
+    async fn rows(env: &Env) -> i64 {
+        env.db
+            .query_one("SELECT count(*) FROM core_appstatus", &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+    assert_eq!(rows(&env).await, 0, "the failed call removed its row");
+
+    let lease = env.client.open_lease(request).await.unwrap().into_inner();
+    assert_eq!(rows(&env).await, 1);
+    let row: uuid::Uuid = lease.app_status_id.parse().unwrap();
+    let task = env.task(&["a"]).await;
+    let t = env.fetch(&lease.lease_id).await.expect("the lease works");
+    assert_eq!(id(&t), task);
+    assert_eq!(env.app_lock(task).await, Some(row));
+    assert_eq!(leases(&env).await, 1, "the lease without a row was ended");
     env.shutdown().await;
 }
 
