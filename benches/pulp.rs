@@ -249,6 +249,50 @@ struct Cell {
     fetch_ms: Vec<f64>,
     fetched: usize,
     costs: Option<Costs>,
+    /// What the broker's fetches did, the first of each round and the others apart.
+    steps: [Steps; 2],
+}
+
+/// The broker's counters summed over some fetches (each fetch's change, read around it).
+#[derive(Default, Clone, Copy)]
+struct Steps {
+    fetches: u64,
+    statements: u64,
+    redis_calls: u64,
+    passes: u64,
+    hints_trusted: u64,
+    own_changes: u64,
+    pages_carried: u64,
+    queue_starts: u64,
+}
+
+impl Steps {
+    fn add(&mut self, d: &dispatch_broker::metrics::StatsSnapshot) {
+        self.fetches += 1;
+        self.statements += d.fetch_postgres_statements;
+        self.redis_calls += d.fetch_redis_calls;
+        self.passes += d.fetch_passes;
+        self.hints_trusted += d.hints_trusted;
+        self.own_changes += d.own_changes;
+        self.pages_carried += d.pages_carried;
+        self.queue_starts += d.queue_starts;
+    }
+
+    fn line(&self) -> String {
+        let n = self.fetches.max(1) as f64;
+        format!(
+            "{:.2} statements, {:.2} Redis calls, {:.2} passes; of the passes {:.0}% trusted a \
+             hint, {:.0}% on own changes, {:.0}% judged a carried page, {:.0}% started from the \
+             queues",
+            self.statements as f64 / n,
+            self.redis_calls as f64 / n,
+            self.passes as f64 / n,
+            100.0 * self.hints_trusted as f64 / self.passes.max(1) as f64,
+            100.0 * self.own_changes as f64 / self.passes.max(1) as f64,
+            100.0 * self.pages_carried as f64 / self.passes.max(1) as f64,
+            100.0 * self.queue_starts as f64 / self.passes.max(1) as f64,
+        )
+    }
 }
 
 async fn traffic(helper: &mut Helper, round: usize) {
@@ -317,6 +361,7 @@ async fn broker_rounds(
         false => None,
     };
     let mut fetched = 0;
+    let mut steps = [Steps::default(); 2];
     for round in 0..ROUNDS {
         let mut held: Vec<TaskGuard> = Vec::new();
         let untrusted = trust_ab() && round % 2 == 1;
@@ -342,6 +387,7 @@ async fn broker_rounds(
                     .await
                     .expect("note a change");
             }
+            let step_before = stats.snapshot();
             let started = Instant::now();
             let task = if requeue {
                 worker.next_task(Duration::ZERO).await
@@ -350,6 +396,7 @@ async fn broker_rounds(
             }
             .expect("FetchTask");
             let ms = started.elapsed().as_secs_f64() * 1000.0;
+            steps[usize::from(i != 0)].add(&(stats.snapshot() - step_before));
             if slow_ms().is_some_and(|slow| ms >= slow) {
                 eprintln!(
                     "    slow fetch: round {round}, fetch {i} of the round, {ms:.2} ms, ended {}",
@@ -427,6 +474,7 @@ async fn broker_rounds(
         fetch_ms,
         fetched,
         costs: Some(costs),
+        steps,
     }
 }
 
@@ -452,6 +500,7 @@ async fn pulpcore_rounds(helper: &mut Helper, requeue: bool) -> Cell {
         fetch_ms,
         fetched,
         costs: None,
+        steps: Default::default(),
     }
 }
 
@@ -634,6 +683,7 @@ async fn run_size(
                     fetch_ms: Vec::new(),
                     fetched: 0,
                     costs: None,
+                    steps: Default::default(),
                 }
             } else {
                 pulpcore_rounds(&mut helper, requeue).await
@@ -671,6 +721,7 @@ async fn run_size(
             fetch_ms: Vec::new(),
             fetched: 0,
             costs: None,
+            steps: Default::default(),
         },
         broker: broker_cell,
     };
@@ -742,6 +793,15 @@ fn print_row(row: &Row) {
         "    broker, first fetch of each round: {fp50:.2} / {fp99:.2} ms; the other {}: \
          {rp50:.2} / {rp99:.2} ms",
         WORKERS - 1
+    );
+    eprintln!(
+        "    broker, per fetch: the first of each round {}",
+        row.broker.steps[0].line()
+    );
+    eprintln!(
+        "    broker, per fetch: the other {} {}",
+        WORKERS - 1,
+        row.broker.steps[1].line()
     );
     if let Some(c) = costs {
         eprintln!(
