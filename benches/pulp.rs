@@ -41,7 +41,9 @@
 //! by round, passes that may trust their scan hint with passes that may not (see `trust_ab`);
 //! `PAUSE_AB=MS` first fetches right after a round's traffic with first fetches MS ms after it
 //! (see `pause_ab`); `WARM_AB=1` first fetches right after a round's traffic with first fetches
-//! that follow a Heartbeat (see `warm_ab`). Prints Markdown tables.
+//! that follow a Heartbeat (see `warm_ab`); `QUIET_AB=1` first fetches after pulpcore's
+//! `dispatch()` with first fetches after the same inserts made from Rust (see `quiet_ab`). Prints
+//! Markdown tables.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -295,6 +297,35 @@ impl Steps {
     }
 }
 
+/// `QUIET_AB=1`: before every other round the round's new tasks are inserted by the bench itself
+/// (one transaction each, the insert trigger on, Pulp's wake-up notification with each) instead
+/// of by pulpcore's `dispatch()` in the Python helper, and no cancels are made; the first fetches
+/// of the two kinds of round are reported apart: how much of the first fetch's extra cost comes
+/// with Python running on the same cores, rather than with the arrivals themselves.
+fn quiet_ab() -> bool {
+    std::env::var_os("QUIET_AB").is_some_and(|v| v != "0")
+}
+
+/// The round's new tasks as [`traffic`] makes them, inserted from Rust.
+async fn quiet_traffic(db: &tokio_postgres::Client, round: usize) {
+    for i in 0..WORKERS {
+        db.batch_execute(&format!(
+            "BEGIN; \
+             INSERT INTO core_task (pulp_id, pulp_created, pulp_last_updated, state, name, \
+                 logging_cid, reserved_resources_record, pulp_domain_id, versions, immediate, \
+                 deferred, pulp_api_version) \
+             SELECT gen_random_uuid(), now(), now(), 'waiting', 'pulpcore.app.tasks.test.sleep', \
+                    'bench', ARRAY['prn:file.filerepository:Q{round}-{i}', \
+                                   'shared:prn:core.domain:' || d.pulp_id], \
+                    d.pulp_id, hstore('core', '3.123.1'), false, true, 'v3' \
+             FROM core_domain d WHERE d.name = 'default'; \
+             NOTIFY pulp_worker_wakeup; COMMIT;"
+        ))
+        .await
+        .unwrap();
+    }
+}
+
 async fn traffic(helper: &mut Helper, round: usize) {
     helper
         .call(json!({"op": "dispatch", "n": WORKERS, "prefix": "F"}))
@@ -349,6 +380,7 @@ async fn broker_rounds(
     let mut untrusted_ms = Vec::new();
     let (mut first_paused, mut first_unpaused) = (Vec::new(), Vec::new());
     let (mut first_warmed, mut first_cold) = (Vec::new(), Vec::new());
+    let (mut first_quiet, mut first_python) = (Vec::new(), Vec::new());
     let mut warm_client = match warm_ab() {
         true => Some(
             dispatch_broker::proto::broker_client::BrokerClient::connect(format!(
@@ -415,6 +447,13 @@ async fn broker_rounds(
                     first_unpaused.push(ms);
                 }
             }
+            if i == 0 && quiet_ab() && round > 0 {
+                if round % 2 == 1 {
+                    first_quiet.push(ms);
+                } else {
+                    first_python.push(ms);
+                }
+            }
             if i == 0 && warm_ab() {
                 if warmed {
                     first_warmed.push(ms);
@@ -434,7 +473,19 @@ async fn broker_rounds(
                     .expect("FinishTask");
             }
         }
-        traffic(helper, round).await;
+        if quiet_ab() && round % 2 == 0 {
+            quiet_traffic(db, round).await;
+        } else {
+            traffic(helper, round).await;
+        }
+    }
+    if quiet_ab() {
+        let (q50, q99) = summary(first_quiet);
+        let (p50, p99) = summary(first_python);
+        eprintln!(
+            "    QUIET_AB: first fetch of a round {p50:.2} / {p99:.2} ms after pulpcore's \
+             dispatch(), {q50:.2} / {q99:.2} ms after the same inserts from Rust (median / p99)"
+        );
     }
     if trust_ab() {
         let (t50, t99) = summary(fetch_ms.clone());
