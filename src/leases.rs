@@ -107,6 +107,16 @@ pub struct Leases {
     beats: beats::Beats,
 }
 
+/// The `core_appstatus` row of a lease the lock store answered with.
+fn row_of(opened: &Opened) -> Result<Uuid> {
+    opened.app_status_id.parse().map_err(|_| {
+        Error::Redis(crate::locks::Error::Protocol {
+            script: "open_lease",
+            reply: format!("lease {} has row {:?}", opened.lease_id, opened.app_status_id),
+        })
+    })
+}
+
 /// How long one read of the canceling tasks serves heartbeats.
 const CANCEL_CACHE_AGE: Duration = Duration::from_secs(1);
 
@@ -228,12 +238,7 @@ impl Leases {
         if !again.again || !new.owns_app_status {
             return Ok(opened);
         }
-        let row: Uuid = again.app_status_id.parse().map_err(|_| {
-            Error::Redis(crate::locks::Error::Protocol {
-                script: "open_lease",
-                reply: format!("lease {} has row {:?}", again.lease_id, again.app_status_id),
-            })
-        })?;
+        let row = row_of(again)?;
         if self.tasks.app_status_exists(row).await? {
             return Ok(opened);
         }
@@ -245,12 +250,7 @@ impl Leases {
     /// The answer to a retry of an open whose first call opened `again`: that lease, with every
     /// task it holds as adopted (no one has used it: its id was never told to anyone).
     fn opened_before(&self, again: Opened, request: &OpenLease) -> Result<Lease> {
-        let app_status_id: Uuid = again.app_status_id.parse().map_err(|_| {
-            Error::Redis(crate::locks::Error::Protocol {
-                script: "open_lease",
-                reply: format!("lease {} has row {:?}", again.lease_id, again.app_status_id),
-            })
-        })?;
+        let app_status_id = row_of(&again)?;
         tracing::info!(lease_id = %again.lease_id, worker = %request.worker_name, %app_status_id, tasks = again.tasks.len(), "OpenLease retried: answering the lease its first call opened");
         Ok(Lease {
             lease_id: again.lease_id,
