@@ -112,7 +112,10 @@ fn row_of(opened: &Opened) -> Result<Uuid> {
     opened.app_status_id.parse().map_err(|_| {
         Error::Redis(crate::locks::Error::Protocol {
             script: "open_lease",
-            reply: format!("lease {} has row {:?}", opened.lease_id, opened.app_status_id),
+            reply: format!(
+                "lease {} has row {:?}",
+                opened.lease_id, opened.app_status_id
+            ),
         })
     })
 }
