@@ -2516,7 +2516,9 @@ impl Dispatch {
         self.stats.task_ran(label, ran.seconds.max(0.0));
     }
 
-    /// StartTask: marks a claimed task running, for its holder only.
+    /// StartTask: marks a claimed task running, for its holder only. A task its holder (the
+    /// lease and fencing token that hold its lock) already started is answered with the time it
+    /// started, so a StartTask retried after its answer was lost succeeds.
     pub async fn start(
         &self,
         lease_id: LeaseId,
@@ -2526,7 +2528,7 @@ impl Dispatch {
         let app_status = self.holder(lease_id, task_id, fencing_token).await?;
         self.tasks.start(task_id, app_status).await?.ok_or_else(|| {
             Error::NotHolder(format!(
-                "task {task_id} is no longer waiting for lease {lease_id} (canceled or already started); do not run it"
+                "task {task_id} is no longer waiting or running for lease {lease_id} (canceled meanwhile); do not run it"
             ))
         })
     }

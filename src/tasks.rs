@@ -89,6 +89,7 @@ pub mod sql {
     pub const CLAIM_ROUND: &str = include_str!("tasks/claim_round.sql");
     pub static REQUEUE: LazyLock<String> = with_states!("tasks/requeue.sql");
     pub const START: &str = include_str!("tasks/start.sql");
+    pub const STARTED: &str = include_str!("tasks/started.sql");
     pub static FINISH: LazyLock<String> = with_states!("tasks/finish.sql");
     /// finish.sql waiting for rows another transaction holds, for a task the batch skipped.
     pub static FINISH_WAITING: LazyLock<String> = LazyLock::new(|| {
@@ -163,7 +164,7 @@ pub mod sql {
 
     /// The statements the broker runs (prepared at start-up), but for [`CANDIDATES`] and
     /// [`TASK`], which are put together at run time.
-    pub static ALL: LazyLock<[&str; 37]> = LazyLock::new(|| {
+    pub static ALL: LazyLock<[&str; 38]> = LazyLock::new(|| {
         [
             GROUPS_WAITING.as_str(),
             GROUPS_WAITING_BY_TASK_GROUP.as_str(),
@@ -192,6 +193,7 @@ pub mod sql {
             CLAIM_ROUND,
             REQUEUE.as_str(),
             START,
+            STARTED,
             FINISH.as_str(),
             FINISH_WAITING.as_str(),
             TASK_STATE,
@@ -1180,13 +1182,20 @@ impl Tasks {
         })
     }
 
-    /// Marks a claimed task running; `None` when it is not this holder's waiting task.
+    /// Marks a claimed task running; `None` when it is neither this holder's waiting task nor
+    /// its running one (a running one is answered with the time it started).
     pub async fn start(
         &self,
         task: TaskId,
         app_status: Uuid,
     ) -> Result<Option<DateTime<Utc>>, Error> {
         let rows = self.query(sql::START, &[&task, &app_status]).await?;
+        if let Some(row) = rows.first() {
+            return Ok(Some(row.try_get(0)?));
+        }
+        // No longer waiting: when it runs for this holder already, this is a retry of a start
+        // whose answer was lost (or a start of a task the grant started), answered alike.
+        let rows = self.query(sql::STARTED, &[&task, &app_status]).await?;
         rows.first()
             .map(|r| r.try_get(0))
             .transpose()

@@ -1239,7 +1239,7 @@ async fn a_fetch_that_starts_its_task_hands_it_out_running_in_one_call() {
         "started and claimed"
     );
     env.assert_locks(&[&granted]).await;
-    // StartTask has nothing left to do: refused, and nothing changes.
+    // StartTask has nothing left to do: it answers when the task started, and nothing changes.
     let again = env
         .client
         .start_task(dispatch_broker::proto::StartTaskRequest {
@@ -1248,8 +1248,9 @@ async fn a_fetch_that_starts_its_task_hands_it_out_running_in_one_call() {
             fencing_token: granted.fencing_token,
         })
         .await
-        .expect_err("already started");
-    assert_eq!(again.code(), tonic::Code::FailedPrecondition);
+        .expect("a start of a task its holder started is answered")
+        .into_inner();
+    assert_eq!(again.started_at, granted.started_at);
     assert_eq!(env.state(task).await, "running");
     env.assert_locks(&[&granted]).await;
     assert_eq!(

@@ -560,6 +560,48 @@ async fn a_reopen_retried_after_its_answer_was_lost_gets_the_lease_that_adopted_
     env.shutdown().await;
 }
 
+/// A StartTask whose answer was lost is made again while the first is still under way (both
+/// wait on the task's row, held by another transaction): the first starts the task, the retry is
+/// answered with the time it started rather than told to leave it, and the task stays the
+/// holder's, running and locked, to be finished. Before, the retry was refused ("do not run
+/// it"), and a worker that never ran the task left it running under its lease until the lease
+/// ended and failed it.
+#[tokio::test]
+async fn a_start_retried_after_its_answer_was_lost_is_answered_with_when_it_started() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    let blocker = support::RowLock::take(&env.db_url, task).await;
+    let start = |env: &Env| {
+        let mut client = env.client.clone();
+        let request = StartTaskRequest {
+            lease_id: lease.clone(),
+            task_id: t.task_id.clone(),
+            fencing_token: t.fencing_token,
+        };
+        tokio::spawn(async move { client.start_task(request).await })
+    };
+    let first = start(&env);
+    support::sessions_wait_on_locks(&env, 1).await;
+    let retry = start(&env);
+    support::sessions_wait_on_locks(&env, 2).await;
+    blocker.rollback().await;
+    let first = first.await.unwrap().expect("the first start").into_inner();
+    let retry = retry
+        .await
+        .unwrap()
+        .expect("the retry is answered, not refused")
+        .into_inner();
+    assert!(first.started_at.is_some());
+    assert_eq!(retry.started_at, first.started_at);
+    assert_eq!(env.state(task).await, "running");
+    env.assert_locks(&[&t]).await;
+    assert_eq!(env.finish(&lease, &t, "completed").await.state, "completed");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
 /// Two broker replicas sweeping the same Redis never process one lease twice.
 #[tokio::test]
 async fn two_replicas_sweeping_at_once_never_double_process_a_lease() {

@@ -759,3 +759,35 @@ async fn a_reopen_whose_answer_was_lost_still_gets_the_adopted_task() {
     env.assert_locks(&[]).await;
     worker.close().await.unwrap();
 }
+
+/// A start whose answer does not come in time (the task's row is held by another transaction
+/// for longer than the call's deadline; the start goes through once it is free) is made again:
+/// the broker answers it with the time the task started, and the task runs and finishes. Before,
+/// `start` failed (`DEADLINE_EXCEEDED`, and a retry was told "do not run it"), and the task
+/// stayed running under the worker's lease, never run, until the lease ended and failed it.
+#[tokio::test]
+async fn a_start_whose_answer_was_lost_is_made_again_and_the_task_runs() {
+    let env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let mut impatient = config("w");
+    impatient.ttl = Duration::from_secs(60);
+    impatient.call_timeout = Duration::from_millis(500);
+    let worker = Worker::connect(endpoint(&env), impatient).await.unwrap();
+    let guard = worker.next_task(Duration::ZERO).await.unwrap().unwrap();
+    let blocker = crate::support::RowLock::take(&env.db_url, task).await;
+    let starting = tokio::spawn(async move {
+        let started = guard.start().await;
+        (guard, started)
+    });
+    crate::support::sessions_wait_on_locks(&env, 1).await;
+    // Past the first call's deadline: the library made the call again.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    blocker.rollback().await;
+    let (guard, started) = starting.await.unwrap();
+    started.expect("the start went through");
+    assert_eq!(env.state(task).await, "running");
+    let done = guard.finish(FinalState::Completed, None).await.unwrap();
+    assert_eq!(done.state, "completed");
+    env.assert_locks(&[]).await;
+    worker.close().await.unwrap();
+}

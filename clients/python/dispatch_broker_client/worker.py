@@ -53,7 +53,7 @@ TRANSIENT = (
 # Retried with backoff: unreachable, or a limit of the broker (it did nothing; back off).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # Retried for a call that may be made again when its answer was lost (OpenLease, which carries an
-# open id): RETRYABLE, and no answer in time (the broker answers CANCELLED, "Timeout expired",
+# open id; StartTask, which the broker answers alike when the start was made): RETRYABLE, and no answer in time (the broker answers CANCELLED, "Timeout expired",
 # when the deadline passed there).
 REPEATABLE = RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 FINAL_STATES = ("completed", "failed", "canceled", "skipped")
@@ -239,12 +239,15 @@ class Task:
         self._check()
         if self.started_at is not None:
             return
+        # Also retried when no answer came: the broker answers a start its holder already made
+        # with the time it started.
         self._worker._with_lease(
             "StartTask",
             lambda stub, lease_id, timeout: stub.StartTask(
                 pb.StartTaskRequest(lease_id=lease_id, task_id=self.task_id, fencing_token=self._token),
                 timeout=timeout,
             ),
+            retried=REPEATABLE,
         )
         self._started = True
 
@@ -752,11 +755,12 @@ class Worker:
         fn: Callable[[pb_grpc.BrokerStub, str, float], T],
         wait: float = 0.0,
         check: Callable[[], None] | None = None,
+        retried: tuple[grpc.StatusCode, ...] = RETRYABLE,
     ) -> tuple[T, int]:
         """A call made with the current lease id; when the broker no longer knows the lease, opens a
         new one (once) and makes the call again. ``check`` runs before each call (also the one
-        after a reopen) and may raise to end it. Returns the reply and the lease generation
-        used."""
+        after a reopen) and may raise to end it; ``retried`` are the codes retried with backoff.
+        Returns the reply and the lease generation used."""
         reopened = False
         while True:
             if check is not None:
@@ -764,7 +768,9 @@ class Worker:
             with self._lock:
                 lease_id, generation = self._lease_id, self._generation
             try:
-                reply = self._call(method, lambda stub, timeout: fn(stub, lease_id, timeout), wait=wait)
+                reply = self._call(
+                    method, lambda stub, timeout: fn(stub, lease_id, timeout), wait=wait, retried=retried
+                )
                 return reply, generation
             except BrokerError as e:
                 if not e.is_lease_not_found or reopened or self._closing.is_set():

@@ -511,3 +511,26 @@ def test_a_reopen_whose_answer_was_lost_still_gets_the_adopted_task(resource: st
         assert own.state(task_id) == "completed"
         event = next_event(w, LeaseReopened)
         assert isinstance(event, LeaseReopened) and event.adopted_tasks == [task_id]
+
+
+def test_a_start_whose_answer_was_lost_is_made_again_and_the_task_runs(sandbox: Sandbox, db: Db, resource: str) -> None:
+    """The task's row is held by another transaction for longer than the start's deadline (the
+    start goes through once it is free): the library makes the call again, the broker answers it
+    with the time the task started, and the task runs and finishes."""
+    task_id = db.task(resource)
+    with worker(sandbox, ttl=30.0, call_timeout=0.5) as w:
+        task = w.fetch()
+        assert task is not None
+        blocker = psycopg.connect(sandbox.postgres_url)
+        blocker.execute("SELECT 1 FROM core_task WHERE pulp_id = %s FOR UPDATE", (task_id,))
+        outcome: list[object] = []
+        starting = threading.Thread(target=lambda: outcome.append(task.start()))
+        starting.start()
+        time.sleep(0.8)  # past the first call's deadline: the library made the call again
+        blocker.rollback()
+        blocker.close()
+        starting.join(timeout=LONG)
+        assert outcome == [None], "the start went through"
+        assert db.state(task_id) == "running"
+        assert task.finish("completed") == "completed"
+        assert db.state(task_id) == "completed"

@@ -710,6 +710,23 @@ impl Shared {
         method: &'static str,
         wait: Duration,
         check: impl Fn() -> Result<(), WorkerError>,
+        f: F,
+    ) -> Result<(T, u64), WorkerError>
+    where
+        F: FnMut(Client, String) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.with_lease_retrying(method, wait, retry::retryable, check, f)
+            .await
+    }
+
+    /// [`Shared::with_lease_checked`], retrying the codes `retried`.
+    async fn with_lease_retrying<T, F, Fut>(
+        &self,
+        method: &'static str,
+        wait: Duration,
+        retried: fn(Code) -> bool,
+        check: impl Fn() -> Result<(), WorkerError>,
         mut f: F,
     ) -> Result<(T, u64), WorkerError>
     where
@@ -721,7 +738,7 @@ impl Shared {
             check()?;
             let lease = self.current();
             match self
-                .call(method, wait, self.config.retry, |c| {
+                .call_retrying(method, wait, self.config.retry, retried, |c| {
                     f(c, lease.lease_id.clone())
                 })
                 .await
@@ -1139,16 +1156,25 @@ impl TaskGuard {
         }
         let task_id = self.task.task_id.clone();
         let held = Arc::clone(&self.held);
+        // Also retried when no answer came: the broker answers a start its holder already made
+        // with the time it started.
         self.shared
-            .with_lease("StartTask", Duration::ZERO, |mut c, lease_id| {
-                // Read at each attempt: a reopened lease that adopted the task gave a new token.
-                let request = proto::StartTaskRequest {
-                    lease_id,
-                    task_id: task_id.clone(),
-                    fencing_token: held.token.load(Ordering::SeqCst),
-                };
-                async move { c.start_task(request).await }
-            })
+            .with_lease_retrying(
+                "StartTask",
+                Duration::ZERO,
+                retry::repeatable,
+                || Ok(()),
+                |mut c, lease_id| {
+                    // Read at each attempt: a reopened lease that adopted the task gave a new
+                    // token.
+                    let request = proto::StartTaskRequest {
+                        lease_id,
+                        task_id: task_id.clone(),
+                        fencing_token: held.token.load(Ordering::SeqCst),
+                    };
+                    async move { c.start_task(request).await }
+                },
+            )
             .await?;
         self.held.started.store(true, Ordering::SeqCst);
         Ok(())

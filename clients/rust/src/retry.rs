@@ -71,7 +71,8 @@ pub fn retryable(code: Code) -> bool {
 }
 
 /// Retried for a call that may be made again when its answer was lost (OpenLease, which carries
-/// an open id): what [`retryable`] names, and `DEADLINE_EXCEEDED` and `CANCELLED` (no answer in
+/// an open id; StartTask, which the broker answers alike when the start was made): what
+/// [`retryable`] names, and `DEADLINE_EXCEEDED` and `CANCELLED` (no answer in
 /// time; the broker answers `CANCELLED`, "Timeout expired", when the deadline passed there).
 pub fn repeatable(code: Code) -> bool {
     retryable(code) || matches!(code, Code::DeadlineExceeded | Code::Cancelled)
