@@ -2528,7 +2528,7 @@ impl Dispatch {
         let app_status = self.holder(lease_id, task_id, fencing_token).await?;
         self.tasks.start(task_id, app_status).await?.ok_or_else(|| {
             Error::NotHolder(format!(
-                "task {task_id} is no longer waiting or running for lease {lease_id} (canceled meanwhile); do not run it"
+                "task {task_id} is no longer a waiting or started task of lease {lease_id} (canceled before it started, or ended); do not run it"
             ))
         })
     }

@@ -1195,7 +1195,7 @@ impl Tasks {
         }
         // No longer waiting: when it runs for this holder already, this is a retry of a start
         // whose answer was lost (or a start of a task the grant started), answered alike.
-        let rows = self.query(sql::STARTED, &[&task, &app_status]).await?;
+        let rows = self.query_read(sql::STARTED, &[&task, &app_status]).await?;
         rows.first()
             .map(|r| r.try_get(0))
             .transpose()

@@ -602,6 +602,44 @@ async fn a_start_retried_after_its_answer_was_lost_is_answered_with_when_it_star
     env.shutdown().await;
 }
 
+/// A start that went through (its answer lost) and a cancel after it: the retried start is
+/// answered, not refused, so the worker does not drop a task it holds; the heartbeat tells it of
+/// the cancel, and it ends the task canceled, its locks released.
+#[tokio::test]
+async fn a_start_retried_after_a_cancel_is_answered_and_the_cancel_reaches_the_holder() {
+    let mut env = Env::new().await;
+    let task = env.task(&["a"]).await;
+    let lease = env.open("w").await;
+    let t = env.fetch(&lease).await.unwrap();
+    env.start(&lease, &t).await;
+    let canceled = env.cancel(task).await.expect("cancel");
+    assert_eq!(canceled.state, "canceling");
+    let again = env
+        .client
+        .start_task(StartTaskRequest {
+            lease_id: lease.clone(),
+            task_id: t.task_id.clone(),
+            fencing_token: t.fencing_token,
+        })
+        .await
+        .expect("the retried start is answered")
+        .into_inner();
+    assert!(again.started_at.is_some());
+    let beat = env
+        .client
+        .heartbeat(HeartbeatRequest {
+            lease_id: lease.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(beat.cancel_task_ids, vec![task.to_string()]);
+    assert_eq!(env.finish(&lease, &t, "canceled").await.state, "canceled");
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
 /// Two broker replicas sweeping the same Redis never process one lease twice.
 #[tokio::test]
 async fn two_replicas_sweeping_at_once_never_double_process_a_lease() {

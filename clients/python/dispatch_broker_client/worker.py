@@ -247,6 +247,7 @@ class Task:
                 pb.StartTaskRequest(lease_id=lease_id, task_id=self.task_id, fencing_token=self._token),
                 timeout=timeout,
             ),
+            check=self._check,
             retried=REPEATABLE,
         )
         self._started = True

@@ -526,6 +526,12 @@ def test_a_start_whose_answer_was_lost_is_made_again_and_the_task_runs(sandbox: 
         outcome: list[object] = []
         starting = threading.Thread(target=lambda: outcome.append(task.start()))
         starting.start()
+        deadline = time.monotonic() + LONG
+        while db.conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone() == (0,):
+            assert time.monotonic() < deadline, "the start did not reach the task's row"
+            time.sleep(0.02)
         time.sleep(0.8)  # past the first call's deadline: the library made the call again
         blocker.rollback()
         blocker.close()

@@ -1157,13 +1157,13 @@ impl TaskGuard {
         let task_id = self.task.task_id.clone();
         let held = Arc::clone(&self.held);
         // Also retried when no answer came: the broker answers a start its holder already made
-        // with the time it started.
+        // with the time it started. A reopen that did not take the task over ends it as lost.
         self.shared
             .with_lease_retrying(
                 "StartTask",
                 Duration::ZERO,
                 retry::repeatable,
-                || Ok(()),
+                || self.check_held(),
                 |mut c, lease_id| {
                     // Read at each attempt: a reopened lease that adopted the task gave a new
                     // token.
