@@ -1242,11 +1242,7 @@ async fn a_fetch_that_starts_its_task_hands_it_out_running_in_one_call() {
     // StartTask has nothing left to do: it answers when the task started, and nothing changes.
     let again = env
         .client
-        .start_task(dispatch_broker::proto::StartTaskRequest {
-            lease_id: lease.clone(),
-            task_id: granted.task_id.clone(),
-            fencing_token: granted.fencing_token,
-        })
+        .start_task(crate::support::start_request(&lease, &granted))
         .await
         .expect("a start of a task its holder started is answered")
         .into_inner();

@@ -502,19 +502,8 @@ async fn a_reopen_retried_after_its_answer_was_lost_gets_the_lease_that_adopted_
     assert_eq!(id(&t), running);
     env.start(&worker.lease_id, &t).await;
     env.redis.restart().unwrap();
-    let client = env.client.clone();
-    let lease = worker.lease_id.clone();
-    let gone =
-        eventually(Duration::from_secs(10), || {
-            let mut client = client.clone();
-            let request = support::fetch_request(lease.clone());
-            async move {
-                matches!(client.fetch_task(request).await, Err(s) if s.code() == Code::NotFound)
-            }
-        })
-        .await;
     assert!(
-        gone.is_some(),
+        support::until_lease_gone(&env, &worker.lease_id, Duration::from_secs(10)).await,
         "the old lease is gone once the locks are rebuilt"
     );
 
@@ -575,11 +564,7 @@ async fn a_start_retried_after_its_answer_was_lost_is_answered_with_when_it_star
     let blocker = support::RowLock::take(&env.db_url, task).await;
     let start = |env: &Env| {
         let mut client = env.client.clone();
-        let request = StartTaskRequest {
-            lease_id: lease.clone(),
-            task_id: t.task_id.clone(),
-            fencing_token: t.fencing_token,
-        };
+        let request = support::start_request(&lease, &t);
         tokio::spawn(async move { client.start_task(request).await })
     };
     let first = start(&env);
@@ -616,11 +601,7 @@ async fn a_start_retried_after_a_cancel_is_answered_and_the_cancel_reaches_the_h
     assert_eq!(canceled.state, "canceling");
     let again = env
         .client
-        .start_task(StartTaskRequest {
-            lease_id: lease.clone(),
-            task_id: t.task_id.clone(),
-            fencing_token: t.fencing_token,
-        })
+        .start_task(support::start_request(&lease, &t))
         .await
         .expect("the retried start is answered")
         .into_inner();

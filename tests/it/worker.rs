@@ -562,13 +562,21 @@ async fn with_own_row(
     name: &str,
     ttl: Duration,
 ) -> (Worker, tokio::sync::broadcast::Receiver<WorkerEvent>) {
-    let row = env.app_status("worker", name).await;
-    let mut with_row = config(name);
-    with_row.app_status_id = Some(row.to_string());
+    let mut with_row = own_row_config(env, name).await;
     with_row.ttl = ttl;
     let worker = Worker::connect(endpoint(env), with_row).await.unwrap();
     let events = worker.events();
     (worker, events)
+}
+
+/// A worker's config with a `core_appstatus` row of its own and a TTL long enough that no
+/// heartbeat reopens its lease while the test runs (tests tune it further before connecting).
+async fn own_row_config(env: &Env, name: &str) -> WorkerConfig {
+    let row = env.app_status("worker", name).await;
+    let mut with_row = config(name);
+    with_row.app_status_id = Some(row.to_string());
+    with_row.ttl = Duration::from_secs(60);
+    with_row
 }
 
 /// [`with_own_row`] with a TTL long enough that no heartbeat reopens its lease while the test
@@ -636,10 +644,7 @@ async fn a_release_made_while_redis_lost_its_state_goes_through_under_the_adopte
 async fn a_finish_retried_in_the_background_goes_through_under_the_token_a_rebuild_gave() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
-    let row = env.app_status("worker", "w").await;
-    let mut impatient = config("w");
-    impatient.app_status_id = Some(row.to_string());
-    impatient.ttl = Duration::from_secs(60);
+    let mut impatient = own_row_config(&env, "w").await;
     impatient.retry = dispatch_worker::RetryPolicy {
         initial: Duration::from_millis(20),
         max: Duration::from_millis(50),
@@ -705,10 +710,7 @@ async fn a_finish_after_the_lease_ended_elsewhere_reports_the_task_lost() {
 async fn a_reopen_whose_answer_was_lost_still_gets_the_adopted_task() {
     let mut env = Env::with(|a| a.sweep_interval = Duration::from_secs(30)).await;
     let task = env.task(&["a"]).await;
-    let row = env.app_status("worker", "w").await;
-    let mut impatient = config("w");
-    impatient.app_status_id = Some(row.to_string());
-    impatient.ttl = Duration::from_secs(60);
+    let mut impatient = own_row_config(&env, "w").await;
     impatient.call_timeout = Duration::from_secs(1);
     let worker = Worker::connect(endpoint(&env), impatient).await.unwrap();
     let mut events = worker.events();
@@ -717,18 +719,10 @@ async fn a_reopen_whose_answer_was_lost_still_gets_the_adopted_task() {
 
     // Redis comes back empty and the broker rebuilds the task's locks for the worker's row.
     env.redis.restart().unwrap();
-    let client = env.client.clone();
-    let lease = worker.lease_id();
-    let rebuilt =
-        eventually(LONG, || {
-            let mut client = client.clone();
-            let request = crate::support::fetch_request(lease.clone());
-            async move {
-                matches!(client.fetch_task(request).await, Err(s) if s.code() == Code::NotFound)
-            }
-        })
-        .await;
-    assert!(rebuilt.is_some(), "the locks were rebuilt");
+    assert!(
+        crate::support::until_lease_gone(&env, &worker.lease_id(), LONG).await,
+        "the locks were rebuilt"
+    );
 
     // The worker's reopen is held in Postgres (its row is checked first) ...
     let (db, conn) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)

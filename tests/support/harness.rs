@@ -334,11 +334,7 @@ impl Env {
 
     pub async fn start(&mut self, lease: &str, task: &Task) {
         self.client
-            .start_task(StartTaskRequest {
-                lease_id: lease.into(),
-                task_id: task.task_id.clone(),
-                fencing_token: task.fencing_token,
-            })
+            .start_task(start_request(lease, task))
             .await
             .expect("start task");
     }
@@ -731,6 +727,30 @@ pub fn fetch_request(lease_id: impl Into<String>) -> FetchTaskRequest {
         skip_task_ids: vec![],
         start: false,
     }
+}
+
+/// A StartTaskRequest for `task` under `lease_id`, with the token it was granted.
+pub fn start_request(lease_id: impl Into<String>, task: &Task) -> StartTaskRequest {
+    StartTaskRequest {
+        lease_id: lease_id.into(),
+        task_id: task.task_id.clone(),
+        fencing_token: task.fencing_token,
+    }
+}
+
+/// Waits (up to `limit`) until a FetchTask under `lease_id` is told NOT_FOUND: after Redis lost
+/// its state, the broker has rebuilt the locks and the old lease is gone. True when it was.
+pub async fn until_lease_gone(env: &Env, lease_id: &str, limit: Duration) -> bool {
+    eventually(limit, || {
+        let mut client = env.client.clone();
+        let request = fetch_request(lease_id);
+        async move {
+            matches!(client.fetch_task(request).await,
+                Err(s) if s.code() == tonic::Code::NotFound)
+        }
+    })
+    .await
+    .is_some()
 }
 
 /// Parses a task id from the wire.
