@@ -362,6 +362,17 @@ def _redis_pid(redis_url: str) -> int:
     raise AssertionError("INFO server named no process_id")
 
 
+def _until_a_session_waits_on_a_lock(db: Db, what: str) -> None:
+    """Waits until a session of the test's database waits on a lock (the call under test reached
+    the row or table another transaction holds); fails with ``what`` after LONG."""
+    deadline = time.monotonic() + LONG
+    while db.conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone() == (0,):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def _rebuilt_worker(resource: str) -> Iterator[tuple[Db, str, Worker, Sandbox]]:
     """A broker of its own (the test empties its Redis), a waiting task on ``resource``, and a
@@ -489,12 +500,7 @@ def test_a_reopen_whose_answer_was_lost_still_gets_the_adopted_task(resource: st
         outcome: list[object] = []
         finishing = threading.Thread(target=lambda: outcome.append(task.finish("completed")))
         finishing.start()
-        deadline = time.monotonic() + LONG
-        while own.conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        ).fetchone() != (1,):
-            assert time.monotonic() < deadline, "the reopen did not reach Postgres"
-            time.sleep(0.02)
+        _until_a_session_waits_on_a_lock(own, "the reopen did not reach Postgres")
         # ... then reaches a Redis that answers only after the worker gave up on the call: the
         # lease is opened and adopts the task, and the answer goes nowhere. (Frozen, not paused
         # with CLIENT PAUSE: a paused server drops the command of a connection that closed.)
@@ -526,12 +532,7 @@ def test_a_start_whose_answer_was_lost_is_made_again_and_the_task_runs(sandbox: 
         outcome: list[object] = []
         starting = threading.Thread(target=lambda: outcome.append(task.start()))
         starting.start()
-        deadline = time.monotonic() + LONG
-        while db.conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        ).fetchone() == (0,):
-            assert time.monotonic() < deadline, "the start did not reach the task's row"
-            time.sleep(0.02)
+        _until_a_session_waits_on_a_lock(db, "the start did not reach the task's row")
         time.sleep(0.8)  # past the first call's deadline: the library made the call again
         blocker.rollback()
         blocker.close()
