@@ -318,21 +318,27 @@ async fn an_open_lease_retried_with_its_open_id_answers_the_lease_the_first_call
 /// An open whose Redis call timed out (the broker removed the row it made, not knowing whether
 /// the lease was opened) whose script ran all the same once Redis woke: the retry with the same
 /// open id is not handed that lease, whose row is gone, but one that works; the other is ended.
+/// The state that leaves (a live lease for the open id, its broker-made row deleted) is made
+/// directly: whether a frozen Redis still runs the script of a call that timed out depends on
+/// when the broker's connection sent it, which a loaded machine does not make certain.
 #[tokio::test]
 async fn a_retry_of_an_open_that_timed_out_in_redis_gets_a_lease_whose_row_exists() {
-    let mut env = Env::with(|a| a.backend_timeout = Duration::from_millis(300)).await;
+    let mut env = Env::new().await;
     let request = OpenLeaseRequest {
         open_id: uuid::Uuid::new_v4().to_string(),
         ..lease_request("w")
     };
-    env.redis.pause();
-    let failed = env
+    let unseen = env
         .client
         .open_lease(request.clone())
         .await
-        .expect_err("redis is frozen");
-    assert_eq!(failed.code(), tonic::Code::Unavailable, "{failed:?}");
-    env.redis.resume();
+        .unwrap()
+        .into_inner();
+    let gone: uuid::Uuid = unseen.app_status_id.parse().unwrap();
+    env.db
+        .execute("DELETE FROM core_appstatus WHERE pulp_id = $1", &[&gone])
+        .await
+        .unwrap();
     async fn leases(env: &Env) -> u64 {
         env.broker()
             .locks
@@ -341,12 +347,11 @@ async fn a_retry_of_an_open_that_timed_out_in_redis_gets_a_lease_whose_row_exist
             .unwrap()
             .total
     }
-    // The first call's script ran once Redis woke: a lease nobody knows, on a row that is gone.
-    let ran = crate::support::eventually(Duration::from_secs(10), || async {
-        leases(&env).await == 1
-    })
-    .await;
-    assert!(ran.is_some(), "the timed-out open's script ran");
+    assert_eq!(
+        leases(&env).await,
+        1,
+        "a lease nobody knows, on a row that is gone"
+    );
     async fn rows(env: &Env) -> i64 {
         env.db
             .query_one("SELECT count(*) FROM core_appstatus", &[])
@@ -357,6 +362,7 @@ async fn a_retry_of_an_open_that_timed_out_in_redis_gets_a_lease_whose_row_exist
     assert_eq!(rows(&env).await, 0, "the failed call removed its row");
 
     let lease = env.client.open_lease(request).await.unwrap().into_inner();
+    assert_ne!(lease.lease_id, unseen.lease_id);
     assert_eq!(rows(&env).await, 1);
     let row: uuid::Uuid = lease.app_status_id.parse().unwrap();
     let task = env.task(&["a"]).await;
