@@ -449,6 +449,44 @@ async fn insert_throughput(db: &tokio_postgres::Client, tasks: usize) {
     db.batch_execute("VACUUM ANALYZE core_task").await.unwrap();
 }
 
+/// The rows Postgres has read in `db`'s database so far (`pg_stat_database`: returned and
+/// fetched, every session's). With `alone`, first waits (up to 15 s) until no other session is
+/// connected to it: a session's counts are published when it ends (a busy one's about once a
+/// second, an idle one's up to 10 s late).
+async fn rows_read(db: &tokio_postgres::Client, alone: bool) -> u64 {
+    if alone {
+        for _ in 0..150 {
+            let others: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if others == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // This session's own counts (the insert's) are published once it is idle.
+    db.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    let rows: i64 = db
+        .query_one(
+            "SELECT (tup_returned + tup_fetched)::bigint FROM pg_stat_database \
+             WHERE datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    u64::try_from(rows).unwrap_or(0)
+}
+
 struct Throughput {
     tasks: usize,
     took: Duration,
@@ -459,6 +497,9 @@ struct Throughput {
     passes: Option<u64>,
     /// Tasks the broker's passes handed to other waiting calls than their own.
     shared: Option<u64>,
+    /// Rows Postgres read during the run (every session: the fleet's, and for the broker its
+    /// background work), from the end of the insert until every session had ended.
+    rows_read: u64,
 }
 
 impl Throughput {
@@ -475,6 +516,7 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     let broker = dispatch_broker::server::start(&args).await.unwrap();
     let endpoint = format!("http://{}", broker.addr);
     insert_throughput(&db, tasks).await;
+    let rows_before = rows_read(&db, false).await;
     let (tx, rx) = mpsc::unbounded_channel();
     let totals = || {
         let (rpc, background) = (broker.stats.snapshot(), broker.background_stats.snapshot());
@@ -498,21 +540,22 @@ async fn throughput_broker(setup: &Setup, tasks: usize) -> Throughput {
     let run = collect(fleet, rx, started, THROUGHPUT_LIMIT, |d| d.len() >= tasks).await;
     let took = run.done.last().map(|d| d.0).unwrap_or(THROUGHPUT_LIMIT);
     let after = totals();
-    let out = Throughput {
+    broker.shutdown().await.unwrap();
+    Throughput {
         tasks: run.done.len(),
         took,
         statements: after.0 - before.0,
         redis_calls: Some(after.1 - before.1),
         passes: Some(after.2 - before.2),
         shared: Some(after.3 - before.3),
-    };
-    broker.shutdown().await.unwrap();
-    out
+        rows_read: rows_read(&db, true).await.saturating_sub(rows_before),
+    }
 }
 
 async fn throughput_baseline(setup: &Setup, tasks: usize) -> Throughput {
     let (url, db) = setup.database("throughput_baseline").await;
     insert_throughput(&db, tasks).await;
+    let rows_before = rows_read(&db, false).await;
     let (tx, rx) = mpsc::unbounded_channel();
     let started = Instant::now();
     let fleet = baseline_fleet(
@@ -532,6 +575,7 @@ async fn throughput_baseline(setup: &Setup, tasks: usize) -> Throughput {
         redis_calls: None,
         passes: None,
         shared: None,
+        rows_read: rows_read(&db, true).await.saturating_sub(rows_before),
     }
 }
 
@@ -544,8 +588,8 @@ async fn throughput(setup: &Setup, tasks: usize) {
         "\n### Throughput: {tasks} zero-length tasks over 2,000 repositories, {} workers\n",
         throughput_workers()
     );
-    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | passes / task | handed out by a shared pass |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| fleet | tasks done | time | tasks/s | Postgres statements / task | Redis calls / task | rows read / task | passes / task | handed out by a shared pass |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (label, t) in [("broker", &broker), ("baseline", &baseline)] {
         let per_task = |n: Option<u64>| match n {
             Some(n) => format!("{:.1}", n as f64 / t.tasks.max(1) as f64),
@@ -556,12 +600,13 @@ async fn throughput(setup: &Setup, tasks: usize) {
             None => "-".into(),
         };
         println!(
-            "| {label} | {} | {:.2} s | {:.0} | {} | {} | {} | {shared} |",
+            "| {label} | {} | {:.2} s | {:.0} | {} | {} | {} | {} | {shared} |",
             t.tasks,
             t.took.as_secs_f64(),
             t.rate(),
             per_task(Some(t.statements)),
             per_task(t.redis_calls),
+            per_task(Some(t.rows_read)),
             per_task(t.passes),
         );
     }
