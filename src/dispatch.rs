@@ -1058,7 +1058,7 @@ impl Dispatch {
         }
         crate::tasks::Near::new(
             self.queues.head_end().map(crate::tasks::key_bound),
-            self.queues.long_queues(),
+            self.queues.busy_queues(),
         )
     }
 
@@ -2607,6 +2607,7 @@ impl Dispatch {
                 if let Some(ran) = ran {
                     self.task_ran(ran);
                 }
+                self.queues.ended(task_id);
                 state
             }
             _ => self

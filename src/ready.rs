@@ -333,7 +333,7 @@ pub fn is_valid_release(v: &str) -> bool {
 mod counter;
 pub use counter::{Class, Key, LaneCounter, Repair};
 pub mod queues;
-pub use queues::{ResourceQueues, Seen, Start};
+pub use queues::{ResourceQueues, Seen, Start, BUSY_QUEUE, LONG_QUEUE};
 
 #[cfg(test)]
 mod tests;

@@ -63,14 +63,15 @@ pub mod sql {
     const READINESS_LOOKUP: &str = include_str!("tasks/readiness_lookup.sql");
 
     /// `statement` with readiness_lookup.sql in place of its `-- $readiness_lookup` line, its
-    /// parameters named as `params` (the end of the queue's head, then the long queues).
+    /// parameters named as `params` (the end of the queue's head, then the busy queues).
     fn with_readiness_lookup(statement: &str, params: [&str; 4]) -> String {
-        let [near_created, near_id, long_entries, long_users] = params;
+        let [near_created, near_id, busy_entries, busy_users] = params;
         let lookup = READINESS_LOOKUP
             .replace("$near_created", near_created)
             .replace("$near_id", near_id)
-            .replace("$long_entries", long_entries)
-            .replace("$long_users", long_users);
+            .replace("$busy_entries", busy_entries)
+            .replace("$busy_users", busy_users)
+            .replace("$long_queue", &crate::ready::LONG_QUEUE.to_string());
         assert_eq!(
             statement.matches("\n-- $readiness_lookup\n").count(),
             1,
@@ -80,7 +81,9 @@ pub mod sql {
             &statement.replace("\n-- $readiness_lookup\n", &format!("\n{lookup}")),
         );
         assert!(
-            !composed.contains("$near_") && !composed.contains("$long_"),
+            !composed.contains("$near_")
+                && !composed.contains("$busy_")
+                && !composed.contains("$long_"),
             "a placeholder of readiness_lookup.sql was left unnamed"
         );
         composed
@@ -539,31 +542,32 @@ fn classed_lane_row(row: &Row) -> Result<(Key, Vec<&str>, crate::ready::Class), 
     Ok((key, record, class))
 }
 
-/// What the resource queues tell candidates.sql's exact look-ups (see the file): a task up to
-/// the end of the queue's head is looked up against the incomplete tasks older than it, and so is
-/// a task whose conflict keys include entries of long queues, as long as those older tasks are no
+/// What the resource queues tell candidates.sql's exact look-ups (see
+/// readiness_lookup.sql): a task up to the end of the queue's head whose conflict keys include an
+/// entry of a busy queue is looked up against the incomplete tasks older than it, and so is a
+/// task whose conflict keys include entries of long queues, as long as those older tasks are no
 /// more than the tasks that carry those entries; every other task against its resources' users.
 #[derive(Debug, Clone, Default)]
 pub struct Near {
     /// The end of the queue's head (None: not known).
     pub head_end: Option<(DateTime<Utc>, TaskId)>,
-    /// The record entries of long queues, and at the same index how many tasks carry each
-    /// (candidates.sql's $6 and $7).
-    pub long_entries: Vec<String>,
-    pub long_users: Vec<i32>,
+    /// The record entries of busy queues (long ones among them), and at the same index how many
+    /// tasks carry each (candidates.sql's $6 and $7).
+    pub busy_entries: Vec<String>,
+    pub busy_users: Vec<i32>,
 }
 
 impl Near {
-    /// `head_end`, and the long queues as `ResourceQueues::long_queues` lists them.
-    pub fn new(head_end: Option<(DateTime<Utc>, TaskId)>, long: Vec<(String, usize)>) -> Near {
-        let (long_entries, long_users) = long
+    /// `head_end`, and the busy queues as `ResourceQueues::busy_queues` lists them.
+    pub fn new(head_end: Option<(DateTime<Utc>, TaskId)>, busy: Vec<(String, usize)>) -> Near {
+        let (busy_entries, busy_users) = busy
             .into_iter()
             .map(|(entry, users)| (entry, i32::try_from(users).unwrap_or(i32::MAX)))
             .unzip();
         Near {
             head_end,
-            long_entries,
-            long_users,
+            busy_entries,
+            busy_users,
         }
     }
 
@@ -1012,8 +1016,8 @@ impl Tasks {
             &after_id,
             &near_created,
             &near_id,
-            &near.long_entries,
-            &near.long_users,
+            &near.busy_entries,
+            &near.busy_users,
         ];
         params.extend_from_slice(extra);
         let mut rows = self
@@ -1067,8 +1071,8 @@ impl Tasks {
                     &ids,
                     &near_created,
                     &near_id,
-                    &near.long_entries,
-                    &near.long_users,
+                    &near.busy_entries,
+                    &near.busy_users,
                 ],
             )
             .await?;

@@ -11,7 +11,8 @@
 //! They are loaded off the fetch path (queue_page.sql from the head, once at start and again
 //! every minute or thirty loads' time, whichever is longer: that bounds how long a task a read
 //! missed stays unknown) and kept up with arrivals (the tasks after their last position, every
-//! second). Tasks that end are removed when a start finds them gone. Memory: one entry per incomplete task (about 200 bytes).
+//! second). Tasks that end are removed when a start finds them gone, and those this replica
+//! finishes (FinishTask) at once. Memory: one entry per incomplete task (about 200 bytes).
 //!
 //! Never grants, locks or claims, and never decides readiness: a failure here, or queues not yet
 //! loaded, only costs a pass from the head.
@@ -360,6 +361,13 @@ impl Queues {
         Ok(start)
     }
 
+    /// Removes a task this replica has just made final (FinishTask), as a start's check would
+    /// once it found the task gone: the checks of the next starts need not read it.
+    pub(super) fn ended(&self, id: TaskId) {
+        let generation = self.generation.load(Ordering::SeqCst);
+        self.change(generation, |queues| queues.remove(&id));
+    }
+
     /// Where the queues' removals stand, for [`Queues::split_hiding`]: taken before a pass or a
     /// walk reads which locks are held.
     pub(super) fn removals(&self) -> Removals {
@@ -386,10 +394,10 @@ impl Queues {
         .flatten()
     }
 
-    /// The record entries of long queues and how many incomplete tasks carry each (see
-    /// `ResourceQueues::long_queues`); empty before the first load.
-    pub(super) fn long_queues(&self) -> Vec<(String, usize)> {
-        self.read(|queues| queues.long_queues()).unwrap_or_default()
+    /// The record entries of busy queues and how many incomplete tasks carry each (see
+    /// `ResourceQueues::busy_queues`); empty before the first load.
+    pub(super) fn busy_queues(&self) -> Vec<(String, usize)> {
+        self.read(|queues| queues.busy_queues()).unwrap_or_default()
     }
 
     /// Splits held record entries by what the queues can tell at `position` (see

@@ -30,8 +30,15 @@ type Set<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
 /// A resource has a *long queue* when at least this many incomplete tasks need it in one mode
 /// (exclusively, or shared): a record entry (`NAME` or `shared:NAME`) that many tasks carry makes
 /// a look-up through it read that many tasks, so the exact look-up of a task whose conflict keys
-/// include it first tries the tasks older than it (see [`ResourceQueues::long_queues`]).
+/// include it first tries the tasks older than it (see [`ResourceQueues::busy_queues`]).
 pub const LONG_QUEUE: usize = 256;
+
+/// A resource has a *busy queue* when at least this many incomplete tasks need it in one mode (a
+/// long queue is busy too). The exact look-up of a task near the queue's head reads the tasks
+/// older than it when one of its conflict keys is a busy queue's entry, and through the GIN index
+/// otherwise: that reads fewer than this many users of each of its resources (and their row
+/// versions not yet vacuumed), where the tasks older than it may be hundreds.
+pub const BUSY_QUEUE: usize = 32;
 
 /// One resource's queue.
 #[derive(Debug, Default)]
@@ -85,8 +92,8 @@ pub struct ResourceQueues {
     /// Tasks that hold a place (first user or first exclusive user) of some resource, with how
     /// many places each holds.
     holders: BTreeMap<Key, u32>,
-    /// The resources with a long queue, by mode (true: exclusive).
-    long: Set<(u32, bool)>,
+    /// The resources with a busy queue, by mode (true: exclusive).
+    busy: Set<(u32, bool)>,
     /// Every incomplete task up to this position is in the queues (None: nothing is known).
     known: Option<Key>,
     /// How many tasks were removed so far.
@@ -153,10 +160,11 @@ impl ResourceQueues {
             && next.iter().filter(|k| !self.lanes.contains(k)).count() * 2 >= n
     }
 
-    /// The resources with a long queue, as the record entries that many tasks carry (`NAME` for
-    /// the exclusive users, `shared:NAME` for the shared ones), each with how many tasks carry it.
-    pub fn long_queues(&self) -> Vec<(String, usize)> {
-        self.long
+    /// The resources with a busy queue (long ones among them), as the record entries that many
+    /// tasks carry (`NAME` for the exclusive users, `shared:NAME` for the shared ones), each with
+    /// how many tasks carry it.
+    pub fn busy_queues(&self) -> Vec<(String, usize)> {
+        self.busy
             .iter()
             .filter_map(|&(name, exclusive)| {
                 let queue = self.queues.get(&name)?;
@@ -247,7 +255,7 @@ impl ResourceQueues {
             if exclusive {
                 queue.exclusive.insert(key);
             }
-            mark_long(&mut self.long, name, queue);
+            mark_busy(&mut self.busy, name, queue);
             let after = queue.places();
             // Newer tasks whose place may be lost to this one: a task older than others can only
             // take places from them.
@@ -314,7 +322,7 @@ impl ResourceQueues {
                 judge.push(*e);
             }
             let after = queue.places();
-            mark_long(&mut self.long, name, queue);
+            mark_busy(&mut self.busy, name, queue);
             if queue.users.is_empty() {
                 self.queues.remove(&name);
             }
@@ -508,14 +516,14 @@ impl ResourceQueues {
     }
 }
 
-/// Notes whether a resource's queue is long in each mode, after a change to it.
-fn mark_long(long: &mut Set<(u32, bool)>, name: u32, queue: &Queue) {
+/// Notes whether a resource's queue is busy in each mode, after a change to it.
+fn mark_busy(busy: &mut Set<(u32, bool)>, name: u32, queue: &Queue) {
     let exclusive = queue.exclusive.len();
     for (mode, users) in [(true, exclusive), (false, queue.users.len() - exclusive)] {
-        if users >= LONG_QUEUE {
-            long.insert((name, mode));
+        if users >= BUSY_QUEUE {
+            busy.insert((name, mode));
         } else {
-            long.remove(&(name, mode));
+            busy.remove(&(name, mode));
         }
     }
 }

@@ -7,10 +7,13 @@
 --
 -- $near_created  timestamptz  the end of the queue's head (NULL: none): tasks at or before it
 -- $near_id       uuid         have few incomplete tasks before them (the resource queues know)
--- $long_entries  text[]       the record entries of long queues and, at the same index, how many
--- $long_users    int[]        tasks carry each (`tasks::Near`)
--- (tasks.rs writes in the parameter numbers of the statement: candidates.sql's $4-$7, task.sql's
--- $2-$5.) Read under candidates_settings.sql: the ranges in queue order rely on it.
+-- $busy_entries  text[]       the record entries of busy queues (32 or more tasks carry each; long
+-- $busy_users    int[]        ones among them) and, at the same index, how many tasks carry each
+--                             (`tasks::Near`)
+-- $long_queue    (a number)   how many tasks carry an entry of a long queue at least
+-- (tasks.rs writes in the parameter numbers of the statement, candidates.sql's $4-$7, task.sql's
+-- $2-$5, and ready::LONG_QUEUE.) Read under candidates_settings.sql: the ranges in queue order
+-- rely on it.
 CROSS JOIN LATERAL (
     SELECT ARRAY(
         SELECT CASE WHEN e LIKE 'shared:%' THEN substr(e, 8) ELSE e END FROM unnest(p.record) AS e
@@ -20,14 +23,18 @@ CROSS JOIN LATERAL (
 ) k
 CROSS JOIN LATERAL (
     -- How many older tasks the look-up against them may read: all of them for a task up to the
-    -- end of the queue's head (NULL); for a task whose conflict keys include entries of long
-    -- queues, as many as carry those entries (at least what the look-up against the users
-    -- would read); none otherwise (-1).
+    -- end of the queue's head (NULL) whose conflict keys include an entry of a busy queue; for a
+    -- task whose conflict keys include entries of long queues, as many as carry those entries
+    -- (at least what the look-up against the users would read); none otherwise (-1). A task near
+    -- the head with no busy queue's entry is looked up against its resources' users: fewer than
+    -- 32 each, where the tasks older than it may be hundreds (the tasks running and those
+    -- waiting behind them).
     SELECT CASE
     WHEN $near_created::timestamptz IS NOT NULL
-         AND (p.pulp_created, p.pulp_id) <= ($near_created::timestamptz, $near_id::uuid) THEN NULL::bigint
-    ELSE coalesce((SELECT sum(l.users) FROM unnest($long_entries::text[], $long_users::int[]) AS l(entry, users)
-                   WHERE l.entry = ANY (k.keys)), -1)
+         AND (p.pulp_created, p.pulp_id) <= ($near_created::timestamptz, $near_id::uuid)
+         AND k.keys && $busy_entries::text[] THEN NULL::bigint
+    ELSE coalesce((SELECT sum(l.users) FROM unnest($busy_entries::text[], $busy_users::int[]) AS l(entry, users)
+                   WHERE l.entry = ANY (k.keys) AND l.users >= $long_queue), -1)
     END AS bound
 ) b
 CROSS JOIN LATERAL (

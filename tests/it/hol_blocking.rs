@@ -467,6 +467,30 @@ async fn with_the_resource_queues_a_dropped_hint_costs_no_walk_from_the_head() {
     );
 }
 
+/// A task this broker finishes (FinishTask) leaves its resource queues at once, so the check of
+/// the next pass's start does not read it (a primary-key probe per finished task, which at a
+/// busy fleet's pace was most of what those checks read).
+#[tokio::test]
+async fn a_task_finished_through_the_broker_leaves_the_resource_queues_at_once() {
+    let mut env = Env::new().await;
+    env.free_tasks("prn:file.repository:Q", 3).await;
+    env.settle_queues().await;
+    let queues = std::sync::Arc::clone(&env.broker().resource_queues);
+    let queued = || queues.task_count();
+    assert_eq!(queued(), Some(3));
+    let lease = env.open("worker").await;
+    let task = env.fetch(&lease).await.expect("a task");
+    env.start(&lease, &task).await;
+    assert_eq!(queued(), Some(3), "a running task is still incomplete");
+    env.finish(&lease, &task, "completed").await;
+    assert_eq!(
+        queued(),
+        Some(2),
+        "the finished task is still in the queues"
+    );
+    env.shutdown().await;
+}
+
 /// The resource queues never hide a task behind one that ended outside the broker: W waits
 /// behind a running task and holds up Z; Pulp cancels W in Postgres alone (no lock released, so
 /// nothing is recorded in Redis). When the next pass has no hint, the queues' check finds W gone

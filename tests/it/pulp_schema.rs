@@ -1062,12 +1062,23 @@ async fn next_head_reads(blocked: usize) -> NextHeadReads {
         .await
         .unwrap();
     let (created, id): (String, String) = (near.get(0), near.get(1));
+    // R0's queue is busy (and long): the broker names it so, with its users.
+    let users: i64 = db
+        .query_one(
+            "SELECT count(*) FROM core_task WHERE state IN ('waiting', 'running', 'canceling') \
+             AND reserved_resources_record @> ARRAY['prn:python.repository:R0']",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let busy = format!("'{{prn:python.repository:R0}}', '{{{users}}}'");
     let mut reads = NextHeadReads::default();
     // Twice each: the first execution of a prepared statement may still be a custom plan.
     for _ in 0..2 {
         reads.page = buffers(
             &db,
-            &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}', '{{}}', '{{}}')"),
+            &format!("EXECUTE candidates('{{}}', NULL, NULL, '{created}', '{id}', {busy})"),
         )
         .await;
         reads.page_by_name = buffers(
@@ -1077,7 +1088,7 @@ async fn next_head_reads(blocked: usize) -> NextHeadReads {
         .await;
         reads.task = buffers(
             &db,
-            &format!("EXECUTE task(ARRAY['{next}']::uuid[], '{created}', '{id}', '{{}}', '{{}}')"),
+            &format!("EXECUTE task(ARRAY['{next}']::uuid[], '{created}', '{id}', {busy})"),
         )
         .await;
         reads.task_by_name = buffers(
@@ -1133,6 +1144,72 @@ async fn the_next_task_of_a_long_queue_is_looked_up_against_the_older_tasks() {
             "{statement}: the look-up by name does not grow: the test proves nothing \
              ({small_by_name} / {large_by_name})"
         );
+    }
+}
+
+/// A task near the queue's head whose conflict keys name no busy queue is looked up through the
+/// GIN index: it reads its resources' few users, not every incomplete task older than it (here
+/// 3,000 tasks of other repositories running before it, as a large fleet's are). With a busy
+/// queue's entry among its keys it reads those older tasks, and both ways count the same.
+#[tokio::test]
+async fn a_task_near_the_head_with_no_busy_queue_reads_its_resources_users() {
+    let (_url, db) = pulp_database_client().await;
+    pulp_tasks_bulk(
+        &db,
+        3_000,
+        "'running'",
+        "ARRAY['prn:file.repository:F' || i, 'shared:prn:core.domain:D']",
+    )
+    .await;
+    pulp_tasks_bulk(
+        &db,
+        2,
+        "'waiting'",
+        "ARRAY['prn:file.repository:X', 'shared:prn:core.domain:D']",
+    )
+    .await;
+    let task: Uuid = db
+        .query_one(
+            "SELECT pulp_id FROM core_task WHERE state = 'waiting' \
+             ORDER BY pulp_created DESC, pulp_id DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.batch_execute(&format!(
+        // (The broker keeps the GIN index's pending list merged: `--gin-clean-interval`.)
+        "ANALYZE core_task; SELECT gin_clean_pending_list('pulp_task_resources_index'); \
+         SET enable_seqscan = off; SET plan_cache_mode = force_generic_plan; \
+         SET jit = off; SET max_parallel_workers_per_gather = 0; {} \
+         PREPARE task(uuid[], timestamptz, uuid, text[], int[]) AS {}",
+        candidates_settings(),
+        dispatch_broker::tasks::sql::TASK.as_str(),
+    ))
+    .await
+    .unwrap();
+    let near = "'infinity', 'ffffffff-ffff-ffff-ffff-ffffffffffff'";
+    let not_busy = format!("EXECUTE task(ARRAY['{task}']::uuid[], {near}, '{{}}', '{{}}')");
+    let busy = format!(
+        "EXECUTE task(ARRAY['{task}']::uuid[], {near}, ARRAY['prn:file.repository:X'], ARRAY[{}])",
+        dispatch_broker::ready::BUSY_QUEUE
+    );
+    let (mut users, mut older) = (0, 0);
+    // Twice each: the first execution of a prepared statement may still be a custom plan.
+    for _ in 0..2 {
+        users = buffers(&db, &not_busy).await;
+        older = buffers(&db, &busy).await;
+    }
+    println!("pages: through its resources' users {users}, against the older tasks {older}");
+    assert!(
+        users * 4 < older,
+        "the look-up of a task with no busy queue read {users} pages, against the older tasks \
+         {older}"
+    );
+    for execute in [&not_busy, &busy] {
+        let rows = rows_under_candidates_settings(&db, execute).await;
+        let conflicts: Option<i64> = rows[0].get(6);
+        assert_eq!(conflicts, Some(1), "{execute}: one older task of X");
     }
 }
 
@@ -1373,18 +1450,20 @@ async fn no_fetch_reads_the_queue_behind_its_head() {
 }
 
 /// candidates.sql's exact look-up gives the same count whichever way it reads: through the GIN
-/// index, against the older tasks near the queue's head, and against the older tasks up to a
-/// long queue's bound (within it, and past it, where it falls back to the GIN index); and
-/// task.sql's, the same look-up by task id, gives the page's counts.
+/// index, against the older tasks near the queue's head (with a busy queue's entry among the
+/// task's conflict keys; without one it reads through the GIN index), and against the older
+/// tasks up to a long queue's bound (within it, and past it, where it falls back to the GIN
+/// index); and task.sql's, the same look-up by task id, gives the page's counts.
 #[tokio::test]
 async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
     let (_url, db) = pulp_database_client().await;
-    // A mixed queue of 240 tasks over five repositories in both modes and a shared domain, in
+    // A mixed queue of 800 tasks over five repositories in both modes and a shared domain, in
     // every state (a few without a record), none running (a running task's names are held, and
-    // the page skips what they hide).
+    // the page skips what they hide). Half are incomplete: the later ones have more than a long
+    // queue's 256 incomplete tasks before them.
     pulp_tasks_bulk(
         &db,
-        240,
+        800,
         "(ARRAY['waiting', 'waiting', 'waiting', 'canceling', 'completed', 'failed', 'canceled', \
                 'skipped'])[1 + i % 8]",
         "CASE WHEN i % 37 = 0 THEN NULL \
@@ -1406,25 +1485,46 @@ async fn the_exact_look_up_counts_the_same_whichever_way_it_reads() {
     let entries = "ARRAY['R0','R1','R2','R3','R4','shared:R0','shared:R1','shared:R2',\
                    'shared:R3','shared:R4','D','shared:D']";
     let counts = |users: i32| format!("array_fill({users}, ARRAY[12])");
+    let near = "'infinity', 'ffffffff-ffff-ffff-ffff-ffffffffffff'";
+    let busy = dispatch_broker::ready::BUSY_QUEUE as i32;
+    let long = dispatch_broker::ready::LONG_QUEUE as i32;
     let ways = [
         ("through the GIN index", "NULL, NULL, '{}', '{}'".to_owned()),
         (
-            "near the head",
-            "'infinity', 'ffffffff-ffff-ffff-ffff-ffffffffffff', '{}', '{}'".to_owned(),
+            "near the head, a busy queue's entry among its keys",
+            format!("{near}, {entries}, {}", counts(busy)),
+        ),
+        (
+            "near the head, no busy queue's entry among its keys",
+            format!("{near}, '{{}}', '{{}}'"),
         ),
         (
             "within a long queue's bound",
             format!("NULL, NULL, {entries}, {}", counts(1_000_000)),
         ),
         (
-            "past a long queue's bound",
-            format!("NULL, NULL, {entries}, {}", counts(0)),
+            "not a long queue's",
+            format!("NULL, NULL, {entries}, {}", counts(long - 1)),
         ),
         (
+            // D is among every task's conflict keys (and so is its one long queue here): a task
+            // with up to 256 incomplete tasks before it is within the bound, a later one past it.
             "within and past a long queue's bound",
-            format!("NULL, NULL, {entries}, {}", counts(3)),
+            format!("NULL, NULL, ARRAY['D'], ARRAY[{long}]"),
         ),
     ];
+    let incomplete: i64 = db
+        .query_one(
+            "SELECT count(*) FROM core_task WHERE state IN ('waiting', 'canceling')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        incomplete > i64::from(long) + 50,
+        "{incomplete} incomplete tasks: none is past a long queue's bound"
+    );
     let mut answers = Vec::new();
     // Twice each way: the first executions of a prepared statement may be custom plans.
     for (way, params) in ways.iter().chain(ways.iter()) {

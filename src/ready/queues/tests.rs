@@ -264,30 +264,35 @@ proptest! {
 }
 
 #[test]
-fn a_resource_with_a_long_queue_is_named_by_mode_until_it_is_short_again() {
+fn a_resource_with_a_busy_queue_is_named_by_mode_with_its_users_until_it_is_not_busy_again() {
     let mut q = ResourceQueues::default();
     let wide = |n: usize| (n as i64, TaskId(Uuid::from_u128(n as u128 + 1)));
-    for n in 0..LONG_QUEUE - 1 {
+    for n in 0..BUSY_QUEUE - 1 {
         q.insert(wide(n), &record(&["R0", "shared:D"]));
     }
-    assert!(q.long_queues().is_empty());
-    q.insert(wide(LONG_QUEUE), &record(&["R0", "shared:D"]));
-    let mut long = q.long_queues();
-    long.sort();
+    assert!(q.busy_queues().is_empty());
+    q.insert(wide(BUSY_QUEUE), &record(&["R0", "shared:D"]));
+    let mut busy = q.busy_queues();
+    busy.sort();
     // R0 by its exclusive users, D by its shared ones: the entries the tasks carry.
     assert_eq!(
-        long,
+        busy,
         vec![
-            ("R0".to_owned(), LONG_QUEUE),
-            ("shared:D".to_owned(), LONG_QUEUE)
+            ("R0".to_owned(), BUSY_QUEUE),
+            ("shared:D".to_owned(), BUSY_QUEUE)
         ]
     );
-    // One exclusive user of D is not a long queue of D's exclusive users.
-    q.insert(wide(LONG_QUEUE + 1), &record(&["D"]));
-    assert_eq!(q.long_queues().len(), 2);
-    // A task inserted again is left as it is; one that leaves makes both queues short again.
+    // One exclusive user of D is not a busy queue of D's exclusive users.
+    q.insert(wide(BUSY_QUEUE + 1), &record(&["D"]));
+    assert_eq!(q.busy_queues().len(), 2);
+    // A task inserted again is left as it is; one that leaves makes both queues not busy again.
     q.insert(wide(0), &record(&["R0", "shared:D"]));
-    assert_eq!(q.long_queues().len(), 2);
+    assert_eq!(q.busy_queues().len(), 2);
     q.remove(&wide(0).1);
-    assert!(q.long_queues().is_empty());
+    assert!(q.busy_queues().is_empty());
+    // A long queue is a busy one, named with its users.
+    for n in 0..LONG_QUEUE {
+        q.insert(wide(1_000 + n), &record(&["R1"]));
+    }
+    assert_eq!(q.busy_queues(), vec![("R1".to_owned(), LONG_QUEUE)]);
 }
