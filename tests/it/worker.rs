@@ -437,6 +437,46 @@ async fn a_release_that_fails_in_passing_is_retried_until_the_broker_answers() {
     worker.close().await.unwrap();
 }
 
+/// The retry budget counts from the first try, the tries included: against an address that
+/// takes connections and never answers, every OpenLease try waits for its deadline, and
+/// connecting gives up within the budget and one try. Counting only the waits between tries, it
+/// went on for at least 3.5 s here (five tries of 500 ms besides 1 s of waits; with the defaults,
+/// minutes).
+#[tokio::test]
+async fn a_call_that_never_gets_an_answer_gives_up_within_the_retry_budget() {
+    // Connections are taken (the kernel's backlog) but nothing is ever read or answered.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut patient = config("unanswered");
+    patient.call_timeout = Duration::from_millis(500);
+    patient.retry = dispatch_worker::RetryPolicy {
+        initial: Duration::from_millis(100),
+        max: Duration::from_secs(5),
+        max_elapsed: Duration::from_secs(1),
+    };
+    let began = std::time::Instant::now();
+    let outcome = tokio::time::timeout(
+        LONG,
+        Worker::connect(format!("http://{}", silent.local_addr().unwrap()), patient),
+    )
+    .await
+    .expect("connect gave up");
+    let took = began.elapsed();
+    let Err(err) = outcome else {
+        panic!("no broker answered, yet connect succeeded");
+    };
+    assert!(
+        matches!(
+            err.code(),
+            Some(Code::DeadlineExceeded | Code::Unavailable | Code::Cancelled)
+        ),
+        "{err}"
+    );
+    assert!(
+        took < Duration::from_millis(2_800),
+        "gave up after {took:?}: the 1 s budget and one 500 ms try are about 1.5 s"
+    );
+}
+
 #[tokio::test]
 async fn connect_waits_for_a_broker_that_is_still_starting() {
     let port = dispatch_testkit::free_port().unwrap();

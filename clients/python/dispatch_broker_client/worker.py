@@ -94,16 +94,19 @@ class TaskLost(Exception):
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
     """Backoff for UNAVAILABLE: the n-th retry waits between half and all of ``initial * 2**n``
-    (at most ``maximum``) seconds, until the waits add up to ``max_elapsed``."""
+    (at most ``maximum``) seconds, until ``max_elapsed`` seconds have passed since the first try:
+    the tries count, not only the waits (a try that waits for its deadline takes
+    ``call_timeout``), so a call gives up within ``max_elapsed`` and one try."""
 
     initial: float = 0.1
     maximum: float = 5.0
     max_elapsed: float = 60.0
 
-    def delay(self, attempt: int, slept: float, jitter: float) -> float | None:
-        """The wait before retry ``attempt`` (0-based), or None when the budget is spent."""
+    def delay(self, attempt: int, elapsed: float, jitter: float) -> float | None:
+        """The wait before retry ``attempt`` (0-based), ``elapsed`` seconds after the first try
+        began, or None when the budget is spent."""
         step: float = min(self.initial * float(2 ** min(attempt, 20)), self.maximum)
-        left = self.max_elapsed - slept
+        left = self.max_elapsed - elapsed
         if left <= 0:
             return None
         return min(step / 2 + step * min(max(jitter, 0.0), 1.0) / 2, left)
@@ -667,7 +670,9 @@ class Worker:
         policy = retry or self.retry
         timeout = self.call_timeout + wait
         stub = _Authed(self._stub, self._metadata)
-        attempt, slept = 0, 0.0
+        attempt = 0
+        # The budget counts from the first try: tries that wait for their deadline spend it too.
+        began = time.monotonic()
         while True:
             try:
                 return fn(stub, timeout)  # type: ignore[arg-type]
@@ -681,12 +686,11 @@ class Worker:
                 error = BrokerError(method, code, message, not_found)
                 if code not in retried or self._closed.is_set():
                     raise error from None
-                delay = policy.delay(attempt, slept, random.random())
+                delay = policy.delay(attempt, time.monotonic() - began, random.random())
                 if delay is None:
                     raise error from None
                 log.debug("%s: broker unavailable (%s); retrying in %.2fs", method, message, delay)
                 time.sleep(delay)
-                slept += delay
                 attempt += 1
 
     def _let_go(self, method: str, task: Task, fn: Callable[[pb_grpc.BrokerStub, str, float], T]) -> T:

@@ -250,6 +250,25 @@ def test_retry_policy_backs_off_within_its_budget() -> None:
     assert p.delay(9, 2.5, 0.5) is None
 
 
+def test_a_call_that_never_gets_an_answer_gives_up_within_the_retry_budget() -> None:
+    # The retry budget counts from the first try, the tries included: against an address that
+    # takes connections and never answers, every OpenLease try waits for its deadline, and opening
+    # gives up within the budget and one try (counting only the waits, at least 3.5 s here).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        w = Worker(f"127.0.0.1:{port}", "unanswered", call_timeout=0.5,
+                   retry=RetryPolicy(initial=0.1, maximum=5.0, max_elapsed=1.0))
+        began = time.monotonic()
+        with pytest.raises(BrokerError) as gave_up:
+            w.open()
+        took = time.monotonic() - began
+        w.close()
+    assert gave_up.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    assert took < 2.8, f"gave up after {took:.2f} s: the 1 s budget and one 0.5 s try are about 1.5 s"
+
+
 def test_committed_stubs_match_the_proto() -> None:
     gen = pathlib.Path(__file__).resolve().parents[1] / "gen_stubs.py"
     result = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True)

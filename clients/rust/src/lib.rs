@@ -666,7 +666,8 @@ impl Shared {
     {
         let deadline = self.config.call_timeout + wait;
         let mut attempt = 0;
-        let mut slept = Duration::ZERO;
+        // The budget counts from the first try: tries that wait for their deadline spend it too.
+        let began = tokio::time::Instant::now();
         loop {
             let status = match tokio::time::timeout(deadline, f(self.client.clone())).await {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
@@ -678,12 +679,11 @@ impl Shared {
             if !retried(status.code()) || self.closed.is_cancelled() {
                 return Err(WorkerError::Rpc { method, status });
             }
-            let Some(delay) = policy.delay(attempt, slept, rand::random()) else {
+            let Some(delay) = policy.delay(attempt, began.elapsed(), rand::random()) else {
                 return Err(WorkerError::Rpc { method, status });
             };
             tracing::debug!(method, attempt, ?delay, error = %status.message(), "broker unavailable; retrying");
             tokio::time::sleep(delay).await;
-            slept += delay;
             attempt += 1;
         }
     }

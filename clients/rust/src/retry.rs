@@ -5,15 +5,16 @@ use std::time::Duration;
 use tonic::Code;
 
 /// Jittered exponential backoff for `UNAVAILABLE` and `RESOURCE_EXHAUSTED` (`retryable`): the n-th
-/// retry waits between half and all of `initial * 2^n` (at most `max`), until the waits add up to
-/// `max_elapsed`.
+/// retry waits between half and all of `initial * 2^n` (at most `max`), until `max_elapsed` has
+/// passed since the first try: the tries count, not only the waits (a try that waits for its
+/// deadline takes `call_timeout`), so a call gives up within `max_elapsed` and one try.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     /// The first wait (before jitter).
     pub initial: Duration,
     /// The longest single wait.
     pub max: Duration,
-    /// Give up once the waits add up to this.
+    /// Give up once this much has passed since the first try.
     pub max_elapsed: Duration,
 }
 
@@ -45,15 +46,15 @@ impl RetryPolicy {
         }
     }
 
-    /// The wait before retry number `attempt` (0-based) after `slept` in earlier waits, with
-    /// `jitter` in [0, 1) picking a point in the upper half; `None` when the budget is spent.
-    pub fn delay(&self, attempt: u32, slept: Duration, jitter: f64) -> Option<Duration> {
+    /// The wait before retry number `attempt` (0-based), `elapsed` after the first try began,
+    /// with `jitter` in [0, 1) picking a point in the upper half; `None` when the budget is spent.
+    pub fn delay(&self, attempt: u32, elapsed: Duration, jitter: f64) -> Option<Duration> {
         let full = self
             .initial
             .saturating_mul(2u32.saturating_pow(attempt.min(20)))
             .min(self.max);
         let delay = full / 2 + full.mul_f64(jitter.clamp(0.0, 1.0) / 2.0);
-        let left = self.max_elapsed.checked_sub(slept)?;
+        let left = self.max_elapsed.checked_sub(elapsed)?;
         if left.is_zero() {
             return None;
         }
