@@ -1050,7 +1050,7 @@ impl Dispatch {
         }
     }
 
-    /// Where the queue's head ends and which resources have long queues, for the exact
+    /// Where the queue's head ends and which resources have busy queues, for the exact
     /// look-ups of candidates.sql, when the resource queues are used and loaded.
     fn near(&self) -> crate::tasks::Near {
         if !self.uses_resource_queues() {
@@ -2602,12 +2602,12 @@ impl Dispatch {
             // own, waiting for the row, so the batch waits for nobody.
             ended = self.tasks.finish(finishing).await?;
         }
+        let finished_now = matches!(ended, crate::tasks::Ended::Finished { .. });
         let state = match ended {
             crate::tasks::Ended::Finished { state, ran } => {
                 if let Some(ran) = ran {
                     self.task_ran(ran);
                 }
-                self.queues.ended(task_id);
                 state
             }
             _ => self
@@ -2624,6 +2624,15 @@ impl Dispatch {
                 .await,
             crate::locks::Error::Batch,
         )?;
+        if finished_now {
+            // Out of the resource queues only once its locks are released: a pass that read the
+            // lock held, and so skipped the tasks it hides, must not also find the queues saying
+            // the name hides nothing (its holder gone, one user left before the position), or
+            // the hint it leaves would not be dropped by the release and would hold a ready
+            // task back until a walk. A pass that took the queues' removals before this one
+            // sees the name lost a user and asks Postgres (hiding.sql).
+            self.queues.ended(task_id);
+        }
         let released = released == Release::Released;
         if !released {
             // Final now, with no lock to release (and so none recorded): tasks behind it may be

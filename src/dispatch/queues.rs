@@ -2,7 +2,7 @@
 //! scan hint starts.
 //!
 //! Without a hint a pass would read the queue from its head, through every task blocked behind
-//! a busy resource (100,000 on the incident's repository: 30-70 ms). The resource queues know
+//! a blocked resource (100,000 on the incident's repository: 30-70 ms). The resource queues know
 //! which tasks are lanes, so the pass starts just before the first lane that waits, once the
 //! tasks that make the others wait (the holders) are checked to be still incomplete
 //! (task_seen.sql, a primary-key probe each). Tasks the queues have not read yet are newer than
@@ -38,7 +38,7 @@ const RELOAD_SOON: Duration = Duration::from_secs(10);
 /// How often a load asks where the queues' knowledge ends before it gives up on knowing.
 const KNOWN_TRIES: usize = 3;
 /// A pass with a scan hint asks for a start only when at least half of this many tasks after the
-/// hint are blocked (tasks that arrived after the hint was taken, e.g. a burst for a busy
+/// hint are blocked (tasks that arrived after the hint was taken, e.g. a burst for a blocked
 /// repository): otherwise a start's check costs more than reading them.
 const SKIP_AT_LEAST: usize = 256;
 /// How many tasks the queue's head holds, for the exact look-up (see [`Queues::head_end`]).
@@ -384,8 +384,9 @@ impl Queues {
 
     /// The end of the queue's head: the position of the [`HEAD_TASKS`]th task the queues hold
     /// (or where their knowledge ends, when they hold fewer). A task up to it has fewer
-    /// incomplete tasks before it than that, so its exact look-up reads those rather than
-    /// every user of its resources. None before the first load.
+    /// incomplete tasks before it than that, so the exact look-up of one with a busy queue's
+    /// entry among its conflict keys reads those rather than every user of its resources. None
+    /// before the first load.
     pub(super) fn head_end(&self) -> Option<Key> {
         self.read(|queues| {
             let known = queues.known()?;

@@ -8,14 +8,15 @@
 -- $2 timestamptz  keyset: only tasks after ($2, $3) in (pulp_created, pulp_id) order; NULL for
 -- $3 uuid         the first page
 -- $4 timestamptz  the end of the queue's head (NULL: none): tasks at or before ($4, $5) have few
--- $5 uuid         incomplete tasks before them (the resource queues know), so their exact
---                 look-up reads those instead of every user of their resources (R0's next task,
---                 once its head finished, would read R0's whole queue)
--- $6 text[]       the record entries of long queues (the resource queues know: `NAME` for
--- $7 int[]        exclusive users, `shared:NAME` for shared ones) and, at the same index, how
---                 many tasks carry each: a task whose conflict keys include some is looked up
---                 against the incomplete tasks older than it as long as they are no more than
---                 that many
+-- $5 uuid         incomplete tasks before them (the resource queues know), so the exact look-up
+--                 of one with a busy queue's entry among its conflict keys reads those instead
+--                 of every user of its resources (R0's next task, once its head finished, would
+--                 read R0's whole queue)
+-- $6 text[]       the record entries of busy queues (the resource queues know: `NAME` for
+-- $7 int[]        exclusive users, `shared:NAME` for shared ones; long ones among them) and, at
+--                 the same index, how many tasks carry each: a task whose conflict keys include
+--                 a long queue's is looked up against the incomplete tasks older than it as long
+--                 as they are no more than that many
 -- $scope, $only, $scanned  (lines) nothing for a pass in queue order. For a directed pass (fair
 --                 dispatch, src/dispatch/fairness.rs; tasks.rs writes them): a CTE `scope`, read
 --                 in place of `core_task t`, of one group's ($8 uuid, dispatch_groups_idx or

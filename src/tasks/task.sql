@@ -1,14 +1,15 @@
 -- task.sql: tasks by id, each with the exact readiness look-up against older incomplete tasks
 -- (ClaimTask's one task; the claims put back that a scan hint checks first), made as
 -- candidates.sql makes it (readiness_lookup.sql, which tasks.rs writes in at
--- `-- $readiness_lookup`): a task up to the end of the queue's head, such as R0's next task once
--- R0's head finished, is looked up against the few incomplete tasks older than it, not against
--- every user of R0 (through the GIN index alone, that read R0's whole queue).
+-- `-- $readiness_lookup`): a task up to the end of the queue's head with a busy queue's entry
+-- among its conflict keys, such as R0's next task once R0's head finished, is looked up against
+-- the few incomplete tasks older than it, not against every user of R0 (through the GIN index
+-- alone, that read R0's whole queue).
 --
 -- $1 uuid[]       the tasks
 -- $2 timestamptz  the end of the queue's head (NULL: none), as candidates.sql's $4 and $5
 -- $3 uuid
--- $4 text[]       the long queues' entries and how many tasks carry each, as candidates.sql's
+-- $4 text[]       the busy queues' entries and how many tasks carry each, as candidates.sql's
 -- $5 int[]        $6 and $7
 -- Returns: pulp_id, pulp_created, name, record, versions (JSON text), immediate, older_conflicts,
 --          state, app_lock_id, domain (pulp_domain_id), task_group (task_group_id)

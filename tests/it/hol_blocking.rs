@@ -491,6 +491,54 @@ async fn a_task_finished_through_the_broker_leaves_the_resource_queues_at_once()
     env.shutdown().await;
 }
 
+/// ... but only once its locks are released: a pass that read the lock held (and skipped what
+/// it hides) must not find the queues saying the name hides nothing. The finish is held on the
+/// task's row until Redis is frozen, so it records the final state and then waits to release:
+/// the task is still in the queues meanwhile, and leaves them once the release went through.
+#[tokio::test]
+async fn a_finished_task_leaves_the_resource_queues_only_after_its_locks_are_released() {
+    let mut env = Env::new().await;
+    env.free_tasks("prn:file.repository:Q", 2).await;
+    env.settle_queues().await;
+    let queues = std::sync::Arc::clone(&env.broker().resource_queues);
+    let lease = env.open("worker").await;
+    let task = env.fetch(&lease).await.expect("a task");
+    env.start(&lease, &task).await;
+    let id: Uuid = task.task_id.parse().unwrap();
+    let blocker = crate::support::RowLock::take(&env.db_url, id).await;
+    let finishing = {
+        let mut client = env.client.clone();
+        let request = dispatch_broker::proto::FinishTaskRequest {
+            lease_id: lease.clone(),
+            task_id: task.task_id.clone(),
+            fencing_token: task.fencing_token,
+            state: "completed".into(),
+            error: String::new(),
+        };
+        tokio::spawn(async move { client.finish_task(request).await })
+    };
+    // The holder check is done (the finish waits on the row): freeze Redis, then let it go on.
+    crate::support::sessions_wait_on_locks(&env, 1).await;
+    env.redis.pause();
+    blocker.rollback().await;
+    while env.state(id).await != "completed" {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        queues.task_count(),
+        Some(2),
+        "the task left the queues while its lock was still held"
+    );
+    env.redis.resume();
+    finishing
+        .await
+        .unwrap()
+        .expect("the finish went through once Redis was back");
+    assert_eq!(queues.task_count(), Some(1));
+    env.assert_locks(&[]).await;
+    env.shutdown().await;
+}
+
 /// The resource queues never hide a task behind one that ended outside the broker: W waits
 /// behind a running task and holds up Z; Pulp cancels W in Postgres alone (no lock released, so
 /// nothing is recorded in Redis). When the next pass has no hint, the queues' check finds W gone

@@ -1194,19 +1194,41 @@ async fn a_task_near_the_head_with_no_busy_queue_reads_its_resources_users() {
         "EXECUTE task(ARRAY['{task}']::uuid[], {near}, ARRAY['prn:file.repository:X'], ARRAY[{}])",
         dispatch_broker::ready::BUSY_QUEUE
     );
-    let (mut users, mut older) = (0, 0);
+    // Past the end of the queue's head, only a long queue's entry bounds a look-up against the
+    // older tasks; a busy queue's that is not long leaves it to the GIN index.
+    let past = |users: usize| {
+        format!(
+            "EXECUTE task(ARRAY['{task}']::uuid[], NULL, NULL, ARRAY['prn:file.repository:X'], \
+             ARRAY[{users}])"
+        )
+    };
+    let (busy_past, long_past) = (
+        past(dispatch_broker::ready::LONG_QUEUE - 1),
+        past(dispatch_broker::ready::LONG_QUEUE),
+    );
+    let (mut users, mut older, mut not_long, mut long) = (0, 0, 0, 0);
     // Twice each: the first execution of a prepared statement may still be a custom plan.
     for _ in 0..2 {
         users = buffers(&db, &not_busy).await;
         older = buffers(&db, &busy).await;
+        not_long = buffers(&db, &busy_past).await;
+        long = buffers(&db, &long_past).await;
     }
-    println!("pages: through its resources' users {users}, against the older tasks {older}");
+    println!(
+        "pages: through its resources' users {users}, against the older tasks {older}; past the \
+         head, a busy queue's entry {not_long}, a long queue's {long}"
+    );
+    assert!(
+        not_long == users && long > users + 5,
+        "past the head, a busy queue's entry read {not_long} pages and a long queue's {long} \
+         (through the GIN index alone: {users})"
+    );
     assert!(
         users * 4 < older,
         "the look-up of a task with no busy queue read {users} pages, against the older tasks \
          {older}"
     );
-    for execute in [&not_busy, &busy] {
+    for execute in [&not_busy, &busy, &busy_past, &long_past] {
         let rows = rows_under_candidates_settings(&db, execute).await;
         let conflicts: Option<i64> = rows[0].get(6);
         assert_eq!(conflicts, Some(1), "{execute}: one older task of X");
