@@ -1150,6 +1150,12 @@ impl Dispatch {
             let room = (others.min(may_recruit) as i64).saturating_add(1);
             page = page.max(room.min(self.policy.max_page));
         }
+        // The tasks other passes of this replica are trying sit where this pass starts reading
+        // (at the same hint) and are passed over: room past them too, or a page holding only
+        // them costs another round trip (a call with no `wait` beside a shared round of 64
+        // grants read two or three pages).
+        let trying = self.in_flight.lock().map_or(0, |t| t.len());
+        page = page.max((trying as i64).saturating_add(1).min(self.policy.max_page));
         let mut held_seen = skipped_held;
         // What the last page held past the last task settled, its held entries, when it was read.
         let mut rest: Option<(Vec<TaskRow>, Vec<String>, Instant)> = None;
