@@ -363,9 +363,18 @@ impl Queues {
 
     /// Removes a task this replica has just made final (FinishTask), as a start's check would
     /// once it found the task gone: the checks of the next starts need not read it.
+    /// (Whichever queues are in place: a load that read it before it ended puts it back, and a
+    /// start's check removes it then.)
     pub(super) fn ended(&self, id: TaskId) {
-        let generation = self.generation.load(Ordering::SeqCst);
-        self.change(generation, |queues| queues.remove(&id));
+        if let Some(queues) = self
+            .state
+            .lock()
+            .ok()
+            .as_deref_mut()
+            .and_then(Option::as_mut)
+        {
+            queues.remove(&id);
+        }
     }
 
     /// Where the queues' removals stand, for [`Queues::split_hiding`]: taken before a pass or a

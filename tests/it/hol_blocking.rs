@@ -508,13 +508,7 @@ async fn a_finished_task_leaves_the_resource_queues_only_after_its_locks_are_rel
     let blocker = crate::support::RowLock::take(&env.db_url, id).await;
     let finishing = {
         let mut client = env.client.clone();
-        let request = dispatch_broker::proto::FinishTaskRequest {
-            lease_id: lease.clone(),
-            task_id: task.task_id.clone(),
-            fencing_token: task.fencing_token,
-            state: "completed".into(),
-            error: String::new(),
-        };
+        let request = crate::support::finish_request(lease.as_str(), &task, "completed");
         tokio::spawn(async move { client.finish_task(request).await })
     };
     // The holder check is done (the finish waits on the row): freeze Redis, then let it go on.

@@ -341,13 +341,7 @@ impl Env {
 
     pub async fn finish(&mut self, lease: &str, task: &Task, state: &str) -> FinishTaskResponse {
         self.client
-            .finish_task(FinishTaskRequest {
-                lease_id: lease.into(),
-                task_id: task.task_id.clone(),
-                fencing_token: task.fencing_token,
-                state: state.into(),
-                error: String::new(),
-            })
+            .finish_task(finish_request(lease, task, state))
             .await
             .expect("finish task")
             .into_inner()
@@ -726,6 +720,17 @@ pub fn fetch_request(lease_id: impl Into<String>) -> FetchTaskRequest {
         wait: None,
         skip_task_ids: vec![],
         start: false,
+    }
+}
+
+/// A FinishTaskRequest ending `task` in `state` under `lease_id`, with the token it was granted.
+pub fn finish_request(lease_id: impl Into<String>, task: &Task, state: &str) -> FinishTaskRequest {
+    FinishTaskRequest {
+        lease_id: lease_id.into(),
+        task_id: task.task_id.clone(),
+        fencing_token: task.fencing_token,
+        state: state.into(),
+        error: String::new(),
     }
 }
 

@@ -53,8 +53,8 @@ TRANSIENT = (
 # Retried with backoff: unreachable, or a limit of the broker (it did nothing; back off).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # Retried for a call that may be made again when its answer was lost (OpenLease, which carries an
-# open id; StartTask, which the broker answers alike when the start was made): RETRYABLE, and no answer in time (the broker answers CANCELLED, "Timeout expired",
-# when the deadline passed there).
+# open id; StartTask, which the broker answers alike when the start was made): RETRYABLE, and no
+# answer in time (the broker answers CANCELLED, "Timeout expired", when the deadline passed there).
 REPEATABLE = RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 FINAL_STATES = ("completed", "failed", "canceled", "skipped")
 

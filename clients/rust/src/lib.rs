@@ -700,27 +700,12 @@ impl Shared {
         F: FnMut(Client, String) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        self.with_lease_checked(method, wait, || Ok(()), f).await
-    }
-
-    /// [`Shared::with_lease`], with `check` before each call (also the one after a reopen): its
-    /// error ends the call instead.
-    async fn with_lease_checked<T, F, Fut>(
-        &self,
-        method: &'static str,
-        wait: Duration,
-        check: impl Fn() -> Result<(), WorkerError>,
-        f: F,
-    ) -> Result<(T, u64), WorkerError>
-    where
-        F: FnMut(Client, String) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
-    {
-        self.with_lease_retrying(method, wait, retry::retryable, check, f)
+        self.with_lease_retrying(method, wait, retry::retryable, || Ok(()), f)
             .await
     }
 
-    /// [`Shared::with_lease_checked`], retrying the codes `retried`.
+    /// [`Shared::with_lease`], retrying the codes `retried`, with `check` before each call (also
+    /// the one after a reopen): its error ends the call instead.
     async fn with_lease_retrying<T, F, Fut>(
         &self,
         method: &'static str,
@@ -1282,9 +1267,13 @@ impl Going {
             false => Ok(()),
         };
         self.shared
-            .with_lease_checked(method, Duration::ZERO, not_lost, |c, lease_id| {
-                f(c, lease_id, self.held.token.load(Ordering::SeqCst))
-            })
+            .with_lease_retrying(
+                method,
+                Duration::ZERO,
+                retry::retryable,
+                not_lost,
+                |c, lease_id| f(c, lease_id, self.held.token.load(Ordering::SeqCst)),
+            )
             .await
             .map(|(reply, _)| reply)
     }
