@@ -3,11 +3,12 @@
 -- KEYS[1]  PREFIX:epoch           the lock state's identity
 -- KEYS[2]  PREFIX:leases          sorted set lease_id -> expiry (ms)
 -- KEYS[3]  PREFIX:lease:<id>      lease hash
--- KEYS[4]  PREFIX:lease:<id>:tasks the lease's registry
+-- KEYS[4]  PREFIX:lease:<id>:tasks the lease's registry (read by lease_holding)
 -- ARGV     epoch, lease_id, the key prefix
 -- Returns  {1, new expiry ms, app_status_id, ttl ms, {task_id, fencing token, ...}} with every
---          task the lease holds locks for; {0} when the lease is unknown or already expired;
---          {-2} when the lock state is not the expected one.
+--          task the lease holds locks for (in its registry, and the lock names it); {0} when
+--          the lease is unknown or already expired; {-2} when the lock state is not the expected
+--          one.
 -- Never    revives an expired lease: its locks belong to the sweeper from that moment on.
 --          O(tasks the lease holds).
 
@@ -22,12 +23,5 @@ if not expires or not lease[1] or tonumber(expires) <= now then
 end
 local next_expiry = now + tonumber(lease[1])
 redis.call('ZADD', KEYS[2], next_expiry, ARGV[2])
-local held = {}
-for _, task_id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
-  local token = redis.call('HGET', ARGV[3] .. ':task:' .. task_id, 'token')
-  if token then
-    held[#held + 1] = task_id
-    held[#held + 1] = token
-  end
-end
+local held = lease_holding(ARGV[3], ARGV[2], {})
 return {1, next_expiry, lease[2], tonumber(lease[1]), held}

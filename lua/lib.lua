@@ -111,3 +111,16 @@ end
 local function epoch_ok(epoch_key, expected)
   return redis.call('GET', epoch_key) == expected
 end
+
+-- The tasks `lease` holds locks for (in its registry, and the lock names it), as
+-- {task_id, fencing token, ...} appended to `out`. O(tasks in the registry).
+local function lease_holding(prefix, lease, out)
+  for _, task_id in ipairs(redis.call('SMEMBERS', prefix .. ':lease:' .. lease .. ':tasks')) do
+    local lock = redis.call('HMGET', prefix .. ':task:' .. task_id, 'lease', 'token')
+    if lock[1] == lease then
+      out[#out + 1] = task_id
+      out[#out + 1] = lock[2]
+    end
+  end
+  return out
+end

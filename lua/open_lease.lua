@@ -28,18 +28,6 @@ end
 local prefix = ARGV[8]
 local now = now_ms()
 
--- The tasks `lease` holds locks for, as {task_id, token, ...} appended to `out`.
-local function holding(lease, out)
-  for _, task_id in ipairs(redis.call('SMEMBERS', prefix .. ':lease:' .. lease .. ':tasks')) do
-    local lock = redis.call('HMGET', prefix .. ':task:' .. task_id, 'lease', 'token')
-    if lock[1] == lease then
-      out[#out + 1] = task_id
-      out[#out + 1] = lock[2]
-    end
-  end
-  return out
-end
-
 if ARGV[10] == '1' then
   local earlier = redis.call('GET', KEYS[6])
   local expires = earlier and redis.call('ZSCORE', KEYS[2], earlier)
@@ -50,7 +38,7 @@ if ARGV[10] == '1' then
     if (ARGV[6] == '0' and lease[1] ~= ARGV[5]) or (ARGV[6] == '1' and lease[3] ~= '1') then
       return {-3, lease[1] or ''}
     end
-    return holding(earlier, {tonumber(expires), earlier, lease[1], lease[2]})
+    return lease_holding(prefix, earlier, {tonumber(expires), earlier, lease[1], lease[2]})
   end
 end
 

@@ -108,6 +108,49 @@ async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
 }
 
 #[tokio::test]
+async fn a_heartbeat_lists_only_the_tasks_whose_lock_names_its_lease() {
+    use deadpool_redis::redis;
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    let holder = env.open("holder").await;
+    let other = env.open("other").await;
+    let granted = env.fetch(&holder).await.expect("the task");
+    // A stray entry in the other lease's registry (a registry names the tasks a lease holds, the
+    // task's lock names the lease): the lock says the holder holds it, so the other does not.
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
+        .arg(&granted.task_id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let beat = |lease: String| {
+        let mut client = env.client.clone();
+        async move {
+            client
+                .heartbeat(HeartbeatRequest {
+                    lease_id: lease,
+                    ..Default::default()
+                })
+                .await
+                .expect("alive")
+                .into_inner()
+                .held_tasks
+                .into_iter()
+                .map(|t| (t.task_id, t.fencing_token))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(beat(other.clone()).await, vec![]);
+    assert_eq!(
+        beat(holder.clone()).await,
+        vec![(granted.task_id.clone(), granted.fencing_token)]
+    );
+    env.shutdown().await;
+}
+
+#[tokio::test]
 async fn heartbeat_lists_the_leases_tasks_that_were_asked_to_cancel() {
     let mut env = Env::new().await;
     env.task(&["a"]).await;
