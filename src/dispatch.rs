@@ -2047,12 +2047,13 @@ impl Dispatch {
             requeue: self.requeue.clone(),
         };
         let running = self.passes.enter();
-        // (A step of a counted pass counts its calls in it.)
+        // (A step of a counted pass counts its calls in it. Its share of the count goes before
+        // it is counted out of the running passes: a pass's tally is complete once no pass runs.)
         let calls = crate::metrics::pass_calls();
-        tokio::spawn(crate::metrics::counted_in(calls, async move {
+        tokio::spawn(async move {
             let _running = running;
-            step(answer).await;
-        }));
+            crate::metrics::counted_in(calls, step(answer)).await;
+        });
         // Dropped before the answer is read (the caller went away just after it was sent), the
         // guard requeues the grant in it.
         let mut awaiting = Awaiting {

@@ -392,11 +392,35 @@ pub fn backend_error(backend: &'static str) {
     metrics::counter!(BACKEND_ERRORS_TOTAL, "backend" => backend).increment(1);
 }
 
-/// Calls made by one fetch pass (shared with the tasks it spawns, see [`pass_calls`]).
-#[derive(Debug, Default, Clone)]
-pub struct PassCalls {
-    postgres: Arc<AtomicU64>,
-    redis: Arc<AtomicU64>,
+/// Calls made by one fetch pass, shared with the tasks it spawns (see [`pass_calls`]). The tally
+/// is recorded when the pass and every task it spawned are done with it (the last clone
+/// dropped), so a step that outlives the pass (a grant delivered, a claim put back) is counted
+/// in its pass too.
+#[derive(Debug, Clone)]
+pub struct PassCalls(Arc<PassTally>);
+
+#[derive(Debug)]
+struct PassTally {
+    postgres: AtomicU64,
+    redis: AtomicU64,
+    stats: Arc<Stats>,
+}
+
+impl Drop for PassTally {
+    fn drop(&mut self) {
+        let (postgres, redis) = (
+            self.postgres.load(Ordering::Relaxed),
+            self.redis.load(Ordering::Relaxed),
+        );
+        self.stats
+            .fetch_postgres_statements
+            .fetch_add(postgres, Ordering::Relaxed);
+        self.stats
+            .fetch_redis_calls
+            .fetch_add(redis, Ordering::Relaxed);
+        metrics::histogram!(FETCH_POSTGRES_STATEMENTS).record(postgres as f64);
+        metrics::histogram!(FETCH_REDIS_CALLS).record(redis as f64);
+    }
 }
 
 /// The counters of the fetch pass this task runs in, if any: a task the pass spawns counts its
@@ -421,25 +445,14 @@ tokio::task_local! {
 }
 
 /// Runs one fetch pass, recording how many Postgres statements and Redis calls it made (in
-/// `stats` and in the per-pass histograms).
-pub async fn count_pass<T>(stats: &Stats, pass: impl std::future::Future<Output = T>) -> T {
-    PASS.scope(PassCalls::default(), async move {
-        let out = pass.await;
-        let _ = PASS.try_with(|calls| {
-            let (postgres, redis) = (
-                calls.postgres.load(Ordering::Relaxed),
-                calls.redis.load(Ordering::Relaxed),
-            );
-            stats
-                .fetch_postgres_statements
-                .fetch_add(postgres, Ordering::Relaxed);
-            stats.fetch_redis_calls.fetch_add(redis, Ordering::Relaxed);
-            metrics::histogram!(FETCH_POSTGRES_STATEMENTS).record(postgres as f64);
-            metrics::histogram!(FETCH_REDIS_CALLS).record(redis as f64);
-        });
-        out
-    })
-    .await
+/// `stats` and in the per-pass histograms) once it and the tasks it spawned are done.
+pub async fn count_pass<T>(stats: &Arc<Stats>, pass: impl std::future::Future<Output = T>) -> T {
+    let calls = PassCalls(Arc::new(PassTally {
+        postgres: AtomicU64::new(0),
+        redis: AtomicU64::new(0),
+        stats: Arc::clone(stats),
+    }));
+    PASS.scope(calls, pass).await
 }
 
 /// The broker's own counters.
@@ -509,14 +522,14 @@ impl Stats {
     /// Counts one Postgres statement.
     pub fn postgres_statement(&self) {
         self.postgres_statements.fetch_add(1, Ordering::Relaxed);
-        let _ = PASS.try_with(|c| c.postgres.fetch_add(1, Ordering::Relaxed));
+        let _ = PASS.try_with(|c| c.0.postgres.fetch_add(1, Ordering::Relaxed));
         metrics::counter!(POSTGRES_STATEMENTS_TOTAL).increment(1);
     }
 
     /// Counts one Redis call.
     pub fn redis_call(&self) {
         self.redis_calls.fetch_add(1, Ordering::Relaxed);
-        let _ = PASS.try_with(|c| c.redis.fetch_add(1, Ordering::Relaxed));
+        let _ = PASS.try_with(|c| c.0.redis.fetch_add(1, Ordering::Relaxed));
         metrics::counter!(REDIS_CALLS_TOTAL).increment(1);
     }
 
@@ -763,6 +776,42 @@ where
 
 #[cfg(test)]
 mod tests {
+    use super::{count_pass, counted_in, pass_calls, Stats};
+    use std::sync::Arc;
+
+    /// A step a pass spawned (a grant being delivered, say) is counted in that pass, also when
+    /// it makes its calls after the pass returned; the pass is recorded once both are done.
+    #[tokio::test]
+    async fn a_step_that_outlives_its_pass_is_counted_in_it() {
+        let stats = Arc::new(Stats::default());
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let step = count_pass(&stats, async {
+            stats.postgres_statement();
+            let stats = Arc::clone(&stats);
+            let step = tokio::spawn(counted_in(pass_calls(), async move {
+                wait.await.unwrap();
+                stats.postgres_statement();
+                stats.redis_call();
+            }));
+            Some(step)
+        })
+        .await
+        .expect("spawned");
+        // Not recorded while the step may still count.
+        assert_eq!(stats.snapshot().fetch_postgres_statements, 0);
+        go.send(()).unwrap();
+        step.await.unwrap();
+        let done = stats.snapshot();
+        assert_eq!(
+            (done.fetch_postgres_statements, done.fetch_redis_calls),
+            (2, 1)
+        );
+        // Calls outside any pass are not a pass's.
+        stats.postgres_statement();
+        assert_eq!(stats.snapshot().fetch_postgres_statements, 2);
+        assert_eq!(stats.snapshot().postgres_statements, 3);
+    }
+
     #[test]
     fn all_lists_every_metric_name() {
         let source = include_str!("metrics.rs");
