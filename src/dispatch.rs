@@ -785,19 +785,13 @@ impl Dispatch {
             // Read first: a release that wakes the queue while the directed passes run is not
             // missed by a call that then waits.
             let seen_before = self.waiters.generation();
-            match self.directed_passes(&call).await? {
-                Fair::Granted(grant) => {
-                    self.stats.fetch("claimed");
-                    if let Some(place) = place.take() {
-                        place.leave_after_grant();
-                    }
-                    return Ok(Some(grant));
-                }
-                Fair::Wait => {
+            match self.directed_passes(&call).await {
+                Err(e) => return self.fetch_ended(place, Err(e)),
+                Ok(Fair::Granted(grant)) => return self.fetch_ended(place, Ok(grant)),
+                Ok(Fair::Wait) => {
                     // Nothing the pass in queue order meets could be granted (the reserve,
                     // caps): wait for a change.
-                    if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
-                        self.stats.fetch("none_ready");
+                    if self.out_of_time(deadline) {
                         return Ok(None);
                     }
                     match place.as_ref() {
@@ -809,7 +803,7 @@ impl Dispatch {
                     }
                     continue;
                 }
-                Fair::QueueOrder => {}
+                Ok(Fair::QueueOrder) => {}
             }
             let seen = self.waiters.generation();
             let passed_over = Arc::new(AtomicBool::new(false));
@@ -834,23 +828,10 @@ impl Dispatch {
                 // own pass.
                 self.waiters.wake();
             }
-            let grant = match outcome {
-                Ok(grant) => grant,
-                Err(e) => {
-                    self.stats.fetch("error");
-                    // Its turn is not wasted: the next waiter looks instead.
-                    if let Some(place) = place.take() {
-                        place.leave_after_grant();
-                    }
-                    return Err(e);
-                }
-            };
-            if let Some(grant) = grant {
-                self.stats.fetch("claimed");
-                if let Some(place) = place.take() {
-                    place.leave_after_grant();
-                }
-                return Ok(Some(grant));
+            match outcome {
+                Err(e) => return self.fetch_ended(place, Err(e)),
+                Ok(Some(grant)) => return self.fetch_ended(place, Ok(grant)),
+                Ok(None) => {}
             }
             let passed = passed_over.load(Ordering::SeqCst);
             if !passed {
@@ -861,8 +842,7 @@ impl Dispatch {
                 Some(place) => place.found_nothing(),
                 None => {}
             }
-            if tokio::time::Instant::now() >= deadline || self.shutdown.is_fired() {
-                self.stats.fetch("none_ready");
+            if self.out_of_time(deadline) {
                 return Ok(None);
             }
             if place.is_none() {
@@ -874,6 +854,32 @@ impl Dispatch {
                 place = Some(self.join_waiters(seen, call.offer(lease))?);
             }
         }
+    }
+
+    /// Ends a fetch with what its own pass or the directed passes got, counted by outcome. Its
+    /// place in the waiters' queue, if it has one, is left with the turn handed on: after a
+    /// grant more may be ready, and after an error the next waiter looks instead.
+    fn fetch_ended(
+        &self,
+        place: Option<Place<Offer, Delivery>>,
+        got: Result<Grant>,
+    ) -> Result<Option<Grant>> {
+        self.stats
+            .fetch(if got.is_ok() { "claimed" } else { "error" });
+        if let Some(place) = place {
+            place.leave_after_grant();
+        }
+        got.map(Some)
+    }
+
+    /// True, counted as a fetch that found nothing, when a fetch that found nothing is out of
+    /// time: its `wait` is over or the broker stops.
+    fn out_of_time(&self, deadline: tokio::time::Instant) -> bool {
+        let over = tokio::time::Instant::now() >= deadline || self.shutdown.is_fired();
+        if over {
+            self.stats.fetch("none_ready");
+        }
+        over
     }
 
     /// True when as many fetch passes run as may (never without sharing: a waiter then is
