@@ -404,13 +404,7 @@ async fn a_finish_batch_postgres_refuses_is_retried_call_by_call() {
     let finish = |n: usize| {
         let mut c = env.client.clone();
         let (lease, task) = &held[n];
-        let request = FinishTaskRequest {
-            lease_id: lease.clone(),
-            task_id: task.task_id.clone(),
-            fencing_token: task.fencing_token,
-            state: "completed".into(),
-            error: String::new(),
-        };
+        let request = support::finish_request(lease.clone(), task, "completed");
         tokio::spawn(async move { c.finish_task(request).await })
     };
     // With Redis paused the first two calls' batches stay in flight (their holder checks wait),
@@ -458,13 +452,7 @@ async fn a_finish_waiting_on_a_row_lock_holds_up_no_other_finish() {
     let blocker = support::RowLock::take(&env.db_url, support::id(&a)).await;
     let waiting = {
         let mut c = env.client.clone();
-        let request = FinishTaskRequest {
-            lease_id: first.clone(),
-            task_id: a.task_id.clone(),
-            fencing_token: a.fencing_token,
-            state: "completed".into(),
-            error: String::new(),
-        };
+        let request = support::finish_request(first.clone(), &a, "completed");
         tokio::spawn(async move { c.finish_task(request).await })
     };
     // The first finish waits on the row lock.

@@ -563,13 +563,7 @@ async fn prometheus_shows_each_domains_wait_and_running_tasks() {
             .expect("StartTask");
     }
     client
-        .finish_task(dispatch_broker::proto::FinishTaskRequest {
-            lease_id: lease.clone(),
-            task_id: got[0].task_id.clone(),
-            fencing_token: got[0].fencing_token,
-            state: "completed".into(),
-            error: String::new(),
-        })
+        .finish_task(finish_request(lease.clone(), &got[0], "completed"))
         .await
         .expect("FinishTask");
     env.db

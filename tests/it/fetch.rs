@@ -176,13 +176,7 @@ async fn concurrent_fetches_never_hand_out_a_task_twice() {
                     Some(t) => {
                         idle = 0;
                         client
-                            .finish_task(dispatch_broker::proto::FinishTaskRequest {
-                                lease_id: lease.clone(),
-                                task_id: t.task_id.clone(),
-                                fencing_token: t.fencing_token,
-                                state: "completed".into(),
-                                error: String::new(),
-                            })
+                            .finish_task(support::finish_request(lease.clone(), &t, "completed"))
                             .await
                             .unwrap();
                         got.push(t.task_id);
@@ -856,13 +850,7 @@ async fn a_task_hidden_among_the_carried_ones_is_handed_out_once_another_replica
     assert_eq!(id(&env.fetch(&w).await.expect("y")), y);
     env.broker().passes.idle().await;
     other_client
-        .finish_task(dispatch_broker::proto::FinishTaskRequest {
-            lease_id: holder,
-            task_id: running.task_id.clone(),
-            fencing_token: running.fencing_token,
-            state: "completed".into(),
-            error: String::new(),
-        })
+        .finish_task(support::finish_request(holder, &running, "completed"))
         .await
         .unwrap();
     let mut handed_out = vec![id(&env.fetch(&w).await.expect("a task"))];
