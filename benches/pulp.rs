@@ -428,6 +428,8 @@ async fn broker_rounds(
             }
             .expect("FetchTask");
             let ms = started.elapsed().as_secs_f64() * 1000.0;
+            // (A pass answers once its grant is made; its counts are complete once it ended.)
+            broker.passes.idle().await;
             steps[usize::from(i != 0)].add(&(stats.snapshot() - step_before));
             if slow_ms().is_some_and(|slow| ms >= slow) {
                 eprintln!(

@@ -8,7 +8,8 @@
 --          "" for the first), page size, "1" for each lease's tasks and locks ("0": left empty)
 -- Returns  {now ms, leases matching in all, then one entry per lease on the page, in lease id
 --          order: {lease_id, expiry ms, worker, app_status_id, versions JSON,
---          {task_id, ...}, {record entry of each held lock ("name" or "shared:name"), ...}}}
+--          {task_id, ...} (those whose lock names the lease), {record entry of each held lock
+--          ("name" or "shared:name"), ...}}}
 -- Never    writes.
 
 local prefix, filter, with_expired, after = ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4]
@@ -40,7 +41,10 @@ for _, id in ipairs(matching) do
   if id > after then
     local tasks = {}
     if details then
-      tasks = redis.call('SMEMBERS', prefix .. ':lease:' .. id .. ':tasks')
+      local holding = lease_holding(prefix, id, {})
+      for i = 1, #holding, 2 do
+        tasks[#tasks + 1] = holding[i]
+      end
       table.sort(tasks)
     end
     local held = {}

@@ -717,8 +717,24 @@ impl Dispatch {
     }
 
     /// FetchTask: the oldest ready task this lease is compatible with, or `None` once `wait` has
-    /// run out with nothing ready.
+    /// run out with nothing ready. Counted once by its outcome.
     pub async fn fetch(
+        &self,
+        lease_id: LeaseId,
+        wait: Duration,
+        skip: HashSet<TaskId>,
+        start: bool,
+    ) -> Result<Option<Grant>> {
+        let fetched = self.fetch_until(lease_id, wait, skip, start).await;
+        if fetched.is_err() {
+            self.stats.fetch("error");
+        }
+        fetched
+    }
+
+    /// [`Dispatch::fetch`], counted when it hands out a task or finds none in time (an error is
+    /// counted by the caller).
+    async fn fetch_until(
         &self,
         lease_id: LeaseId,
         wait: Duration,
@@ -763,8 +779,9 @@ impl Dispatch {
                     }
                     Some(Woken::Delivered(delivery)) => {
                         // Another waiter's pass served this call.
-                        self.stats
-                            .fetch(if delivery.is_ok() { "claimed" } else { "error" });
+                        if delivery.is_ok() {
+                            self.stats.fetch("claimed");
+                        }
                         return delivery.map(Some);
                     }
                     Some(Woken::Turn)
@@ -856,7 +873,7 @@ impl Dispatch {
         }
     }
 
-    /// Ends a fetch with what its own pass or the directed passes got, counted by outcome. Its
+    /// Ends a fetch with what its own pass or the directed passes got (a grant counted). Its
     /// place in the waiters' queue, if it has one, is left with the turn handed on: after a
     /// grant more may be ready, and after an error the next waiter looks instead.
     fn fetch_ended(
@@ -864,8 +881,9 @@ impl Dispatch {
         place: Option<Place<Offer, Delivery>>,
         got: Result<Grant>,
     ) -> Result<Option<Grant>> {
-        self.stats
-            .fetch(if got.is_ok() { "claimed" } else { "error" });
+        if got.is_ok() {
+            self.stats.fetch("claimed");
+        }
         if let Some(place) = place {
             place.leave_after_grant();
         }

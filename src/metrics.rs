@@ -394,8 +394,8 @@ pub fn backend_error(backend: &'static str) {
 
 /// Calls made by one fetch pass, shared with the tasks it spawns (see [`pass_calls`]). The tally
 /// is recorded when the pass and every task it spawned are done with it (the last clone
-/// dropped), so a step that outlives the pass (a grant delivered, a claim put back) is counted
-/// in its pass too.
+/// dropped), so a step that outlives the pass (a grant being delivered) is counted in its pass
+/// too.
 #[derive(Debug, Clone)]
 pub struct PassCalls(Arc<PassTally>);
 

@@ -235,7 +235,8 @@ impl Locks {
                     .key(self.keys.lease(lease_id))
                     .key(self.keys.lease_tasks(lease_id))
                     .arg(lease_id)
-                    .arg(if rotate { "rotate" } else { "" }),
+                    .arg(if rotate { "rotate" } else { "" })
+                    .arg(self.keys.tag()),
             )
             .await?;
         let mut items = reply.into_iter();

@@ -625,6 +625,43 @@ async fn force_release_frees_a_lock_whose_lease_record_is_gone() {
     drop(g);
 }
 
+/// ListLeases shows under each lease the tasks whose lock names it: a stray entry in another
+/// lease's registry does not make that lease look like a holder.
+#[tokio::test]
+async fn list_leases_shows_only_the_tasks_whose_lock_names_the_lease() {
+    use deadpool_redis::redis;
+    let mut env = Env::new().await;
+    env.task(&["a"]).await;
+    let holder = env.open("holder").await;
+    let other = env.open("other").await;
+    let granted = env.fetch(&holder).await.expect("the task");
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
+        .arg(&granted.task_id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let leases = admin(&env)
+        .await
+        .list_leases(ListLeasesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    let tasks_of = |lease: &str| {
+        leases
+            .iter()
+            .find(|l| l.lease_id == lease)
+            .map(|l| (l.task_ids.clone(), l.locks.len()))
+            .expect("listed")
+    };
+    assert_eq!(tasks_of(&holder), (vec![granted.task_id.clone()], 1));
+    assert_eq!(tasks_of(&other), (vec![], 0));
+    env.shutdown().await;
+}
+
 #[tokio::test]
 async fn leases_and_locks_page_through_everything_once() {
     let mut env = Env::new().await;

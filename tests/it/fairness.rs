@@ -1167,9 +1167,9 @@ async fn a_groups_page_reads_the_next_groups_ahead_and_their_passes_read_nothing
     let first = env.fetch(&lease).await.expect("D1's oldest");
     assert_eq!(id(&first), a0);
     // D1 runs one, D2 none: D2's task, from what D1's page read ahead.
-    let before = env.broker().stats.snapshot();
+    let before = env.settled_stats().await;
     let second = env.fetch(&lease).await.expect("D2's task");
-    let spent = env.broker().stats.snapshot() - before;
+    let spent = env.settled_stats().await - before;
     assert_eq!(id(&second), b0);
     assert_eq!(
         spent.fetch_postgres_statements, 1,

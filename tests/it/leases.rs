@@ -150,6 +150,56 @@ async fn a_heartbeat_lists_only_the_tasks_whose_lock_names_its_lease() {
     env.shutdown().await;
 }
 
+/// A worker that reopens with its own core_appstatus row has two leases naming one row while the
+/// first is not yet swept. Closing one of them ends (in Postgres) and releases (in Redis) only
+/// the tasks whose lock names it, even with a stray entry for the other's task in its registry.
+#[tokio::test]
+async fn closing_a_lease_leaves_alone_a_task_whose_lock_names_another_lease() {
+    use deadpool_redis::redis;
+    let mut env = Env::new().await;
+    let own = env.app_status("worker", "pulp-worker").await;
+    let open = |name: &str| {
+        let mut client = env.client.clone();
+        let request = OpenLeaseRequest {
+            app_status_id: own.to_string(),
+            ..lease_request(name)
+        };
+        async move {
+            client
+                .open_lease(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .lease_id
+        }
+    };
+    let holder = open("pulp-worker").await;
+    let other = open("pulp-worker").await;
+    let task = env.task(&["a"]).await;
+    let granted = env.fetch(&holder).await.expect("the task");
+    env.start(&holder, &granted).await;
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("SADD")
+        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
+        .arg(&granted.task_id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    env.client
+        .close_lease(CloseLeaseRequest { lease_id: other })
+        .await
+        .unwrap();
+    assert_eq!(
+        env.state(task).await,
+        "running",
+        "the holder's task was ended by another lease's close"
+    );
+    env.assert_locks(&[&granted]).await;
+    env.finish(&holder, &granted, "completed").await;
+    env.shutdown().await;
+}
+
 #[tokio::test]
 async fn heartbeat_lists_the_leases_tasks_that_were_asked_to_cancel() {
     let mut env = Env::new().await;
