@@ -330,9 +330,13 @@ pub enum Error {
     /// The pool could not be built from the configuration.
     #[error("invalid postgres configuration: {0}")]
     Config(String),
-    /// A statement's answer lacks what it always holds (a bug in the broker's SQL).
+    /// A read's answer lacks what it always holds (a bug in the broker's SQL).
     #[error("postgres answered unexpectedly: {0}")]
     Unexpected(String),
+    /// A write's answer lacks what it always holds (a bug in the broker's SQL): whether the
+    /// write took effect is not known.
+    #[error("postgres answered a write unexpectedly: {0}")]
+    UnexpectedWrite(String),
     /// The failure of a batched statement, which every call in the batch shares
     /// (`crate::batch`).
     #[error(transparent)]
@@ -347,7 +351,7 @@ impl Error {
         match self {
             Error::Db(e) => e.as_db_error().is_some(),
             Error::Pool(_) | Error::Schema(_) | Error::Config(_) | Error::Unexpected(_) => true,
-            Error::Timeout(_) => false,
+            Error::Timeout(_) | Error::UnexpectedWrite(_) => false,
             Error::Batch(e) => e.certainly_not_applied(),
         }
     }
@@ -362,7 +366,8 @@ impl Error {
             | Error::Timeout(_)
             | Error::Schema(_)
             | Error::Config(_)
-            | Error::Unexpected(_) => false,
+            | Error::Unexpected(_)
+            | Error::UnexpectedWrite(_) => false,
         }
     }
 
@@ -378,7 +383,8 @@ impl Error {
             | Error::Timeout(_)
             | Error::Schema(_)
             | Error::Config(_)
-            | Error::Unexpected(_) => false,
+            | Error::Unexpected(_)
+            | Error::UnexpectedWrite(_) => false,
         }
     }
 
@@ -386,7 +392,10 @@ impl Error {
     /// that answered unexpectedly), not Postgres being unavailable.
     pub fn is_broker_fault(&self) -> bool {
         match self {
-            Error::Schema(_) | Error::Config(_) | Error::Unexpected(_) => true,
+            Error::Schema(_)
+            | Error::Config(_)
+            | Error::Unexpected(_)
+            | Error::UnexpectedWrite(_) => true,
             Error::Pool(_) | Error::Db(_) | Error::Timeout(_) => false,
             Error::Batch(e) => e.is_broker_fault(),
         }
@@ -1128,7 +1137,7 @@ impl Tasks {
             &tasks,
             &rows,
             |task| {
-                Err(Error::Unexpected(format!(
+                Err(Error::UnexpectedWrite(format!(
                     "claim_round.sql returned no row for task {task}"
                 )))
             },
@@ -1915,6 +1924,23 @@ pub fn candidates_sql(limit: i64, directed: Option<Directed>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read answered unexpectedly changed nothing; a write may have: a claim round whose
+    /// answer lacks a task's row may have claimed it, so the grant is put back (requeued) before
+    /// its locks go, not only let go (`dispatch::claiming`). Both are the broker's fault.
+    #[test]
+    fn a_write_answered_unexpectedly_may_have_taken_effect() {
+        let read = Error::Unexpected("candidates.sql returned no closing row".into());
+        let write = Error::UnexpectedWrite("claim_round.sql returned no row for task".into());
+        assert!(read.certainly_not_applied());
+        assert!(!write.certainly_not_applied());
+        let batch = Error::Batch(std::sync::Arc::new(Error::UnexpectedWrite(
+            "a batch".into(),
+        )));
+        assert!(!batch.certainly_not_applied());
+        assert!(read.is_broker_fault() && write.is_broker_fault());
+        assert!(!write.is_refused() && !write.app_status_gone());
+    }
 
     #[test]
     fn a_finish_waiting_for_its_row_is_the_batch_statement_without_skip_locked() {

@@ -91,7 +91,8 @@ fn not_permitted(e: &Error) -> bool {
         | Error::Timeout(_)
         | Error::Schema(_)
         | Error::Config(_)
-        | Error::Unexpected(_) => false,
+        | Error::Unexpected(_)
+        | Error::UnexpectedWrite(_) => false,
         Error::Batch(e) => not_permitted(e),
     }
 }
