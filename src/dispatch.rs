@@ -21,7 +21,6 @@ mod hint;
 pub mod queues;
 mod refresh;
 mod requeue;
-mod trying;
 mod waiters;
 pub mod wakeups;
 
@@ -231,7 +230,7 @@ pub struct Dispatch {
     passes: Arc<Passes>,
     /// Tasks a pass of this replica is locking and claiming right now: concurrent passes leave
     /// them to it (as if held) instead of all racing for the same head of the queue.
-    in_flight: Trying,
+    in_flight: Arc<Mutex<HashSet<TaskId>>>,
     /// Tasks this replica granted in the last [`RECENT`], with when: a pass whose page was read
     /// before such a grant committed leaves them alone instead of locking and claiming them
     /// again (with short tasks they are often finished by then, and the claim would find them
@@ -645,26 +644,19 @@ impl Passes {
     }
 }
 
-/// The tasks this replica's passes are trying to grant, each as its pass read it and when.
-type Trying = Arc<Mutex<HashMap<TaskId, (TaskRow, Instant)>>>;
-
 /// A task this replica is trying to grant; dropping it lets other passes try the task again.
 struct InFlight {
-    set: Trying,
+    set: Arc<Mutex<HashSet<TaskId>>>,
     id: TaskId,
 }
 
 impl InFlight {
-    /// Marks `row` (read at `read_at`) in flight, or `None` when another pass has it.
-    fn take(set: &Trying, row: &TaskRow, read_at: Instant) -> Option<InFlight> {
+    /// Marks `id` in flight, or `None` when another pass has it.
+    fn take(set: &Arc<Mutex<HashSet<TaskId>>>, id: TaskId) -> Option<InFlight> {
         let mut tasks = set.lock().ok()?;
-        if tasks.contains_key(&row.id) {
-            return None;
-        }
-        tasks.insert(row.id, (row.clone(), read_at));
-        Some(InFlight {
+        tasks.insert(id).then(|| InFlight {
             set: Arc::clone(set),
-            id: row.id,
+            id,
         })
     }
 }
@@ -711,7 +703,7 @@ impl Dispatch {
             waiters: Arc::new(Waiters::new(policy.max_waiters, abandoned)),
             requeue,
             passes,
-            in_flight: Arc::new(Mutex::new(HashMap::new())),
+            in_flight: Arc::new(Mutex::new(HashSet::new())),
             recent: Arc::new(Mutex::new(Recent::default())),
             leases: Arc::new(Mutex::new(HashMap::new())),
             slots: Arc::new(PassSlots::default()),
@@ -1183,16 +1175,11 @@ impl Dispatch {
             page = page.max(room.min(self.policy.max_page));
         }
         // The tasks other passes of this replica are trying sit where this pass starts reading
-        // (at the same hint) and are passed over. A call that will not wait reads its pages
-        // without them (`others_trying`); a pass that serves waiters leaves room past them, or
-        // a page holding only them costs another round trip.
-        if !call.now {
-            let trying = self.in_flight.lock().map_or(0, |t| t.len());
-            page = page.max((trying as i64).saturating_add(1).min(self.policy.max_page));
-        }
-        // The tasks other passes were trying that a page of this pass took in from memory
-        // (`others_trying`), each judged as of its own read.
-        let mut taken_in: HashMap<TaskId, Instant> = HashMap::new();
+        // (at the same hint) and are passed over: room past them too, or a page holding only
+        // them costs another round trip (a call with no `wait` beside a shared round of 64
+        // grants read two or three pages).
+        let trying = self.in_flight.lock().map_or(0, |t| t.len());
+        page = page.max((trying as i64).saturating_add(1).min(self.policy.max_page));
         let mut held_seen = skipped_held;
         // What the last page held past the last task settled, its held entries, when it was read.
         let mut rest: Option<(Vec<TaskRow>, Vec<String>, Instant)> = None;
@@ -1232,13 +1219,6 @@ impl Dispatch {
         'pages: loop {
             let (read_at, found) = match first_page.take() {
                 Some(found) => (first_read_at, found),
-                None if call.now => {
-                    let read_at = Instant::now();
-                    let found = self
-                        .others_trying(&excluded, book.after, &near, page, &mut taken_in)
-                        .await?;
-                    (read_at, found)
-                }
                 None => (
                     Instant::now(),
                     self.tasks
@@ -1273,9 +1253,7 @@ impl Dispatch {
                     &mut reserved,
                     &lease.versions,
                     |row| {
-                        if let Some(at) = taken_in.get(&row.id) {
-                            *at
-                        } else if returned_ids.contains(&row.id) {
+                        if returned_ids.contains(&row.id) {
                             extra_read_at
                         } else {
                             read_at
@@ -1304,10 +1282,6 @@ impl Dispatch {
                     }
                     if extra_ids.contains(&row.id) {
                         book.settle_returned(row, settled_as_returned(settled));
-                    } else if taken_in.contains_key(&row.id) {
-                        // Whatever became of it, the hint ends before it: the tasks that
-                        // conflict with it were left out of the page unread.
-                        book.settle(row, Settle::Unsure);
                     } else {
                         book.settle(row, settled_as(&step.seen, settled));
                     }
@@ -1324,9 +1298,7 @@ impl Dispatch {
                 book.after = end;
             }
             if stop || own_served || last_page {
-                // A page that left out what other passes were trying is not carried: the next
-                // pass would take it for a page read, and pass those tasks by unseen.
-                if own_served && !stop && taken_in.is_empty() {
+                if own_served && !stop {
                     // What this page holds past the last task settled, for the next pass.
                     rest = Some((
                         rows.filter(|r| !extra_ids.contains(&r.id))
@@ -1632,45 +1604,6 @@ impl Dispatch {
         }
     }
 
-    /// A page of a call that will not wait, read without the tasks this replica's other passes
-    /// are trying: they are left out by their conflict keys, as the tasks a pass passed over are
-    /// left out of its next page, and taken in from memory where the page would have held them
-    /// (in queue order, up to its last row when it is full), each judged as of its own read
-    /// (`taken_in`). Beside a shared round of up to 64 grants at the queue's head, a page read
-    /// with them held little else: the call read a second one a quarter to half of the time.
-    async fn others_trying(
-        &self,
-        excluded: &[String],
-        after: Option<(DateTime<Utc>, TaskId)>,
-        near: &crate::tasks::Near,
-        page: i64,
-        taken_in: &mut HashMap<TaskId, Instant>,
-    ) -> Result<crate::tasks::Page> {
-        let trying: Vec<(TaskRow, Instant)> = self
-            .in_flight
-            .lock()
-            .map(|t| {
-                t.values()
-                    .filter(|(r, _)| after.is_none_or(|a| (r.created, r.id) > a))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default();
-        if trying.is_empty() {
-            return Ok(self.tasks.candidates(excluded, after, near, page).await?);
-        }
-        let mut read_excluded = excluded.to_vec();
-        for (row, _) in &trying {
-            read_excluded.extend(row.candidate.resources.conflict_keys());
-        }
-        let mut found = self
-            .tasks
-            .candidates(&read_excluded, after, near, page)
-            .await?;
-        trying::take_in(&mut found, trying, taken_in);
-        Ok(found)
-    }
-
     /// The third stage of a pass: what it judges first. The claims put back that it checks
     /// (`returned`, read by id unless carried) and its first page (the carried one, or read from
     /// `after`), read in one round trip; each with the time it was read, since a task this
@@ -1791,7 +1724,7 @@ impl Dispatch {
                     break;
                 }
                 match claimants.pick(row, &self.waiters) {
-                    Pick::Free(who) => match InFlight::take(&self.in_flight, row, read_at(row)) {
+                    Pick::Free(who) => match InFlight::take(&self.in_flight, row.id) {
                         // Another pass is granting it: whether it stays ready is that
                         // pass's business.
                         None => Seen::PassedOver,
@@ -2543,7 +2476,7 @@ impl Dispatch {
                 passed.push(row);
                 continue;
             }
-            let Some(_mine) = InFlight::take(&self.in_flight, &row, read_at) else {
+            let Some(_mine) = InFlight::take(&self.in_flight, row.id) else {
                 passed.push(row);
                 continue;
             };
