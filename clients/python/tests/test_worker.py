@@ -478,11 +478,13 @@ def test_a_finish_without_an_answer_is_retried_in_the_background_under_the_token
         assert task.fencing_token > token
         # The finish gets no answer in time: DEADLINE_EXCEEDED from the client, or CANCELLED
         # ("Timeout expired") when the deadline passed at the broker first. Either way it is
-        # retried in the background, under the new token.
+        # retried in the background, under the new token. (Rarely a try gets its answer within
+        # so short a deadline: the finish then went through at once, under the new token too.)
         w.call_timeout = 0.0001
-        with pytest.raises(BrokerError) as failed:
+        try:
             task.finish("completed")
-        assert failed.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), failed.value
+        except BrokerError as failed:
+            assert failed.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), failed
         w.call_timeout = 10.0
         deadline = time.monotonic() + LONG
         while own.state(task_id) != "completed" and time.monotonic() < deadline:
