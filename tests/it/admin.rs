@@ -629,20 +629,12 @@ async fn force_release_frees_a_lock_whose_lease_record_is_gone() {
 /// lease's registry does not make that lease look like a holder.
 #[tokio::test]
 async fn list_leases_shows_only_the_tasks_whose_lock_names_the_lease() {
-    use deadpool_redis::redis;
     let mut env = Env::new().await;
     env.task(&["a"]).await;
     let holder = env.open("holder").await;
     let other = env.open("other").await;
     let granted = env.fetch(&holder).await.expect("the task");
-    let client = redis::Client::open(env.redis.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let _: i64 = redis::cmd("SADD")
-        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
-        .arg(&granted.task_id)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    env.stray_registry_entry(&other, &granted.task_id).await;
     let leases = admin(&env)
         .await
         .list_leases(ListLeasesRequest::default())

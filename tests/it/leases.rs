@@ -109,7 +109,6 @@ async fn heartbeats_keep_a_lease_alive_past_its_ttl() {
 
 #[tokio::test]
 async fn a_heartbeat_lists_only_the_tasks_whose_lock_names_its_lease() {
-    use deadpool_redis::redis;
     let mut env = Env::new().await;
     env.task(&["a"]).await;
     let holder = env.open("holder").await;
@@ -117,14 +116,7 @@ async fn a_heartbeat_lists_only_the_tasks_whose_lock_names_its_lease() {
     let granted = env.fetch(&holder).await.expect("the task");
     // A stray entry in the other lease's registry (a registry names the tasks a lease holds, the
     // task's lock names the lease): the lock says the holder holds it, so the other does not.
-    let client = redis::Client::open(env.redis.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let _: i64 = redis::cmd("SADD")
-        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
-        .arg(&granted.task_id)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    env.stray_registry_entry(&other, &granted.task_id).await;
     let beat = |lease: String| {
         let mut client = env.client.clone();
         async move {
@@ -155,7 +147,6 @@ async fn a_heartbeat_lists_only_the_tasks_whose_lock_names_its_lease() {
 /// the tasks whose lock names it, even with a stray entry for the other's task in its registry.
 #[tokio::test]
 async fn closing_a_lease_leaves_alone_a_task_whose_lock_names_another_lease() {
-    use deadpool_redis::redis;
     let mut env = Env::new().await;
     let own = env.app_status("worker", "pulp-worker").await;
     let open = |name: &str| {
@@ -178,14 +169,7 @@ async fn closing_a_lease_leaves_alone_a_task_whose_lock_names_another_lease() {
     let task = env.task(&["a"]).await;
     let granted = env.fetch(&holder).await.expect("the task");
     env.start(&holder, &granted).await;
-    let client = redis::Client::open(env.redis.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let _: i64 = redis::cmd("SADD")
-        .arg(format!("{{dispatch}}:lease:{other}:tasks"))
-        .arg(&granted.task_id)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    env.stray_registry_entry(&other, &granted.task_id).await;
     env.client
         .close_lease(CloseLeaseRequest { lease_id: other })
         .await

@@ -382,6 +382,24 @@ impl Env {
             .collect()
     }
 
+    /// Adds `task` to `lease`'s registry (the set of tasks it holds locks for) behind the
+    /// broker's back: a stray entry, while the task's lock names whichever lease holds it.
+    pub async fn stray_registry_entry(&self, lease: &str, task: &str) {
+        use deadpool_redis::redis;
+        let tag = format!("{{{}}}", self.args.redis.key_prefix);
+        let client = redis::Client::open(self.redis.url()).expect("redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to redis");
+        let _: i64 = redis::cmd("SADD")
+            .arg(format!("{tag}:lease:{lease}:tasks"))
+            .arg(task)
+            .query_async(&mut conn)
+            .await
+            .expect("SADD");
+    }
+
     /// Fails unless Redis holds exactly the locks of `expected` tasks: their task locks, and
     /// resource locks naming only them, each in the mode the task needs.
     /// Checks that Redis holds exactly the locks of `expected`, reading every lock-related key
